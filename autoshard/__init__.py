@@ -1,0 +1,21 @@
+"""autoshard: automatic 1D / 2D / 2.5D tensor parallelism for Hugging Face models.
+
+One call captures a model as a graph, plans how every node is split over a
+device mesh, and rewrites it into a trainable distributed module::
+
+    import autoshard
+    autoshard.plan(config, world_size=64, mode="2.5d", depth=4).show()   # no processes
+    sharded = autoshard.shard(model, mode="1d")                          # under torchrun
+"""
+
+from .api import MODES, plan, shard
+from .collectives import CommLedger
+from .errors import AutoshardError, CaptureError, CheckpointError, ConfigError, ShardingError
+from .mesh import Mesh
+from .module import ShardedModule
+from .plan import ShardingPlan
+from .spec import ShardSpec
+
+__all__ = ["shard", "plan", "MODES", "Mesh", "ShardSpec", "ShardingPlan", "ShardedModule", "CommLedger",
+           "AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError"]
+__version__ = "0.1.0"

@@ -1,0 +1,144 @@
+"""The face of autoshard: :func:`shard` and :func:`plan`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+from .mesh import Mesh
+from .module import ShardedModule
+from .plan import ShardingPlan
+from .passes.capture import Captured, capture
+from .passes.propagate import propagate
+from .passes.rewrite import axes_label, rewrite
+from .policies import POLICIES
+
+__all__ = ["shard", "plan", "MODES"]
+
+MODES = tuple(POLICIES)
+
+
+def _policy(mode: str, world_size: int, depth, dp):
+    if mode == "auto":
+        raise ConfigError("mode='auto' needs the cost model, which is not built yet; choose one of "
+                          + ", ".join(repr(m) for m in MODES))
+    if mode not in POLICIES:
+        raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in MODES)}")
+    cls = POLICIES[mode]
+    return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
+
+
+def _ensure_dist() -> None:
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return
+    raise ConfigError("autoshard.shard needs torch.distributed: run under torchrun "
+                      "(e.g. `torchrun --nproc-per-node 4 script.py`) or call init_process_group first; "
+                      "to inspect a plan without processes use autoshard.plan(...)")
+
+
+_GROUPS: dict = {}
+
+
+def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
+    """Create (once per mesh and axes, collectively, in a rank-independent order)
+    the process groups the plan needs; return label -> this rank's c10d group name."""
+    labels = set()
+    mesh = plan.mesh
+    for a in mesh.axes:
+        labels.add((a,))
+    for n in plan.nodes:
+        for _, steps in n.arg_steps:
+            labels.update(s.axes for s in steps if s.axes)
+        labels.update(s.axes for s in n.post if s.axes)
+        for k, v in n.kernel_args.items():
+            if k.endswith("axes") and v:
+                labels.add(tuple(v))
+    labels.update(p.grad_sync for p in plan.params if p.grad_sync)
+    out = {}
+    default = id(dist.group.WORLD)
+    for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
+        key = (default, mesh, axes)
+        if key not in _GROUPS:
+            mine = None
+            for ranks in mesh.all_groups(axes):
+                pg = dist.new_group(list(ranks), group_desc=axes_label(axes))
+                if rank in ranks:
+                    mine = pg
+            _GROUPS[key] = mine.group_name
+        out[axes_label(axes)] = _GROUPS[key]
+    return out
+
+
+def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None, dp: int = 1,
+          example_inputs: dict | None = None, gather_logits: bool = True,
+          captured: Captured | None = None) -> ShardedModule:
+    """Shard ``model`` over the ranks of the default process group.
+
+    Every rank calls it with the same model (same weights); each keeps its slices.
+    ``example_inputs`` (HF kwargs) fix which inputs the module takes and the batch
+    shape the plan's communication figures are computed for.
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        sharded = autoshard.shard(model, mode="1d")
+        out = sharded(input_ids=ids, labels=ids.clone())
+        out.loss.backward()
+    """
+    _ensure_dist()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pol = _policy(mode, world, depth, dp)          # validates before any collective
+    cap = captured or capture(model, example_inputs=example_inputs)
+    ids = cap.example_inputs["input_ids"]
+    p = propagate(cap, pol, batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
+    groups = _groups_for(p, rank)
+    gm = rewrite(cap.module, p, rank=rank, groups=groups)
+    return ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
+                         example_inputs=cap.example_inputs)
+
+
+def _model_from(obj, *, meta: bool = True):
+    """A model (on meta when built here) from a model, a config, or a local path."""
+    import transformers
+
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        obj = transformers.AutoConfig.from_pretrained(obj)
+    config = obj
+    archs = getattr(config, "architectures", None) or []
+    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
+    ctx = torch.device("meta") if meta else torch.device("cpu")
+    with ctx:
+        if cls is not None:
+            return cls(config)
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
+            try:
+                return auto.from_config(config)
+            except ValueError:
+                continue
+    raise ConfigError(f"cannot build a model for config {type(config).__name__}")
+
+
+def plan(model_or_config, *, world_size: int = 8, mode: str = "1d", depth: int | None = None, dp: int = 1,
+         batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None) -> ShardingPlan:
+    """Plan without processes or weights (the model is built on the meta device).
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> p = plan(cfg, world_size=4, mode="2d", batch_size=4, seq_len=16)
+        >>> p.mesh.axes, p.param("lm_head.weight").spec
+        (('row', 'col'), [S(col), S(row)])
+    """
+    pol = _policy(mode, world_size, depth, dp)
+    model = _model_from(model_or_config)
+    model.train()
+    cap = capture(model, example_inputs=example_inputs)
+    return propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)

@@ -1,0 +1,292 @@
+"""Every collective autoshard runs, in one place, counted.
+
+Three raw collectives (all-reduce, all-gather, reduce-scatter) are registered as
+``torch.library`` custom ops with shape-only fake kernels, so a rewritten graph
+can be re-exported or compiled and sees opaque ops. On top sit the conjugate
+pairs tensor parallelism needs; each is differentiable with the backward its
+forward implies (never the ``torch.distributed.nn`` one, which would all-reduce
+the gradient of an all-reduce and double-count):
+
+=====================  =======================  ========================
+op                     forward                  backward
+=====================  =======================  ========================
+``reduce_from``        all-reduce (sum)         identity
+``copy_to``            identity                 all-reduce (sum)
+``all_reduce_both``    all-reduce (sum)         all-reduce (sum)
+``gather_from``        all-gather on ``dim``    keep the local block
+``scatter_to``         keep the local block     all-gather on ``dim``
+``reduce_scatter_to``  reduce-scatter on dim    all-gather on ``dim``
+``gather_partial``     all-gather on ``dim``    reduce-scatter on ``dim``
+=====================  =======================  ========================
+
+Groups are named by the string c10d gives them (``pg.group_name``). A
+:class:`CommLedger` records every call made while it is active::
+
+    with CommLedger() as ledger:
+        loss.backward()
+    ledger.bytes_per_rank()     # ring model, see DESIGN §5
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = [
+    "CommLedger", "CallRecord", "ring_bytes",
+    "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
+    "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
+]
+
+
+def ring_bytes(kind: str, buffer_bytes: int, p: int) -> float:
+    """Bytes one rank sends for a collective over ``p`` ranks (ring algorithm).
+
+    ``buffer_bytes`` is the full (gathered / reduced) buffer for all-gather and
+    reduce-scatter, the tensor for all-reduce.
+
+    >>> ring_bytes("all_reduce", 1000, 4)
+    1500.0
+    >>> ring_bytes("all_gather", 1000, 4)
+    750.0
+    """
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * buffer_bytes
+    return (p - 1) / p * buffer_bytes
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    kind: str            # all_reduce | all_gather | reduce_scatter
+    group: str           # label of the group (mesh axes, e.g. "dep,row")
+    group_size: int
+    buffer_bytes: int    # full buffer (see ring_bytes)
+
+    @property
+    def bytes_per_rank(self) -> float:
+        return ring_bytes(self.kind, self.buffer_bytes, self.group_size)
+
+
+_local = threading.local()
+
+
+def _active() -> list["CommLedger"]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+class CommLedger:
+    """Context manager that records every collective call on this rank."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallRecord] = []
+
+    def __enter__(self) -> "CommLedger":
+        _active().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active().remove(self)
+
+    def bytes_per_rank(self) -> float:
+        return sum(c.bytes_per_rank for c in self.calls)
+
+    def count(self) -> int:
+        return len(self.calls)
+
+    def by_kind(self) -> dict[tuple[str, str], tuple[int, float]]:
+        out: dict[tuple[str, str], tuple[int, float]] = {}
+        for c in self.calls:
+            n, b = out.get((c.kind, c.group), (0, 0.0))
+            out[(c.kind, c.group)] = (n + 1, b + c.bytes_per_rank)
+        return out
+
+
+def _record(kind: str, group: str, buffer_bytes: int) -> None:
+    stack = _active()
+    if not stack:
+        return
+    pg = c10d._resolve_process_group(group)
+    rec = CallRecord(kind, getattr(pg, "group_desc", group) or group, pg.size(), int(buffer_bytes))
+    for led in stack:
+        led.calls.append(rec)
+
+
+def _pg(group: str):
+    return c10d._resolve_process_group(group)
+
+
+# --------------------------------------------------------------- raw collectives
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    _record("all_reduce", group, out.numel() * out.element_size())
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_pg(group))
+    return out
+
+
+@_all_reduce.register_fake
+def _(x, group, op):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autoshard::all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    pg = _pg(group)
+    p = pg.size()
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((p * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", group, out.numel() * out.element_size())
+    dist.all_gather_into_tensor(out, src, group=pg)
+    return out.movedim(0, dim).contiguous()
+
+
+@_all_gather.register_fake
+def _(x, dim, group):
+    p = _pg(group).size()
+    shape = list(x.shape)
+    shape[dim] *= p
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    pg = _pg(group)
+    p = pg.size()
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((src.shape[0] // p,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", group, src.numel() * src.element_size())
+    dist.reduce_scatter_tensor(out, src, group=pg)
+    return out.movedim(0, dim).contiguous()
+
+
+@_reduce_scatter.register_fake
+def _(x, dim, group):
+    p = _pg(group).size()
+    shape = list(x.shape)
+    shape[dim] //= p
+    return x.new_empty(shape)
+
+
+def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].contiguous()
+
+
+# ------------------------------------------------------ differentiable conjugates
+def _def_pair(name, fwd, bwd, *, has_dim: bool):
+    """Register ``autoshard::<name>`` whose forward is ``fwd`` and backward ``bwd``."""
+    if has_dim:
+        def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+            return fwd(x, dim, group)
+    else:
+        def impl(x: torch.Tensor, group: str) -> torch.Tensor:  # type: ignore[misc]
+            return fwd(x, None, group)
+    op = torch.library.custom_op(f"autoshard::{name}", impl, mutates_args=())
+
+    if has_dim:
+        @op.register_fake
+        def _(x, dim, group):
+            return _fake_like(name, x, dim, group)
+    else:
+        @op.register_fake
+        def _(x, group):
+            return torch.empty_like(x)
+
+    def setup(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    def backward(ctx, grad):
+        if has_dim:
+            dim, group = ctx.args
+            return bwd(grad, dim, group), None, None
+        (group,) = ctx.args
+        return bwd(grad, None, group), None
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
+
+
+def _fake_like(name, x, dim, group):
+    p = _pg(group).size()
+    shape = list(x.shape)
+    if name in ("gather_from", "gather_partial"):
+        shape[dim] *= p
+    else:
+        shape[dim] //= p
+    return x.new_empty(shape)
+
+
+def _identity(x, dim, group):
+    return x.clone()
+
+
+def _ar(x, dim, group):
+    return _all_reduce(x, group, "sum")
+
+
+def _ag(x, dim, group):
+    return _all_gather(x, dim, group)
+
+
+def _rs(x, dim, group):
+    return _reduce_scatter(x, dim, group)
+
+
+def _keep(x, dim, group):
+    return _local_block(x, dim, group)
+
+
+_reduce_from = _def_pair("reduce_from", _ar, _identity, has_dim=False)
+_copy_to = _def_pair("copy_to", _identity, _ar, has_dim=False)
+_all_reduce_both = _def_pair("all_reduce_both", _ar, _ar, has_dim=False)
+_gather_from = _def_pair("gather_from", _ag, _keep, has_dim=True)
+_scatter_to = _def_pair("scatter_to", _keep, _ag, has_dim=True)
+_reduce_scatter_to = _def_pair("reduce_scatter_to", _rs, _ag, has_dim=True)
+_gather_partial = _def_pair("gather_partial", _ag, _rs, has_dim=True)
+
+
+def reduce_from(x, group: str):
+    """Sum partial values over ``group``; gradient passes through (it is already complete)."""
+    return _reduce_from(x, group)
+
+
+def copy_to(x, group: str):
+    """Use a replicated value with data split over ``group``: forward identity, backward sum."""
+    return _copy_to(x, group)
+
+
+def all_reduce_both(x, group: str):
+    return _all_reduce_both(x, group)
+
+
+def gather_from(x, dim: int, group: str):
+    return _gather_from(x, dim, group)
+
+
+def scatter_to(x, dim: int, group: str):
+    return _scatter_to(x, dim, group)
+
+
+def reduce_scatter_to(x, dim: int, group: str):
+    return _reduce_scatter_to(x, dim, group)
+
+
+def gather_partial(x, dim: int, group: str):
+    return _gather_partial(x, dim, group)
+
+
+def all_reduce_nograd(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum over ``group`` outside autograd (token counts, statistics)."""
+    return _all_reduce(x.detach(), group, "sum")
+
+
+def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _all_reduce(x.detach(), group, "max")

@@ -1,0 +1,283 @@
+"""The sharding plan: frozen data that says, node by node, how the graph is split.
+
+It prints (:meth:`ShardingPlan.table`), serialises (:meth:`to_json` /
+:meth:`from_json`) and drives the rewrite; nothing in it runs a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .mesh import Mesh
+from .spec import ShardSpec
+
+__all__ = ["Step", "Comm", "NodePlan", "ParamPlan", "ShardingPlan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One re-layout of a value (inserted by the rewrite as a collective op).
+
+    ``op`` is one of ``reduce_from``, ``copy_to``, ``all_reduce_both``, ``gather``,
+    ``scatter``, ``reduce_scatter``, ``gather_partial``, ``scale``.
+    """
+
+    op: str
+    axes: tuple[str, ...] = ()
+    dim: int | None = None
+    segments: int = 1
+    factor: float | None = None
+
+    def __str__(self) -> str:
+        s = f"{self.op}({','.join(self.axes)}"
+        if self.dim is not None:
+            s += f"; dim {self.dim}"
+        if self.factor is not None:
+            s += f"; ×{self.factor:g}"
+        return s + ")"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comm:
+    """One collective call predicted for one training step on one rank."""
+
+    phase: str          # fwd | bwd
+    kind: str           # all_reduce | all_gather | reduce_scatter
+    axes: tuple[str, ...]
+    group_size: int
+    buffer_bytes: int
+
+    @property
+    def bytes_per_rank(self) -> float:
+        p = self.group_size
+        if p <= 1:
+            return 0.0
+        f = 2 * (p - 1) / p if self.kind == "all_reduce" else (p - 1) / p
+        return f * self.buffer_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    name: str
+    op: str
+    kind: str                     # linear | norm | attention | embedding | loss | other
+    module: str
+    out_spec: Any                 # ShardSpec | tuple[ShardSpec|None, ...] | None
+    kernel: str | None = None
+    kernel_args: dict = field(default_factory=dict)
+    arg_steps: tuple = ()         # ((arg path, (Step, ...)), ...)
+    post: tuple = ()              # steps applied to the output
+    patches: tuple = ()           # ((arg path, new value), ...)
+    comms: tuple = ()             # (Comm, ...)
+    global_shape: tuple = ()
+    local_shape: tuple = ()
+    weight: str = ""              # weight slice text for the table
+    param_bytes: int = 0
+    notes: tuple = ()
+    fallback: bool = False
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(c.bytes_per_rank for c in self.comms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    name: str                     # HF name (state_dict key)
+    global_shape: tuple
+    spec: ShardSpec
+    grad_sync: tuple[str, ...]    # axes its gradient is all-reduced over after backward
+    dtype_bytes: int = 4
+    is_buffer: bool = False
+    aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
+
+    def local_shape(self, mesh: Mesh) -> tuple:
+        return self.spec.local_shape(self.global_shape, mesh)
+
+    def local_bytes(self, mesh: Mesh) -> int:
+        n = 1
+        for s in self.local_shape(mesh):
+            n *= s
+        return n * self.dtype_bytes
+
+
+def _spec_to_json(s):
+    if s is None:
+        return None
+    if isinstance(s, ShardSpec):
+        return {"spec": s.to_dict()}
+    return {"list": [_spec_to_json(x) for x in s]}
+
+
+def _spec_from_json(d):
+    if d is None:
+        return None
+    if "spec" in d:
+        return ShardSpec.from_dict(d["spec"])
+    return tuple(_spec_from_json(x) for x in d["list"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """Everything decided about one model on one mesh."""
+
+    model: str
+    mode: str
+    mesh: Mesh
+    tp_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...]
+    batch_size: int
+    seq_len: int
+    nodes: tuple[NodePlan, ...]
+    params: tuple[ParamPlan, ...]
+    dp: int = 1
+
+    # ------------------------------------------------------------- summaries
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer)
+
+    def grad_sync_comms(self) -> list[Comm]:
+        out = []
+        for p in self.params:
+            if p.grad_sync and not p.is_buffer:
+                out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
+                                group_size=self.mesh.size(p.grad_sync),
+                                buffer_bytes=p.local_bytes(self.mesh)))
+        return out
+
+    def comms(self, phase: str | None = None) -> list[Comm]:
+        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_comms()
+        return [c for c in cs if phase is None or c.phase == phase]
+
+    def comm_bytes_per_rank(self, phase: str | None = None) -> float:
+        return sum(c.bytes_per_rank for c in self.comms(phase))
+
+    @property
+    def fallbacks(self) -> list[NodePlan]:
+        return [n for n in self.nodes if n.fallback]
+
+    def summary(self) -> dict:
+        return {
+            "model": self.model, "mode": self.mode, "mesh": str(self.mesh),
+            "world_size": self.mesh.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "comm_bytes_per_rank_fwd": self.comm_bytes_per_rank("fwd"),
+            "comm_bytes_per_rank_bwd": self.comm_bytes_per_rank("bwd"),
+            "collective_calls_per_step": len(self.comms()),
+            "fallbacks": [n.name for n in self.fallbacks],
+        }
+
+    def fingerprint(self) -> str:
+        """Stable hash of the decisions (mesh, mode, parameter slices)."""
+        blob = json.dumps({"mode": self.mode, "mesh": self.mesh.to_dict(),
+                           "params": [(p.name, list(p.global_shape), p.spec.to_dict()) for p in self.params]},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # --------------------------------------------------------------- printing
+    def table(self, *, all_nodes: bool = False):
+        """A ``rich.table.Table`` with one row per annotated node (all nodes with
+        ``all_nodes=True``)."""
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(title=f"autoshard plan · {self.model} · {self.mode} · mesh {self.mesh}",
+                  show_lines=False, header_style="bold")
+        for col in ("node", "op", "module", "kernel", "global shape", "per-rank shape", "weight slice",
+                    "collectives (fwd / bwd)", "comm B/rank", "param B/rank", "notes"):
+            t.add_column(col, overflow="fold")
+        for n in self.nodes:
+            if not all_nodes and n.kind == "other" and not n.fallback:
+                continue
+            fwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "fwd") or "-"
+            bwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "bwd") or "-"
+            row = (n.name, n.op, n.module, n.kernel or "-", _shape(n.global_shape), _shape(n.local_shape),
+                   n.weight or "-", f"{fwd} / {bwd}", f"{n.comm_bytes:,.0f}", f"{n.param_bytes:,}", "; ".join(n.notes))
+            t.add_row(*(escape(str(c)) for c in row), style="yellow" if n.fallback else None)
+        return t
+
+    def show(self, console=None, *, all_nodes: bool = False) -> None:
+        """Print the table and a summary."""
+        from rich.console import Console
+
+        console = console or Console(width=220)
+        console.print(self.table(all_nodes=all_nodes))
+        s = self.summary()
+        console.print(
+            f"[bold]per rank:[/bold] parameters {s['param_bytes_per_rank']:,} B · "
+            f"comm/step fwd {s['comm_bytes_per_rank_fwd']:,.0f} B, bwd {s['comm_bytes_per_rank_bwd']:,.0f} B · "
+            f"{s['collective_calls_per_step']} collective calls/step · "
+            f"fallbacks: {len(s['fallbacks'])}{' (' + ', '.join(s['fallbacks']) + ')' if s['fallbacks'] else ''}")
+
+    # ------------------------------------------------------------ serialising
+    def to_json(self) -> str:
+        def node_d(n: NodePlan):
+            d = asdict(n)
+            d["out_spec"] = _spec_to_json(n.out_spec)
+            d["arg_steps"] = [[list(p), [asdict(s) for s in steps]] for p, steps in n.arg_steps]
+            d["post"] = [asdict(s) for s in n.post]
+            d["patches"] = [[list(p), v] for p, v in n.patches]
+            return d
+
+        return json.dumps({
+            "model": self.model, "mode": self.mode, "mesh": self.mesh.to_dict(),
+            "tp_axes": list(self.tp_axes), "batch_axes": list(self.batch_axes),
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "dp": self.dp,
+            "nodes": [node_d(n) for n in self.nodes],
+            "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
+                        "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
+                        "aliases": list(p.aliases)}
+                       for p in self.params],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        d = json.loads(text)
+
+        def tup(x):
+            return tuple(tup(i) for i in x) if isinstance(x, list) else x
+
+        nodes = []
+        for n in d["nodes"]:
+            nodes.append(NodePlan(
+                name=n["name"], op=n["op"], kind=n["kind"], module=n["module"],
+                out_spec=_spec_from_json(n["out_spec"]), kernel=n["kernel"], kernel_args=n["kernel_args"],
+                arg_steps=tuple((tup(p), tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in steps))
+                                for p, steps in n["arg_steps"]),
+                post=tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in n["post"]),
+                patches=tuple((tup(p), tup(v)) for p, v in n["patches"]),
+                comms=tuple(Comm(**{**c, "axes": tuple(c["axes"])}) for c in n["comms"]),
+                global_shape=tup(n["global_shape"]), local_shape=tup(n["local_shape"]),
+                weight=n["weight"], param_bytes=n["param_bytes"], notes=tuple(n["notes"]),
+                fallback=n["fallback"]))
+        params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),
+                                 spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
+                                 dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
+                                 aliases=tuple(p.get("aliases", ()))) for p in d["params"])
+        return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
+                   batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
+                   nodes=tuple(nodes), params=params, dp=d.get("dp", 1))
+
+
+def _shape(s) -> str:
+    if not s:
+        return "-"
+    if isinstance(s[0], (tuple, list)):
+        return " ".join(_shape(x) for x in s)
+    return "[" + ", ".join(str(x) for x in s) + "]"

@@ -1,0 +1,152 @@
+"""How one tensor is laid out over a mesh. Pure data plus reversible slicing.
+
+``ShardSpec.dims[d]`` lists the mesh axes that split tensor dim ``d`` (first axis
+outermost); ``segments[d] = m`` says dim ``d`` is ``m`` equal blocks fused
+together (GPT-2's ``c_attn`` holds q, k, v: 3 segments), each split on its own;
+``partial`` lists the axes over which the local values are partial sums still to
+be reduced. A dim split 2 ways with 3 segments, sliced for block 1::
+
+    global  [q0 q1 | k0 k1 | v0 v1]   ->   local [q1 | k1 | v1]
+
+    >>> import torch
+    >>> from autoshard.mesh import Mesh
+    >>> mesh = Mesh(axes=("tp",), sizes=(2,))
+    >>> s = ShardSpec(dims=(("tp",),), segments=(3,))
+    >>> w = torch.arange(12.)
+    >>> s.local(w, mesh, rank=1).tolist()
+    [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
+    >>> torch.equal(s.assemble([s.local(w, mesh, r) for r in range(2)], mesh), w)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .errors import ShardingError
+
+__all__ = ["ShardSpec", "replicated"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+    segments: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        dims = tuple(tuple(a) for a in self.dims)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "partial", tuple(self.partial))
+        segs = tuple(self.segments) or (1,) * len(dims)
+        if len(segs) != len(dims):
+            raise ShardingError(f"segments {segs} do not match dims {dims}")
+        object.__setattr__(self, "segments", segs)
+        used = [a for d in dims for a in d] + list(self.partial)
+        if len(set(used)) != len(used):
+            raise ShardingError(f"a mesh axis is used twice in spec {self}")
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.partial and not any(self.dims)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Axes that split some dim."""
+        return tuple(a for d in self.dims for a in d)
+
+    def split_dim(self, axis: str) -> int | None:
+        for i, d in enumerate(self.dims):
+            if axis in d:
+                return i
+        return None
+
+    def local_shape(self, shape: Sequence[int], mesh) -> tuple[int, ...]:
+        return tuple(s // mesh.size(d) if d else s for s, d in zip(shape, self.dims))
+
+    # ------------------------------------------------------------ constructors
+    def with_dim(self, d: int, axes: tuple[str, ...], segments: int = 1) -> "ShardSpec":
+        dims = list(self.dims)
+        segs = list(self.segments)
+        dims[d] = tuple(axes)
+        segs[d] = segments if axes else 1
+        return ShardSpec(dims=tuple(dims), partial=self.partial, segments=tuple(segs))
+
+    def with_partial(self, partial: tuple[str, ...]) -> "ShardSpec":
+        return ShardSpec(dims=self.dims, partial=tuple(partial), segments=self.segments)
+
+    # ------------------------------------------------------- reversible slicing
+    def _block_index(self, d: int, mesh, rank: int) -> tuple[int, int]:
+        axes = self.dims[d]
+        return mesh.index(axes, rank), mesh.size(axes)
+
+    def local(self, tensor: torch.Tensor, mesh, rank: int) -> torch.Tensor:
+        """This rank's block of the global ``tensor`` (a copy, contiguous)."""
+        out = tensor
+        for d, axes in enumerate(self.dims):
+            if not axes:
+                continue
+            idx, count = self._block_index(d, mesh, rank)
+            m = self.segments[d]
+            size = out.shape[d]
+            if size % (m * count):
+                raise ShardingError(
+                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({axes})")
+            shape = list(out.shape)
+            seg = out.reshape(shape[:d] + [m, count, size // (m * count)] + shape[d + 1:])
+            blk = seg.select(d + 1, idx)
+            out = blk.reshape(shape[:d] + [size // count] + shape[d + 1:])
+        return out.contiguous()
+
+    def assemble(self, blocks: Sequence[torch.Tensor], mesh) -> torch.Tensor:
+        """Inverse of :meth:`local`: the global tensor from every rank's block (indexed by rank).
+
+        Ranks that hold the same block must hold equal values; the first is used."""
+        out = None
+        # undo dims in reverse order of slicing; simplest exact way: scatter each block.
+        ref = blocks[0]
+        gshape = [s * (mesh.size(d) if d else 1) for s, d in zip(ref.shape, self.dims)]
+        out = torch.empty(gshape, dtype=ref.dtype, device=ref.device)
+        index = torch.arange(out.numel()).reshape(gshape)
+        for rank, blk in enumerate(blocks):
+            pos = self.local(index, mesh, rank)
+            out.view(-1)[pos.reshape(-1)] = blk.reshape(-1)
+        return out
+
+    # ------------------------------------------------------------------- text
+    def __str__(self) -> str:
+        parts = []
+        for axes, m in zip(self.dims, self.segments):
+            if not axes:
+                parts.append("R")
+            else:
+                s = ",".join(axes)
+                parts.append(f"S({s})" if m == 1 else f"S({s})x{m}")
+        txt = "[" + ", ".join(parts) + "]"
+        if self.partial:
+            txt += " P(" + ",".join(self.partial) + ")"
+        return txt
+
+    __repr__ = __str__
+
+    def to_dict(self) -> dict:
+        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial),
+                "segments": list(self.segments)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardSpec":
+        return cls(dims=tuple(tuple(x) for x in d["dims"]), partial=tuple(d["partial"]),
+                   segments=tuple(d["segments"]))
+
+
+def replicated(ndim: int) -> ShardSpec:
+    """The spec of a tensor held whole on every rank."""
+    return ShardSpec(dims=((),) * ndim)

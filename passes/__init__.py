@@ -1,0 +1,1 @@
+"""Graph passes: capture → annotate → propagate → rewrite (one module each)."""

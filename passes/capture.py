@@ -1,0 +1,119 @@
+"""Capture a Hugging Face model as an ATen-level fx graph with ``torch.export``.
+
+Non-strict export in the model's current mode (train or eval), with dynamic
+batch and sequence dims shared by every ``[batch, seq]`` input, ``use_cache=False``
+for decoders, and ``labels`` passed as its own tensor (the same tensor for
+``input_ids`` and ``labels`` would be aliased into one graph input). Works on
+real and meta weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from autoshard.errors import CaptureError, ConfigError
+
+__all__ = ["Captured", "capture", "default_example_inputs"]
+
+
+@dataclass
+class Captured:
+    """The exported program, its unlifted module (rewrite target) and input facts."""
+
+    program: Any                    # torch.export.ExportedProgram
+    module: torch.fx.GraphModule    # program.module(): parameters as get_attr
+    model_name: str
+    input_names: tuple[str, ...]
+    constants: dict                 # non-tensor kwargs baked in (use_cache=False)
+    batch_symbol: Any               # sympy symbol of the batch dim
+    seq_symbol: Any
+    example_inputs: dict
+    training: bool
+
+
+def _max_positions(config) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 2:
+            return v
+    return 4096
+
+
+def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labels: bool = True) -> dict:
+    """``input_ids`` / ``attention_mask`` / ``labels`` that the model's forward accepts.
+
+    Sequence classification heads (a config with ``num_labels`` and a forward whose
+    output has no vocabulary) get ``[batch]`` labels, other models token labels."""
+    config = model.config
+    params = inspect.signature(model.forward).parameters
+    vocab = int(getattr(config, "vocab_size", 100) or 100)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    out: dict = {"input_ids": ids}
+    if "attention_mask" in params:
+        out["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if labels and "labels" in params:
+        if type(model).__name__.endswith("ForSequenceClassification"):
+            out["labels"] = torch.randint(0, max(int(config.num_labels), 1), (batch_size,), generator=g)
+        else:
+            out["labels"] = ids.clone()
+    return out
+
+
+def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch_size: int = 2,
+            seq_len: int = 8) -> Captured:
+    """Export ``model`` with dynamic batch and sequence dims.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> m = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
+        >>> cap = capture(m)
+        >>> cap.input_names
+        ('input_ids', 'attention_mask', 'labels', 'use_cache')
+    """
+    if batch_size < 2 or seq_len < 2:
+        raise ConfigError("capture needs batch_size >= 2 and seq_len >= 2 (0/1 sizes are specialised by export)")
+    if batch_size == seq_len:
+        seq_len += 1  # distinct sizes keep batch and sequence symbols apart
+    kwargs = dict(example_inputs) if example_inputs else default_example_inputs(
+        model, batch_size=batch_size, seq_len=seq_len)
+    params = inspect.signature(model.forward).parameters
+    constants = {}
+    if "use_cache" in params and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    if "input_ids" not in kwargs:
+        raise ConfigError(f"example_inputs must contain 'input_ids', got {sorted(kwargs)}")
+    ids = kwargs["input_ids"]
+    b, s = ids.shape[:2]
+    batch = Dim("batch", min=1, max=1 << 16)
+    seq = Dim("seq", min=2, max=_max_positions(model.config))
+    dynamic: dict = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            if v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
+                dynamic[k] = {0: batch, 1: seq}
+            elif v.dim() >= 1 and v.shape[0] == b:
+                dynamic[k] = {0: batch}
+            else:
+                dynamic[k] = None
+        else:
+            constants[k] = v
+            dynamic[k] = None
+    name = type(model).__name__
+    try:
+        ep = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        raise CaptureError(f"torch.export could not capture {name}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    gm = ep.module()
+    ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    val = ph["input_ids"].meta["val"]
+    bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
+    ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
+    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
+                    batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training)

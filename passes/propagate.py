@@ -1,0 +1,582 @@
+"""Give every graph value a ShardSpec and produce the :class:`ShardingPlan`.
+
+Walks the captured graph in order. Heavy ops (linear, embedding) go to the
+mode's policy; everything else to the shared rules in
+:mod:`autoshard.policies.generic`. Where a rule needs an input in another
+layout the pass records the re-layout steps (gather / scatter / reduce ...).
+
+Gradient bookkeeping follows one invariant: *a replicated value's gradient is
+complete and identical on every rank*. So where an op consumes a value that is
+replicated on mesh axis ``a`` while its output is split or partial on ``a``, the
+value's gradient from that op is partial on ``a``: the pass inserts
+``copy_to(a)`` (identity forward, all-reduce backward) on that edge, or, for a
+parameter consumed directly, adds ``a`` to the parameter's after-backward
+gradient all-reduce (one all-reduce per parameter, however many uses).
+
+Runs with no process group, on meta weights, for any world size.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+
+from autoshard.errors import ShardingError
+from autoshard.mesh import Mesh
+from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
+from autoshard.policies.base import Choice, KComm, NeedReplicate, Policy
+from autoshard.policies.generic import rule_for
+from autoshard.spec import ShardSpec, replicated
+
+from .annotate import Annotation, annotate, param_names
+
+__all__ = ["propagate"]
+
+aten = torch.ops.aten
+_PRIME_BATCH = 100003
+_PRIME_SEQ = 100019
+_OTHER_PRIMES = [100043, 100049, 100057, 100069, 100103, 100109, 100129, 100151]
+_MAX_RETRIES = 64
+
+
+def _get(node: fx.Node, path):
+    if path[0] == "kw":
+        return node.kwargs[path[1]]
+    a = node.args[path[0]]
+    return a if len(path) == 1 else a[path[1]]
+
+
+def _is_tensor_val(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+class _Shapes:
+    """Global shapes of graph values, as exact probe integers (each free symbol a
+    distinct large prime, so products match only when they truly match) and as
+    concrete integers for the plan's batch size and sequence length."""
+
+    def __init__(self, bsym, ssym, batch_size, seq_len):
+        self.probe_map, self.conc_map = {}, {}
+        if bsym is not None:
+            self.probe_map[bsym] = _PRIME_BATCH
+            self.conc_map[bsym] = batch_size
+        if ssym is not None:
+            self.probe_map[ssym] = _PRIME_SEQ
+            self.conc_map[ssym] = seq_len
+        self._extra = iter(_OTHER_PRIMES)
+
+    def _ev(self, s, mp, probe: bool):
+        if isinstance(s, int):
+            return s
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            for f in expr.free_symbols:
+                if f not in self.probe_map:
+                    self.probe_map[f] = next(self._extra)
+                    hint = s.node.hint if isinstance(s.node.hint, int) else 8
+                    self.conc_map[f] = hint
+            return int(expr.xreplace(self.probe_map if probe else self.conc_map))
+        return int(s)
+
+    def probe(self, shape) -> tuple[int, ...]:
+        return tuple(self._ev(s, None, True) for s in shape)
+
+    def concrete(self, shape) -> tuple[int, ...]:
+        return tuple(self._ev(s, None, False) for s in shape)
+
+
+@dataclass
+class _State:
+    specs: dict            # node name -> spec | tuple | None
+    param_spec: dict       # get_attr target -> ShardSpec (fixed)
+    param_sync: dict       # get_attr target -> set(axes)
+    batch_index: set
+    origin: dict           # node name -> linear node name whose column split it carries
+
+
+class _Ctx:
+    """What a rule may see of the graph."""
+
+    def __init__(self, engine: "_Engine", node: fx.Node):
+        self.e, self.node = engine, node
+        self.mesh = engine.mesh
+        self.batch_axes = engine.policy.batch_axes
+        self.BATCH = _PRIME_BATCH
+        self.training = engine.training
+
+    def is_tensor(self, a) -> bool:
+        return isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))
+
+    def spec(self, a):
+        if not isinstance(a, fx.Node):
+            return None
+        if a.op == "get_attr" and a.target in self.e.params:
+            return self.e.st.param_spec.get(a.target) or replicated(a.meta["val"].dim())
+        return self.e.st.specs.get(a.name)
+
+    def is_free_param(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.op == "get_attr" and a.target in self.e.params \
+            and a.target not in self.e.st.param_spec
+
+    def fixed_param_spec(self, a):
+        return self.e.st.param_spec.get(a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else None
+
+    def pshape(self, a) -> tuple[int, ...]:
+        return self.e.shapes.probe(a.meta["val"].shape)
+
+    def pshape_of_val(self, v) -> tuple[int, ...]:
+        return self.e.shapes.probe(v.shape)
+
+    def local_numel(self, a, spec: ShardSpec) -> int:
+        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        return math.prod(spec.local_shape(shape, self.mesh))
+
+    def local_size(self, a, spec: ShardSpec, d: int) -> int:
+        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        return spec.local_shape(shape, self.mesh)[d]
+
+    def is_batch_index(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.name in self.e.st.batch_index
+
+    def forced_replicate(self, node) -> bool:
+        return node.name in self.e.forced
+
+    def default_out_spec(self, node):
+        v = node.meta.get("val")
+
+        def one(t):
+            if not _is_tensor_val(t):
+                return None
+            sh = self.e.shapes.probe(t.shape)
+            return ShardSpec(dims=tuple(self.batch_axes if (s == _PRIME_BATCH and self.batch_axes and i == 0) else ()
+                                        for i, s in enumerate(sh)))
+
+        if isinstance(v, (list, tuple)):
+            return tuple(one(t) for t in v)
+        return one(v)
+
+    # ----- look-ahead helpers for the Linear policies
+    def output_segments(self, node) -> int:
+        """Number of equal blocks a later ``split`` cuts this Linear's output into (fused QKV)."""
+        n = self.e.shapes.probe(node.meta["val"].shape)[-1]
+        cur = node
+        for _ in range(8):
+            users = list(cur.users)
+            if len(users) != 1:
+                return 1
+            u = users[0]
+            if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+                outs = u.meta["val"]
+                d = (u.args[2] if len(u.args) > 2 else 0)
+                sizes = {self.e.shapes.probe(o.shape)[d] for o in outs}
+                last = len(cur.meta["val"].shape) - 1
+                return len(outs) if len(sizes) == 1 and d % (last + 1) == last else 1
+            if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+                            aten.contiguous.default) and self.e.shapes.probe(u.meta["val"].shape)[-1] == n:
+                cur = u
+                continue
+            return 1
+        return 1
+
+    def output_feeds_parallel_consumer(self, node) -> bool:
+        """True when every path from this value reaches a Linear, the loss or the
+        graph output through ops that keep a feature split (pointwise, views, attention)."""
+        seen: set[str] = set()
+        stack = list(node.users)
+        while stack:
+            u = stack.pop()
+            if u.name in seen:
+                continue
+            seen.add(u.name)
+            ann = self.e.ann.get(u.name)
+            if u.op == "output":
+                continue
+            if ann and ann.kind in ("linear", "loss"):
+                continue
+            if ann and ann.kind in ("norm", "reduction", "embedding"):
+                return False
+            t = u.target
+            if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+                stack.extend(u.users)
+                continue
+            if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
+                stack.extend(u.users)
+                continue
+            return False
+        return True
+
+    def is_largest_embedding(self, w) -> bool:
+        return w.target == self.e.largest_embedding
+
+
+_PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                 aten.scaled_dot_product_attention.default, aten.to.dtype, aten.to.dtype_layout,
+                 aten._to_copy.default, aten.slice.Tensor, aten.cat.default, aten.matmul.default,
+                 aten.bmm.default, aten.softmax.int, aten._softmax.default}
+
+
+class _Engine:
+    def __init__(self, captured, policy: Policy, *, batch_size: int, seq_len: int, gather_outputs: bool):
+        self.cap = captured
+        self.gm: fx.GraphModule = captured.module
+        self.policy = policy
+        self.mesh = policy.mesh
+        self.training = captured.training
+        self.gather_outputs = gather_outputs
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.params = param_names(self.gm)
+        self.ann = annotate(self.gm)
+        self.forced: set[str] = set()
+        self.needs_grad = self._needs_grad()
+        embs = [(n.args[0].meta["val"].numel(), n.args[0].target) for n in self.gm.graph.nodes
+                if n.op == "call_function" and n.target == aten.embedding.default
+                and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+        self.largest_embedding = max(embs)[1] if embs else None
+
+    # ------------------------------------------------------------ grad analysis
+    def _needs_grad(self) -> set[str]:
+        out: set[str] = set()
+        for n in self.gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "get_attr":
+                if n.target in self.params and _is_tensor_val(v) and v.is_floating_point():
+                    out.add(n.name)
+                continue
+            if n.op != "call_function":
+                continue
+            if n.target is torch.ops.higher_order.wrap_with_set_grad_enabled and n.args and n.args[0] is False:
+                continue
+            if n.target in (aten.detach.default, aten.sym_size.int):
+                continue
+            floating = any(_is_tensor_val(t) and t.is_floating_point()
+                           for t in (v if isinstance(v, (list, tuple)) else [v]))
+            if floating and any(a.name in out for a in n.all_input_nodes):
+                out.add(n.name)
+        return out
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> ShardingPlan:
+        for _ in range(_MAX_RETRIES):
+            try:
+                return self._run_once()
+            except _Retry as r:
+                self.forced.add(r.linear)
+        raise ShardingError("planning did not settle after re-planning 64 Linears")
+
+    def _run_once(self) -> ShardingPlan:
+        self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
+        self.st = _State({}, {}, {}, set(), {})
+        nodes: list[NodePlan] = []
+        for node in self.gm.graph.nodes:
+            np_ = self._visit(node)
+            if np_ is not None:
+                nodes.append(np_)
+        params = []
+        groups: dict[int, list[str]] = {}
+        tensors = {}
+        for name, p in self.gm.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+            tensors[id(p)] = p
+        for key, names in groups.items():
+            p = tensors[key]
+            used = [n for n in names if n in self.st.param_spec]
+            name = used[0] if used else names[0]
+            spec = self.st.param_spec.get(name, replicated(p.dim()))
+            sync = tuple(a for a in self.mesh.axes if a in self.st.param_sync.get(name, set()))
+            params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
+                                    dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name)))
+        return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
+                            tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
+                            batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
+                            params=tuple(params), dp=self.mesh.size("dp") if "dp" in self.mesh.axes else 1)
+
+    # ------------------------------------------------------------- per node
+    def _visit(self, node: fx.Node) -> NodePlan | None:
+        ann = self.ann.get(node.name, Annotation("other", ""))
+        if node.op == "placeholder":
+            return self._placeholder(node, ann)
+        if node.op == "get_attr":
+            v = node.meta.get("val")
+            if node.target not in self.params:
+                self.st.specs[node.name] = replicated(v.dim()) if _is_tensor_val(v) else None
+            return None
+        if node.op == "output":
+            return self._output(node)
+        if node.op == "call_module":
+            self.st.specs[node.name] = None
+            return None
+        ctx = _Ctx(self, node)
+        choice = self._choose(node, ann, ctx)
+        return self._apply(node, ann, ctx, choice)
+
+    def _placeholder(self, node, ann) -> NodePlan | None:
+        v = node.meta.get("val")
+        if not _is_tensor_val(v):
+            self.st.specs[node.name] = None
+            return None
+        sh = self.shapes.probe(v.shape)
+        b = self.policy.batch_axes
+        if b and sh and sh[0] == _PRIME_BATCH:
+            spec = replicated(len(sh)).with_dim(0, b)
+            self.st.specs[node.name] = spec
+            return NodePlan(name=node.name, op="placeholder", kind="input", module="", out_spec=spec,
+                            post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete(v.shape),
+                            local_shape=spec.local_shape(self.shapes.concrete(v.shape), self.mesh),
+                            notes=(f"batch split over {','.join(b)}",))
+        self.st.specs[node.name] = replicated(len(sh))
+        return None
+
+    def _choose(self, node, ann: Annotation, ctx) -> Choice:
+        try:
+            if ann.kind == "linear":
+                return self.policy.linear(ctx)
+            if ann.kind == "embedding":
+                return self.policy.embedding(ctx)
+            rule = rule_for(node)
+            if rule is None:
+                raise ShardingError(
+                    f"dropout p={node.args[1]} in train mode needs per-rank RNG streams, which autoshard does "
+                    "not have yet; set the model's dropout probabilities to 0 or shard it in eval mode", node=node)
+            return rule(ctx)
+        except NeedReplicate as nr:
+            src = _get(node, nr.path)
+            origin = self.st.origin.get(src.name) if isinstance(src, fx.Node) else None
+            if origin and origin not in self.forced:
+                raise _Retry(origin)
+            # gather the offending input dim and try again with it replicated
+            return self._gathered_choice(node, ann, ctx, nr)
+
+    def _gathered_choice(self, node, ann, ctx, nr: NeedReplicate) -> Choice:
+        src = _get(node, nr.path)
+        s = ctx.spec(src)
+        saved = self.st.specs[src.name]
+        self.st.specs[src.name] = s.with_dim(nr.dim, ())
+        try:
+            choice = self._choose(node, ann, ctx)
+        finally:
+            self.st.specs[src.name] = saved
+        req = choice.inputs.get(nr.path)
+        if req is None or req.dims[nr.dim]:
+            choice.inputs[nr.path] = s.with_dim(nr.dim, ())
+        choice.fallback = True
+        choice.notes = choice.notes + (f"fallback: gathered input dim {nr.dim}: {nr.reason}",)
+        return choice
+
+    def _apply(self, node, ann, ctx, choice: Choice) -> NodePlan | None:
+        arg_steps = []
+        comms: list[Comm] = []
+        in_specs = {}
+        for path, req in choice.inputs.items():
+            a = _get(node, path)
+            if not isinstance(a, fx.Node):
+                continue
+            if a.op == "get_attr" and a.target in self.params:
+                fixed = self.st.param_spec.get(a.target)
+                if fixed is None:
+                    self.st.param_spec[a.target] = req
+                    in_specs[path] = req
+                    continue
+                if fixed != req:
+                    raise ShardingError(f"parameter {a.target} is already split as {fixed} by an earlier use; "
+                                        f"this use needs {req}", node=node)
+                in_specs[path] = req
+                continue
+            cur = ctx.spec(a)
+            steps = _redistribute(cur, req, self.mesh)
+            if steps:
+                arg_steps.append((path, tuple(steps)))
+                comms += self._step_comms(a, cur, steps, a.name in self.needs_grad)
+            in_specs[path] = req
+        out = choice.out
+        out_axes = _spec_axes(out)
+        # grad invariant: replicated inputs of an op whose output is split / partial
+        for path, req in in_specs.items():
+            a = _get(node, path)
+            if a.name not in self.needs_grad or path in choice.grad_complete:
+                continue
+            rep = tuple(ax for ax in self.mesh.axes if ax in out_axes and ax not in req.axes and ax not in req.partial)
+            if path in choice.param_sync:
+                rep = choice.param_sync[path]
+            if not rep:
+                continue
+            if a.op == "get_attr" and a.target in self.params:
+                self.st.param_sync.setdefault(a.target, set()).update(rep)
+            else:
+                step = Step(op="copy_to", axes=rep)
+                steps = dict(arg_steps).get(path, ()) + (step,)
+                arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
+                comms += self._step_comms(a, req, (step,), True)
+        for kc in choice.comms:
+            if kc.phase == "bwd" and kc.needs_grad_of:
+                if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad
+                           for p in kc.needs_grad_of):
+                    continue
+            if kc.phase == "bwd" and not kc.needs_grad_of and node.name not in self.needs_grad:
+                continue
+            comms.append(Comm(phase=kc.phase, kind=kc.kind, axes=kc.axes, group_size=self.mesh.size(kc.axes),
+                              buffer_bytes=kc.numel * _elem_bytes(node)))
+        self.st.specs[node.name] = out
+        if node.target == aten.arange.default and isinstance(out, ShardSpec) and out.ndim == 1 and out.dims[0]:
+            self.st.batch_index.add(node.name)
+        if node.target in (aten.unsqueeze.default, aten.view.default, aten.expand.default, aten.add.Tensor) and \
+                any(isinstance(a, fx.Node) and a.name in self.st.batch_index for a in node.args):
+            self.st.batch_index.add(node.name)
+        self._track_origin(node, ann, choice, in_specs)
+        if out is None and not choice.kernel:
+            return None
+        v = node.meta.get("val")
+        gshape = self.shapes.concrete(v.shape) if _is_tensor_val(v) else ()
+        lshape = out.local_shape(gshape, self.mesh) if isinstance(out, ShardSpec) and gshape else ()
+        pbytes = 0
+        weight = choice.weight
+        for path, req in in_specs.items():
+            a = _get(node, path)
+            if a.op == "get_attr" and a.target in self.params and ann.kind in ("linear", "embedding", "norm"):
+                pbytes += math.prod(req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)) * \
+                    a.meta["val"].element_size()
+        if choice.fallback and not self._interesting(node, ann, choice, arg_steps):
+            pass
+        return NodePlan(name=node.name, op=_op_name(node), kind=ann.kind if ann.kind in (
+            "linear", "norm", "attention", "embedding", "loss") else "other", module=ann.module, out_spec=out,
+            kernel=choice.kernel, kernel_args=choice.kernel_args, arg_steps=tuple(arg_steps),
+            post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
+            global_shape=gshape, local_shape=lshape, weight=weight, param_bytes=pbytes,
+            notes=tuple(n for n in choice.notes if n), fallback=choice.fallback)
+
+    def _interesting(self, node, ann, choice, arg_steps) -> bool:
+        return True
+
+    def _track_origin(self, node, ann, choice, in_specs):
+        if ann.kind == "linear" and not choice.kernel and isinstance(choice.out, ShardSpec) and choice.out.dims[-1]:
+            self.st.origin[node.name] = node.name
+            return
+        for a in node.all_input_nodes:
+            o = self.st.origin.get(a.name)
+            if o and ann.kind not in ("linear", "norm", "attention", "loss"):
+                self.st.origin[node.name] = o
+                return
+
+    def _step_comms(self, a: fx.Node, cur: ShardSpec, steps, needs_grad: bool) -> list[Comm]:
+        shape = self.shapes.concrete(a.meta["val"].shape)
+        eb = a.meta["val"].element_size()
+        out = []
+        s = cur
+        for st in steps:
+            loc = math.prod(s.local_shape(shape, self.mesh))
+            p = self.mesh.size(st.axes) if st.axes else 1
+
+            def c(phase, kind, numel):
+                out.append(Comm(phase=phase, kind=kind, axes=st.axes, group_size=p, buffer_bytes=numel * eb))
+
+            if st.op == "reduce_from":
+                c("fwd", "all_reduce", loc)
+                s = s.with_partial(())
+            elif st.op == "copy_to":
+                if needs_grad:
+                    c("bwd", "all_reduce", loc)
+            elif st.op == "all_reduce_both":
+                c("fwd", "all_reduce", loc)
+                if needs_grad:
+                    c("bwd", "all_reduce", loc)
+            elif st.op == "gather":
+                c("fwd", "all_gather", loc * p)
+                s = s.with_dim(st.dim, ())
+            elif st.op == "scatter":
+                if needs_grad:
+                    c("bwd", "all_gather", loc)
+                s = s.with_dim(st.dim, st.axes, st.segments)
+            elif st.op == "reduce_scatter":
+                c("fwd", "reduce_scatter", loc)
+                if needs_grad:
+                    c("bwd", "all_gather", loc)
+                s = s.with_partial(()).with_dim(st.dim, st.axes)
+        return out
+
+    def _output(self, node) -> NodePlan | None:
+        arg_steps = []
+        comms = []
+        flat = node.args[0]
+        items = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        for i, a in enumerate(items):
+            if not isinstance(a, fx.Node):
+                continue
+            s = self.st.specs.get(a.name)
+            if not isinstance(s, ShardSpec) or s.is_replicated or not self.gather_outputs:
+                continue
+            steps = _redistribute(s, replicated(s.ndim), self.mesh)
+            arg_steps.append(((0, i), tuple(steps)))
+            comms += self._step_comms(a, s, steps, False)
+        if not arg_steps:
+            return None
+        return NodePlan(name="output", op="output", kind="other", module="", out_spec=None,
+                        arg_steps=tuple(arg_steps), comms=tuple(comms), notes=("outputs gathered to full",))
+
+
+class _Retry(Exception):
+    def __init__(self, linear: str):
+        self.linear = linear
+
+
+def _spec_axes(out) -> set:
+    if isinstance(out, ShardSpec):
+        return set(out.axes) | set(out.partial)
+    if isinstance(out, tuple):
+        s: set = set()
+        for o in out:
+            s |= _spec_axes(o)
+        return s
+    return set()
+
+
+def _elem_bytes(node) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, (list, tuple)):
+        v = v[0]
+    return v.element_size() if _is_tensor_val(v) else 4
+
+
+def _op_name(node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.replace("aten::", "") + ("" if t._overloadname == "default" else "." + t._overloadname)
+    return getattr(t, "__name__", str(t))
+
+
+def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
+    """Steps that turn layout ``cur`` into ``req``: reduce partials (reduce-scatter
+    when ``req`` splits a dim over exactly those axes), then gather, then slice."""
+    if cur is None or req is None:
+        return []
+    if cur == req:
+        return []
+    steps: list[Step] = []
+    s = cur
+    if s.partial and tuple(s.partial) != tuple(req.partial):
+        p = s.partial
+        rs_dim = next((d for d in range(req.ndim) if req.dims[d] == p and not s.dims[d]), None)
+        if rs_dim is not None and req.segments[rs_dim] == 1:
+            steps.append(Step(op="reduce_scatter", axes=p, dim=rs_dim))
+            s = s.with_partial(()).with_dim(rs_dim, p)
+        else:
+            steps.append(Step(op="reduce_from", axes=p))
+            s = s.with_partial(())
+    for d in range(s.ndim):
+        if s.dims[d] and (s.dims[d] != req.dims[d] or s.segments[d] != req.segments[d]):
+            steps.append(Step(op="gather", axes=s.dims[d], dim=d, segments=s.segments[d]))
+            s = s.with_dim(d, ())
+    for d in range(s.ndim):
+        if req.dims[d] and not s.dims[d]:
+            steps.append(Step(op="scatter", axes=req.dims[d], dim=d, segments=req.segments[d]))
+            s = s.with_dim(d, req.dims[d], req.segments[d])
+    return steps
+
+
+def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,
+              gather_outputs: bool = True) -> ShardingPlan:
+    """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``."""
+    return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs).run()

@@ -1,0 +1,9 @@
+"""Sharding policies, one module per mode, found through :data:`POLICIES`."""
+
+from .base import Choice, Policy
+from .one_d import OneD
+from .tesseract import Tesseract, TwoD
+
+POLICIES: dict[str, type[Policy]] = {"1d": OneD, "2d": TwoD, "2.5d": Tesseract}
+
+__all__ = ["POLICIES", "Choice", "Policy"]

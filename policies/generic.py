@@ -1,0 +1,663 @@
+"""Mode-independent rules: pointwise, views, reductions, indexing, attention,
+norms and the loss. They follow whatever layout arrives; heavy Linear and
+embedding choices live in the mode modules.
+
+Every rule takes the propagate pass's context ``ctx`` and returns a
+:class:`~autoshard.policies.base.Choice`, or raises
+:class:`~autoshard.policies.base.NeedReplicate` when an input split cannot pass
+(the pass then gathers that input, or re-plans the Linear that produced it).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from autoshard.errors import ShardingError
+from autoshard.plan import Step
+from autoshard.spec import ShardSpec, replicated
+
+from .base import Choice, KComm, NeedReplicate
+
+aten = torch.ops.aten
+
+__all__ = ["RULES", "rule_for", "view_groups"]
+
+
+def _rep_like(spec: ShardSpec | None, n: int) -> ShardSpec:
+    return replicated(n)
+
+
+def _tensor_args(ctx):
+    """(path, node) for every tensor-valued fx.Node among args (lists flattened one level)."""
+    out = []
+    for i, a in enumerate(ctx.node.args):
+        if isinstance(a, fx.Node) and ctx.is_tensor(a):
+            out.append(((i,), a))
+        elif isinstance(a, (list, tuple)):
+            for j, b in enumerate(a):
+                if isinstance(b, fx.Node) and ctx.is_tensor(b):
+                    out.append(((i, j), b))
+    for k, a in ctx.node.kwargs.items():
+        if isinstance(a, fx.Node) and ctx.is_tensor(a):
+            out.append((("kw", k), a))
+    return out
+
+
+# ------------------------------------------------------------------ pointwise
+_LINEAR_IN_PARTIAL = {aten.neg.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
+                      aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.dropout.default}
+
+
+def _partial_passes(target, part_paths, targs) -> bool:
+    """Whether the op is linear in its partial operand(s), so the partial sum can wait."""
+    if target in _LINEAR_IN_PARTIAL:
+        return True
+    if target in (aten.mul.Tensor, aten.mul.Scalar):
+        return len(part_paths) == 1
+    if target in (aten.div.Tensor, aten.div.Scalar):
+        return part_paths == [(0,)]
+    if target in (aten.add.Tensor, aten.sub.Tensor):
+        return len(targs) == 2 and len(part_paths) == 2
+    return False
+
+
+def pointwise(ctx) -> Choice:
+    node = ctx.node
+    out_shape = ctx.pshape(node)
+    n = len(out_shape)
+    targs = _tensor_args(ctx)
+    dims: list[tuple] = [()] * n
+    segs = [1] * n
+    # each output dim takes the split of the first input that is not broadcast there
+    for order in (False, True):              # fixed values first, free parameters last
+        for path, a in targs:
+            if ctx.is_free_param(a) != order:
+                continue
+            s, sh = ctx.spec(a), ctx.pshape(a)
+            off = n - len(sh)
+            for d, axes in enumerate(s.dims):
+                j = d + off
+                if axes and not dims[j] and sh[d] == out_shape[j]:
+                    dims[j], segs[j] = axes, s.segments[d]
+    used = {x for d in dims for x in d}
+    partials = {tuple(ctx.spec(a).partial) for _, a in targs if ctx.spec(a).partial}
+    out_partial: tuple = ()
+    if partials:
+        p = next(iter(partials))
+        part_paths = [path for path, a in targs if ctx.spec(a).partial]
+        if len(partials) == 1 and not (set(p) & used) and _partial_passes(node.target, part_paths, targs):
+            out_partial = p
+    batch_index = [a for _, a in targs if ctx.is_batch_index(a)]
+    if batch_index and ctx.batch_axes and node.target not in (aten.add.Tensor,) :
+        raise ShardingError("a batch index (arange over the batch size) is used as data; "
+                            "with the batch split its local values would differ from the dense ones",
+                            node=node)
+    inputs = {}
+    for path, a in targs:
+        s, sh = ctx.spec(a), ctx.pshape(a)
+        off = n - len(sh)
+        req = tuple(dims[d + off] if sh[d] == out_shape[d + off] else () for d in range(len(sh)))
+        rseg = tuple(segs[d + off] if req[d] else 1 for d in range(len(sh)))
+        inputs[path] = ShardSpec(dims=req, segments=rseg, partial=out_partial if s.partial else ())
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=out_partial), inputs=inputs)
+
+
+def identity_like(ctx) -> Choice:
+    a = ctx.node.args[0]
+    s = ctx.spec(a)
+    return Choice(out=s, inputs={(0,): s})
+
+
+# ---------------------------------------------------------------------- views
+def view_groups(ins: tuple[int, ...], outs: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair input dims with output dims of equal product (size-1 dims alone).
+
+    >>> view_groups((2, 3, 4), (6, 4))
+    [([0, 1], [0]), ([2], [1])]
+    >>> view_groups((2, 12), (2, 1, 3, 4))
+    [([0], [0]), ([], [1]), ([1], [2, 3])]
+    """
+    groups = []
+    i = j = 0
+    while i < len(ins) or j < len(outs):
+        if i < len(ins) and ins[i] == 1 and (j >= len(outs) or outs[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(outs) and outs[j] == 1 and (i >= len(ins) or ins[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, go = [i], [j]
+        pi, po = ins[i], outs[j]
+        i += 1
+        j += 1
+        while pi != po:
+            if pi < po:
+                pi *= ins[i]
+                gi.append(i)
+                i += 1
+            else:
+                po *= outs[j]
+                go.append(j)
+                j += 1
+        groups.append((gi, go))
+    return groups
+
+
+_SYMBOLIC = 100000   # probe sizes at or above this come from the batch / sequence symbols
+
+
+def _divisible(size: int, count: int) -> bool:
+    """Literal sizes must divide; symbolic ones (batch) are checked when the module runs."""
+    return size >= _SYMBOLIC or size % count == 0
+
+
+def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]:
+    """Output spec of a reshape and, per output dim, its shard count."""
+    dims = [()] * len(outs)
+    segs = [1] * len(outs)
+    for gi, go in view_groups(tuple(ins), tuple(outs)):
+        split = [d for d in gi if in_spec.dims[d]]
+        if not split:
+            continue
+        d = split[0]
+        if len(split) > 1 or d != gi[0]:
+            raise NeedReplicate((0,), d, f"reshape {ins}->{outs} would interleave the split of dim {d}")
+        axes, m = in_spec.dims[d], in_spec.segments[d]
+        c = ctx.mesh.size(axes)
+        go = [o for o in go if outs[o] != 1]
+        if not go:
+            continue
+        first = go[0]
+        if len(gi) > 1 or len(go) == 1:
+            if not _divisible(outs[first], c * m):
+                raise NeedReplicate((0,), d, f"reshape {ins}->{outs}: dim of size {outs[first]} "
+                                             f"cannot hold {m} segment(s) × {c} shards")
+            dims[first], segs[first] = axes, m
+        elif m > 1 and outs[first] == m and len(go) > 1 and _divisible(outs[go[1]], c):
+            dims[go[1]] = axes
+        elif _divisible(outs[first], c * m):
+            dims[first], segs[first] = axes, m
+        else:
+            raise NeedReplicate((0,), d, f"reshape {ins}->{outs}: leading dim {outs[first]} "
+                                         f"is not divisible by {c} shards" + (f" × {m} segments" if m > 1 else ""))
+    return ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=in_spec.partial), {}
+
+
+def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
+    patches = {}
+    if not isinstance(sizes, (list, tuple)):
+        return patches
+    new = list(sizes)
+    changed = False
+    for j, axes in enumerate(out_spec.dims):
+        if axes and j < len(new) and isinstance(new[j], int) and new[j] != -1:
+            c = ctx.mesh.size(axes)
+            new[j] = new[j] // c
+            changed = True
+    if changed:
+        patches[path] = new
+    return patches
+
+
+def reshape(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
+    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,)))
+
+
+def expand(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    ins, outs = ctx.pshape(x), ctx.pshape(ctx.node)
+    off = len(outs) - len(ins)
+    dims, segs = [()] * len(outs), [1] * len(outs)
+    for j in range(len(outs)):
+        d = j - off
+        if d >= 0 and ins[d] == outs[j]:
+            dims[j], segs[j] = s.dims[d], s.segments[d]
+        elif outs[j] == ctx.BATCH and ctx.batch_axes:
+            dims[j] = ctx.batch_axes
+    out = ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial)
+    # only the dims that were split in the input need their literal patched
+    keep = ShardSpec(dims=tuple(dims[j] if (j - off >= 0 and ins[j - off] == outs[j]) else ()
+                                for j in range(len(outs))))
+    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, keep, ctx.node.args[1], (1,)))
+
+
+def _permuted(s: ShardSpec, perm) -> ShardSpec:
+    return ShardSpec(dims=tuple(s.dims[p] for p in perm), segments=tuple(s.segments[p] for p in perm),
+                     partial=s.partial)
+
+
+def transpose(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    n = s.ndim
+    if ctx.node.target == aten.t.default:
+        perm = list(range(n))[::-1]
+    else:
+        a, b = (d % n for d in ctx.node.args[1:3])
+        perm = list(range(n))
+        perm[a], perm[b] = perm[b], perm[a]
+    return Choice(out=_permuted(s, perm), inputs={(0,): s})
+
+
+def permute(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    perm = [d % s.ndim for d in ctx.node.args[1]]
+    return Choice(out=_permuted(s, perm), inputs={(0,): s})
+
+
+def unsqueeze(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    d = ctx.node.args[1] % (s.ndim + 1)
+    dims, segs = list(s.dims), list(s.segments)
+    dims.insert(d, ())
+    segs.insert(d, 1)
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial), inputs={(0,): s})
+
+
+def squeeze(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    ins = ctx.pshape(x)
+    if len(ctx.node.args) > 1:
+        ds = ctx.node.args[1]
+        ds = [ds] if isinstance(ds, int) else list(ds)
+        ds = {d % len(ins) for d in ds if ins[d % len(ins)] == 1}
+    else:
+        ds = {d for d, v in enumerate(ins) if v == 1}
+    keep = [d for d in range(len(ins)) if d not in ds]
+    return Choice(out=ShardSpec(dims=tuple(s.dims[d] for d in keep), segments=tuple(s.segments[d] for d in keep),
+                                partial=s.partial), inputs={(0,): s})
+
+
+# --------------------------------------------------------- dim-wise / indexing
+def _need_unsplit(s: ShardSpec, dims) -> ShardSpec:
+    out = s
+    for d in dims:
+        if out.dims[d]:
+            out = out.with_dim(d, ())
+    return out
+
+
+def dimwise(ctx, dim_arg: int = 1, default_dim: int = -1) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    d = ctx.node.args[dim_arg] if len(ctx.node.args) > dim_arg else ctx.node.kwargs.get("dim", default_dim)
+    d = d % max(s.ndim, 1)
+    req = _need_unsplit(s, [d]).with_partial(())
+    inputs = {(0,): req}
+    for path, a in _tensor_args(ctx)[1:]:          # diff's prepend / append
+        inputs[path] = req
+    return Choice(out=req, inputs=inputs)
+
+
+def softmax(ctx) -> Choice:
+    return dimwise(ctx, 1)
+
+
+def slice_(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    args = list(ctx.node.args) + [None] * 5
+    d = (args[1] or 0) % s.ndim
+    start, end, step = args[2], args[3], args[4] or 1
+    size = ctx.pshape(x)[d]
+    full = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= size)) and step == 1
+    req = s if full else _need_unsplit(s, [d])
+    return Choice(out=req, inputs={(0,): req})
+
+
+def select(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    d = ctx.node.args[1] % s.ndim
+    req = _need_unsplit(s, [d])
+    return Choice(out=ShardSpec(dims=req.dims[:d] + req.dims[d + 1:], segments=req.segments[:d] + req.segments[d + 1:],
+                                partial=req.partial), inputs={(0,): req})
+
+
+def split(ctx) -> Choice:
+    node = ctx.node
+    x = node.args[0]
+    s = ctx.spec(x)
+    d = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % s.ndim
+    outs = node.meta["val"]
+    k = len(outs)
+    if not s.dims[d]:
+        return Choice(out=tuple(s for _ in outs), inputs={(0,): s})
+    m, axes = s.segments[d], s.dims[d]
+    sizes = [ctx.pshape_of_val(v)[d] for v in outs]
+    if m == k and len(set(sizes)) == 1:
+        each = s.with_dim(d, axes, 1)
+        c = ctx.mesh.size(axes)
+        arg = node.args[1]
+        patch = arg // c if isinstance(arg, int) else [v // c for v in arg]
+        return Choice(out=tuple(each for _ in outs), inputs={(0,): s}, patches={(1,): patch})
+    raise NeedReplicate((0,), d, f"split of dim {d} into {k} parts does not match its {m} segment(s)")
+
+
+def getitem(ctx) -> Choice:
+    src, i = ctx.node.args
+    specs = ctx.spec(src)
+    if not isinstance(specs, tuple):
+        return Choice(out=None)
+    return Choice(out=specs[i])
+
+
+def cat(ctx) -> Choice:
+    node = ctx.node
+    tensors = node.args[0]
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    specs = [ctx.spec(t) for t in tensors]
+    n = ctx.pshape(node).__len__()
+    d = d % n
+    base = next((s for s in specs if not s.is_replicated), specs[0])
+    req = _need_unsplit(base, [d]).with_partial(())
+    return Choice(out=req, inputs={(0, j): req for j in range(len(tensors))})
+
+
+def stack(ctx) -> Choice:
+    node = ctx.node
+    tensors = node.args[0]
+    d = node.args[1] if len(node.args) > 1 else 0
+    specs = [ctx.spec(t) for t in tensors]
+    base = next((s for s in specs if not s.is_replicated), specs[0]).with_partial(())
+    n = base.ndim + 1
+    d = d % n
+    dims = list(base.dims)
+    dims.insert(d, ())
+    segs = list(base.segments)
+    segs.insert(d, 1)
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs)), inputs={(0, j): base for j in range(len(tensors))})
+
+
+def pad(ctx) -> Choice:
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    npad = len(ctx.node.args[1]) // 2
+    req = _need_unsplit(s, range(s.ndim - npad, s.ndim)).with_partial(())
+    return Choice(out=req, inputs={(0,): req})
+
+
+def index_tensor(ctx) -> Choice:
+    """``x[i0, i1, ...]`` with index tensors for a prefix of dims.
+
+    A dim split over the batch axes may be indexed only by a batch index
+    (``arange`` over the local batch, broadcast): its local values are local rows,
+    so the local gather equals the matching block of the dense one."""
+    node = ctx.node
+    x, idx = node.args
+    s = ctx.spec(x)
+    k = len(idx)
+    if any(i is None for i in idx):
+        raise NeedReplicate((0,), 0, "index with None entries")
+    ispecs = [ctx.spec(i) for i in idx]
+    for d in range(k):
+        if s.dims[d] and not (s.dims[d] == ctx.batch_axes and ctx.is_batch_index(idx[d])):
+            raise NeedReplicate((0,), d, f"dim {d} is split and indexed by a value other than a batch index")
+    # the broadcast index block takes the splits of the index tensors
+    bshape = ctx.pshape(node)[: len(ctx.pshape(node)) - (s.ndim - k)]
+    nb = len(bshape)
+    bd = [()] * nb
+    inputs = {(0,): s.with_partial(())}
+    for j, (i, sp) in enumerate(zip(idx, ispecs)):
+        sh = ctx.pshape(i)
+        off = nb - len(sh)
+        for d, axes in enumerate(sp.dims):
+            if axes and sh[d] == bshape[d + off]:
+                bd[d + off] = axes
+        inputs[(1, j)] = sp
+    out = ShardSpec(dims=tuple(bd) + s.dims[k:], segments=(1,) * nb + s.segments[k:])
+    return Choice(out=out, inputs=inputs)
+
+
+def gather_op(ctx) -> Choice:
+    x, d, idx = ctx.node.args[:3]
+    s, si = ctx.spec(x), ctx.spec(idx)
+    d = d % s.ndim
+    req_x = _need_unsplit(s, [d]).with_partial(())
+    req_i = ShardSpec(dims=tuple(req_x.dims[j] if j != d else () for j in range(s.ndim)))
+    return Choice(out=req_i, inputs={(0,): req_x, (2,): req_i})
+
+
+# ------------------------------------------------------------------ reductions
+def reduce_(ctx) -> Choice:
+    node = ctx.node
+    x = node.args[0]
+    s = ctx.spec(x)
+    n = s.ndim
+    if node.target in (aten.mean.default, aten.sum.default):
+        rdims, keep = list(range(n)), False
+    else:
+        rd = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        rdims = list(range(n)) if rd is None or rd == [] else [d % n for d in ([rd] if isinstance(rd, int) else rd)]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    split_axes = tuple(a for d in rdims for a in s.dims[d])
+    if split_axes and node.target == aten.amax.default:
+        req = _need_unsplit(s, rdims)
+        split_axes = ()
+    else:
+        req = s
+    dims = [req.dims[d] if d not in rdims else () for d in range(n)]
+    segs = [req.segments[d] if d not in rdims else 1 for d in range(n)]
+    if not keep:
+        dims = [dims[d] for d in range(n) if d not in rdims]
+        segs = [segs[d] for d in range(n) if d not in rdims]
+    post = ()
+    if split_axes and node.target in (aten.mean.dim, aten.mean.default):
+        post = (Step(op="scale", factor=1.0 / ctx.mesh.size(split_axes)),)
+    # mesh order for the partial axes
+    part = tuple(a for a in ctx.mesh.axes if a in split_axes or a in s.partial)
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=part), inputs={(0,): req}, post=post)
+
+
+# -------------------------------------------------------------------- matmuls
+def matmul(ctx) -> Choice:
+    a, b = ctx.node.args[:2]
+    sa, sb = ctx.spec(a), ctx.spec(b)
+    if sa.ndim < 2 or sb.ndim < 2:
+        return _fallback(ctx, "matmul with a vector operand")
+    out_shape = ctx.pshape(ctx.node)
+    n = len(out_shape)
+    bd = [()] * (n - 2)
+    for s, sh in ((sa, ctx.pshape(a)), (sb, ctx.pshape(b))):
+        off = (n - 2) - (len(sh) - 2)
+        for d in range(len(sh) - 2):
+            if s.dims[d] and sh[d] == out_shape[d + off] and not bd[d + off]:
+                bd[d + off] = s.dims[d]
+    ka, kb = sa.dims[-1], sb.dims[-2]
+    part: tuple = ()
+    if ka and ka == kb:
+        part, kk = ka, ka
+    else:
+        kk = ()
+
+    def req(s, sh, last2):
+        off = (n - 2) - (len(sh) - 2)
+        dd = tuple(bd[d + off] if sh[d] == out_shape[d + off] else () for d in range(len(sh) - 2)) + last2
+        return ShardSpec(dims=dd)
+
+    ra = req(sa, ctx.pshape(a), (sa.dims[-2] if not set(sa.dims[-2]) & set(sb.dims[-1]) else (), kk))
+    rb = req(sb, ctx.pshape(b), (kk, sb.dims[-1] if not set(sb.dims[-1]) & set(ra.dims[-2]) else ()))
+    out = ShardSpec(dims=tuple(bd) + (ra.dims[-2], rb.dims[-1]), partial=part)
+    return Choice(out=out, inputs={(0,): ra, (1,): rb})
+
+
+# ------------------------------------------------------------------- attention
+def sdpa(ctx) -> Choice:
+    node = ctx.node
+    q, k, v = node.args[:3]
+    sq = ctx.spec(q)
+    args = list(node.args) + [None] * 4
+    dropout_p = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
+    if dropout_p and ctx.training:
+        raise ShardingError(f"attention dropout p={dropout_p} in train mode needs per-rank RNG streams, which "
+                            "autoshard does not have yet; set attention dropout to 0 (or shard in eval mode)",
+                            node=node)
+    base = ShardSpec(dims=(sq.dims[0], sq.dims[1], (), ()))
+    qs, ks = ctx.pshape(q), ctx.pshape(k)
+    inputs = {(0,): base}
+    kv_req = base
+    if ks[1] != qs[1]:                 # enable_gqa: fewer kv heads
+        kv_req = ShardSpec(dims=(sq.dims[0], (), (), ())) if sq.dims[1] else base
+        if sq.dims[1] and ks[1] % ctx.mesh.size(sq.dims[1]) == 0 and (qs[1] // ks[1]) >= 1:
+            kv_req = base
+    inputs[(1,)] = kv_req
+    inputs[(2,)] = kv_req
+    mask = args[3] if isinstance(args[3], fx.Node) else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        ms = ctx.pshape(mask)
+        off = 4 - len(ms)
+        md = tuple(base.dims[d + off] if d + off < 2 and ms[d] == qs[d + off] else () for d in range(len(ms)))
+        inputs[(3,) if isinstance(args[3], fx.Node) else ("kw", "attn_mask")] = ShardSpec(dims=md)
+    return Choice(out=base, inputs=inputs)
+
+
+# ------------------------------------------------------------------ norms/loss
+def layer_norm(ctx) -> Choice:
+    node = ctx.node
+    x = node.args[0]
+    s = ctx.spec(x).with_partial(())
+    nd = len(node.args[1])
+    ndim = s.ndim
+    normed = range(ndim - nd, ndim)
+    axes = tuple(a for d in normed for a in s.dims[d])
+    if nd > 1 and axes:
+        s = _need_unsplit(s, normed)
+        axes = ()
+    inputs = {(0,): s}
+    pspec = ShardSpec(dims=tuple(s.dims[d] for d in normed), segments=tuple(s.segments[d] for d in normed))
+    for i in (2, 3):
+        if len(node.args) > i and isinstance(node.args[i], fx.Node):
+            inputs[(i,)] = pspec
+    out = s
+    if not axes:
+        return Choice(out=out, inputs=inputs, kernel=None)
+    numel_rows = ctx.local_numel(x, s) // ctx.local_size(x, s, ndim - 1)
+    comms = (KComm("fwd", "all_reduce", axes, numel_rows), KComm("fwd", "all_reduce", axes, numel_rows),
+             KComm("bwd", "all_reduce", axes, numel_rows, ((0,), (2,), (3,))),
+             KComm("bwd", "all_reduce", axes, numel_rows, ((0,), (2,), (3,))))
+    return Choice(out=out, inputs=inputs, kernel="dist_layer_norm", kernel_args={"axes": list(axes)},
+                  comms=comms, grad_complete=frozenset({(0,)}), notes=(f"statistics reduced over {','.join(axes)}",))
+
+
+def cross_entropy(ctx) -> Choice:
+    node = ctx.node
+    logits, target = node.args[:2]
+    args = list(node.args) + [None] * 6
+    weight, reduction, ignore_index, smoothing = args[2], args[3], args[4], args[5]
+    reduction = 1 if reduction is None else reduction
+    ignore_index = -100 if ignore_index is None else ignore_index
+    smoothing = smoothing or 0.0
+    sl = ctx.spec(logits)
+    if weight is not None or smoothing or reduction not in (1, 2) or sl.ndim != 2:
+        return _fallback(ctx, "cross-entropy with class weights, label smoothing, reduction='none' or "
+                              "spatial targets is computed on gathered logits")
+    vocab_axes = sl.dims[1] if not sl.partial else (sl.partial if ctx.pshape(logits)[1] % ctx.mesh.size(sl.partial) == 0 else ())
+    rows = sl.dims[0]
+    req_l = ShardSpec(dims=(rows, vocab_axes))
+    req_t = ShardSpec(dims=(rows,))
+    n_loc = ctx.local_numel(target, req_t)
+    comms = []
+    if vocab_axes:
+        comms += [KComm("fwd", "all_reduce", vocab_axes, n_loc)] * 3
+    if rows:
+        comms += [KComm("fwd", "all_reduce", rows, 1), KComm("fwd", "all_reduce", rows, 1)]
+    return Choice(out=replicated(0), inputs={(0,): req_l, (1,): req_t}, kernel="cross_entropy",
+                  kernel_args={"vocab_axes": list(vocab_axes), "batch_axes": list(rows),
+                               "ignore_index": int(ignore_index), "reduction": int(reduction)},
+                  comms=tuple(comms), grad_complete=frozenset({(0,)}),
+                  notes=(("vocab-parallel" if vocab_axes else "local") + " cross-entropy"
+                         + (f", token sum over {','.join(rows)}" if rows else ""),))
+
+
+# ------------------------------------------------------------ creation / misc
+def creation(ctx) -> Choice:
+    shape = ctx.pshape(ctx.node)
+    dims = tuple(ctx.batch_axes if (v == ctx.BATCH and ctx.batch_axes) else () for v in shape)
+    return Choice(out=ShardSpec(dims=dims), inputs={p: ctx.spec(a) for p, a in _tensor_args(ctx)})
+
+
+def all_replicated_or_fallback(ctx) -> Choice:
+    """Unknown op: local when every input is replicated; otherwise gather what is
+    split (except the batch dim, which ops without a rule are assumed to treat row by row)."""
+    targs = _tensor_args(ctx)
+    specs = [ctx.spec(a) for _, a in targs]
+    if all(s.is_replicated for s in specs):
+        return Choice(out=ctx.default_out_spec(ctx.node))
+    return _fallback(ctx, f"no rule for {ctx.node.target}")
+
+
+def _fallback(ctx, reason: str) -> Choice:
+    inputs = {}
+    for path, a in _tensor_args(ctx):
+        s = ctx.spec(a)
+        keep = tuple(s.dims[d] if (d == 0 and s.dims[d] == ctx.batch_axes and ctx.batch_axes
+                                   and ctx.pshape(a)[0] == ctx.BATCH) else () for d in range(s.ndim))
+        inputs[path] = ShardSpec(dims=keep)
+    return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True,
+                  notes=(f"fallback: {reason}; inputs gathered to replicated",))
+
+
+def no_spec(ctx) -> Choice:
+    return Choice(out=None)
+
+
+_POINTWISE_EXTRA = {aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, aten.masked_fill.Scalar,
+                    aten.masked_fill.Tensor, aten.pow.Tensor_Scalar, aten.gelu.default, aten.silu.default,
+                    aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.rsqrt.default,
+                    aten.type_as.default, aten.lift_fresh_copy.default}
+
+RULES = {
+    aten.view.default: reshape, aten.reshape.default: reshape, aten._unsafe_view.default: reshape,
+    aten.flatten.using_ints: None,
+    aten.expand.default: expand,
+    aten.transpose.int: transpose, aten.t.default: transpose, aten.permute.default: permute,
+    aten.unsqueeze.default: unsqueeze, aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze,
+    aten.squeeze.default: squeeze,
+    aten.alias.default: identity_like, aten.contiguous.default: identity_like, aten.clone.default: identity_like,
+    aten.detach.default: identity_like, aten.to.dtype: identity_like, aten.to.dtype_layout: identity_like,
+    aten._to_copy.default: identity_like, aten.to.device: identity_like,
+    aten.slice.Tensor: slice_, aten.select.int: select,
+    aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
+    operator.getitem: getitem,
+    aten.cat.default: cat, aten.stack.default: stack, aten.pad.default: pad,
+    aten.index.Tensor: index_tensor, aten.gather.default: gather_op,
+    aten.cumsum.default: dimwise, aten.diff.default: dimwise,
+    aten.softmax.int: softmax, aten._softmax.default: softmax, aten.log_softmax.int: softmax,
+    aten._log_softmax.default: softmax,
+    aten.mean.dim: reduce_, aten.sum.dim_IntList: reduce_, aten.amax.default: reduce_,
+    aten.mean.default: reduce_, aten.sum.default: reduce_,
+    aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
+    aten.scaled_dot_product_attention.default: sdpa,
+    aten.layer_norm.default: layer_norm,
+    aten.cross_entropy_loss.default: cross_entropy,
+    aten.arange.default: creation, aten.arange.start: creation, aten.arange.start_step: creation,
+    aten.full.default: creation, aten.zeros.default: creation, aten.ones.default: creation,
+    aten.new_ones.default: creation, aten.new_zeros.default: creation, aten.new_full.default: creation,
+    aten.empty.memory_format: creation, aten.scalar_tensor.default: creation, aten.new_empty.default: creation,
+    aten.sym_size.int: no_spec, aten._assert_tensor_metadata.default: no_spec,
+}
+RULES = {k: v for k, v in RULES.items() if v is not None}
+
+
+def rule_for(node: fx.Node):
+    t = node.target
+    if t in RULES:
+        return RULES[t]
+    if t == aten.dropout.default:
+        return identity_like if (not node.args[2] or node.args[1] == 0) else None
+    if t in _POINTWISE_EXTRA or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+        return pointwise
+    return all_replicated_or_fallback

@@ -1,0 +1,24 @@
+"""Where the input, weight and bias of a Linear-like ATen op sit (no HF names)."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+__all__ = ["linear_operands"]
+
+
+def linear_operands(node):
+    """``(x_path, w_path, b_path | None, n_dim, k_dim)`` of a linear node, where the
+    weight's ``n_dim`` is its output features and ``k_dim`` its input features.
+
+    ``aten.linear(x, w[n,k], b)``; ``aten.addmm(b, x, w[k,n])`` (GPT-2 Conv1D);
+    ``aten.mm/matmul(x, w[k,n])``."""
+    t = node.target
+    if t == aten.linear.default:
+        b = (2,) if len(node.args) > 2 and node.args[2] is not None else None
+        return (0,), (1,), b, 0, 1
+    if t == aten.addmm.default:
+        return (1,), (2,), (0,), 1, 0
+    return (0,), (1,), None, 1, 0

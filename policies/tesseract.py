@@ -1,0 +1,169 @@
+"""2D (SUMMA, seed 004) and 2.5D (Tesseract, seed 002) tensor parallelism.
+
+Mesh ``dep[d] × row[q] × col[q]`` (``d = 1`` is exactly 2D). Activations are
+``[tokens / (d·q) over (dep,row), hidden / q over col]``; a Linear ``Y = X·W``
+keeps that layout with ``W`` split ``[k / q over row, n / q over col]`` and
+replicated over depth::
+
+    Y_ij = Σ_l X_il · W_lj   (all-gather X over col, W over row; backward
+                              reduce-scatters dX over col and dW over row)
+
+Gradients of depth-replicated parameters are all-reduced over ``dep`` (the
+propagate pass derives that from the specs). Embedding tables are split on
+hidden over ``col``; a Linear that reuses such a table (tied LM head) computes
+``X·Eᵀ`` partial over ``col`` and reduce-scatters it on the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.errors import ConfigError
+from autoshard.mesh import Mesh
+from autoshard.spec import ShardSpec
+
+from .base import Choice, KComm, Policy
+from .linear_ops import linear_operands
+from .one_d import _at
+
+__all__ = ["Tesseract", "TwoD"]
+
+
+def _valid_25d(world: int) -> list[tuple[int, int]]:
+    out = []
+    for q in range(1, int(math.isqrt(world)) + 1):
+        if world % (q * q) == 0:
+            out.append((q, world // (q * q)))
+    return out
+
+
+class Tesseract(Policy):
+    name = "2.5d"
+
+    def __init__(self, mesh: Mesh):
+        super().__init__(mesh)
+        self.q = mesh.size("row")
+        self.d = mesh.size("dep") if "dep" in mesh.axes else 1
+        self.row, self.col = ("row",), ("col",)
+        self.batch_axes = ("dep", "row") if "dep" in mesh.axes else ("row",)
+        self.tp_axes = tuple(a for a in mesh.axes if a != "dp")
+
+    @classmethod
+    def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        tp = cls._check_dp(world_size, dp)
+        valid = [(q, d) for q, d in _valid_25d(tp) if q > 1]
+        if depth is None:
+            raise ConfigError(f"2.5d needs depth=d with world_size = d·q²; {tp} ranks allow "
+                              + (", ".join(f"(q={q},d={d})" for q, d in valid) or "no (q>1, d)"))
+        q2, r = divmod(tp, depth) if depth > 0 else (0, 1)
+        q = math.isqrt(q2) if q2 > 0 else 0
+        if depth < 1 or r or q * q != q2 or q < 2:
+            raise ConfigError(f"2.5d needs world_size = d·q² with q ≥ 2; {tp} ranks with depth={depth} do not fit; "
+                              f"{tp} ranks allow " + (", ".join(f"(q={q},d={d})" for q, d in valid) or "none"))
+        axes, sizes = ["dep", "row", "col"], [depth, q, q]
+        if dp > 1:
+            axes, sizes = ["dp"] + axes, [dp] + sizes
+        return Mesh(axes=tuple(axes), sizes=tuple(sizes))
+
+    # ------------------------------------------------------------------ linear
+    def linear(self, ctx) -> Choice:
+        node = ctx.node
+        xp, wp, bp, nd, kd = linear_operands(node)
+        x, w = _at(node, xp), _at(node, wp)
+        sx = ctx.spec(x)
+        n, k = ctx.pshape(w)[nd], ctx.pshape(w)[kd]
+        q, C, R = self.q, self.col, self.row
+        fixed = ctx.fixed_param_spec(w)
+        rows, rseg = sx.dims[:-1], sx.segments[:-1]
+
+        def wspec(n_axes=(), k_axes=(), m=1):
+            d, sg = [(), ()], [1, 1]
+            d[nd], d[kd] = n_axes, k_axes
+            sg[nd] = m if n_axes else 1
+            return ShardSpec(dims=tuple(d), segments=tuple(sg))
+
+        if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q:
+            req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
+            ins = {xp: req, wp: wspec()}
+            if bp:
+                ins[bp] = ShardSpec(dims=((),))
+            return Choice(out=req, inputs=ins, weight="replicated",
+                          notes=("replicated weight: features not divisible or split could not pass",))
+        if fixed is not None and fixed.dims[nd] == () and fixed.dims[kd] == C:
+            return self._tied_head(ctx, xp, wp, bp, rows, rseg, wspec((), C), n)
+        m = ctx.output_segments(node)
+        if n % (q * m):
+            m = 1
+        if n % q:
+            return self._tied_like_fallback(ctx, xp, wp, bp, rows, rseg, wspec)
+        xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
+        ins = {xp: xreq, wp: wspec(C, R, m)}
+        if bp:
+            ins[bp] = ShardSpec(dims=(C,), segments=(m,))
+        out = ShardSpec(dims=rows + (C,), segments=rseg + (m,))
+        x_loc = ctx.local_numel(x, xreq)          # N_loc · k/q
+        w_loc = n * k // (q * q)
+        xg, wg = x_loc * q, w_loc * q               # gathered buffers: N_loc·k and k·n/q
+        comms = (KComm("fwd", "all_gather", C, xg), KComm("fwd", "all_gather", R, wg),
+                 KComm("bwd", "all_gather", C, xg, (wp,)), KComm("bwd", "all_gather", R, wg, (wp,)),
+                 KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
+        return Choice(out=out, inputs=ins, kernel="summa",
+                      kernel_args={"row_axes": list(R), "col_axes": list(C), "n_dim": nd, "k_dim": kd,
+                                   "bias": list(bp) if bp else None, "segments": m},
+                      comms=comms, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
+                      + (", replicated over dep" if self.d > 1 else ""))
+
+    def _tied_head(self, ctx, xp, wp, bp, rows, rseg, ws, n):
+        C = self.col
+        xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
+        ins = {xp: xreq, wp: ws}
+        if bp:
+            ins[bp] = ShardSpec(dims=(C,))
+        out = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
+        full = ctx.local_numel(ctx.node, out) * self.q
+        return Choice(out=out, inputs=ins, kernel="partial_head",
+                      kernel_args={"col_axes": list(C), "n_dim": 0, "bias": list(bp) if bp else None},
+                      comms=(KComm("fwd", "reduce_scatter", C, full), KComm("bwd", "all_gather", C, full, (xp, wp))),
+                      weight="tied table [vocab, hidden/q over col]",
+                      notes=("x·Eᵀ partial over col, reduce-scattered on vocab",))
+
+    def _tied_like_fallback(self, ctx, xp, wp, bp, rows, rseg, wspec):
+        req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
+        ins = {xp: req, wp: wspec()}
+        if bp:
+            ins[bp] = ShardSpec(dims=((),))
+        return Choice(out=req, inputs=ins, weight="replicated", notes=("out features not divisible by q",))
+
+    # --------------------------------------------------------------- embedding
+    def embedding(self, ctx) -> Choice:
+        node = ctx.node
+        w, ids = node.args[0], node.args[1]
+        si = ctx.spec(ids)
+        V, h = ctx.pshape(w)
+        fixed = ctx.fixed_param_spec(w)
+        C = self.col
+        if (fixed is None and h % self.q == 0) or (fixed is not None and fixed.dims == ((), C)):
+            return Choice(out=ShardSpec(dims=si.dims + (C,)), inputs={(0,): ShardSpec(dims=((), C)), (1,): si},
+                          weight=f"[vocab, hidden/{self.q} over col]")
+        return Choice(out=ShardSpec(dims=si.dims + ((),)), inputs={(0,): ShardSpec(dims=((), ())), (1,): si},
+                      weight="replicated")
+
+
+class TwoD(Tesseract):
+    name = "2d"
+
+    @classmethod
+    def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        tp = cls._check_dp(world_size, dp)
+        q = math.isqrt(tp)
+        if depth not in (None, 1):
+            raise ConfigError(f"2d has depth 1 (got depth={depth}); use mode='2.5d' for depth > 1")
+        if q * q != tp or q < 2:
+            squares = [s * s for s in range(2, 65)]
+            near = sorted(squares, key=lambda s: abs(s - tp))[:3]
+            raise ConfigError(f"2d needs a square world size q² (q ≥ 2); got {tp}. Nearest valid: "
+                              f"{', '.join(map(str, sorted(near)))}")
+        axes, sizes = ["row", "col"], [q, q]
+        if dp > 1:
+            axes, sizes = ["dp"] + axes, [dp] + sizes
+        return Mesh(axes=tuple(axes), sizes=tuple(sizes))
