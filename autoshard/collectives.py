@@ -177,7 +177,7 @@ def _(x, dim, group):
 
 def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
-    return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].contiguous()
+    return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].clone(memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------ differentiable conjugates

@@ -261,7 +261,7 @@ class ShardingPlan:
                 arg_steps=tuple((tup(p), tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in steps))
                                 for p, steps in n["arg_steps"]),
                 post=tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in n["post"]),
-                patches=tuple((tup(p), tup(v)) for p, v in n["patches"]),
+                patches=tuple((tup(p), v) for p, v in n["patches"]),
                 comms=tuple(Comm(**{**c, "axes": tuple(c["axes"])}) for c in n["comms"]),
                 global_shape=tup(n["global_shape"]), local_shape=tup(n["local_shape"]),
                 weight=n["weight"], param_bytes=n["param_bytes"], notes=tuple(n["notes"]),

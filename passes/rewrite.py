@@ -129,7 +129,12 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                     cur = _step_node(graph, cur, st, groups)
             _set(node, path, cur)
         for path, value in np_.patches:
-            _set(node, path, list(value) if isinstance(value, tuple) else value)
+            if isinstance(value, dict):          # {"at": [[position, local size], ...]}
+                sizes = list(_get(node, path))
+                for j, v in value["at"]:
+                    sizes[j] = v
+                value = sizes
+            _set(node, path, value)
         target = node
         if np_.kernel:
             with graph.inserting_before(node):

@@ -190,19 +190,15 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
 
 
 def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
-    patches = {}
+    """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
+    (positions, never values: a symbolic or -1 entry is left alone)."""
     if not isinstance(sizes, (list, tuple)):
-        return patches
-    new = list(sizes)
-    changed = False
+        return {}
+    at = []
     for j, axes in enumerate(out_spec.dims):
-        if axes and j < len(new) and isinstance(new[j], int) and new[j] != -1:
-            c = ctx.mesh.size(axes)
-            new[j] = new[j] // c
-            changed = True
-    if changed:
-        patches[path] = new
-    return patches
+        if axes and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] != -1:
+            at.append([j, sizes[j] // ctx.mesh.size(axes)])
+    return {path: {"at": at}} if at else {}
 
 
 def reshape(ctx) -> Choice:
@@ -342,7 +338,7 @@ def split(ctx) -> Choice:
         each = s.with_dim(d, axes, 1)
         c = ctx.mesh.size(axes)
         arg = node.args[1]
-        patch = arg // c if isinstance(arg, int) else [v // c for v in arg]
+        patch = arg // c if isinstance(arg, int) else {"at": [[j, v // c] for j, v in enumerate(arg)]}
         return Choice(out=tuple(each for _ in outs), inputs={(0,): s}, patches={(1,): patch})
     raise NeedReplicate((0,), d, f"split of dim {d} into {k} parts does not match its {m} segment(s)")
 
