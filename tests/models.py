@@ -45,8 +45,12 @@ def batch(name: str, b: int = 4, s: int = 8, seed: int = 1) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0) -> dict:
-    """Run on every rank; returns max errors and the ledger / plan figures."""
+def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None) -> dict:
+    """Run on every rank. Returns the failures of every comparison (empty = exact),
+    the worst errors, and the ledger / plan figures.
+
+    ``mutate="no_depth_sync"`` drops the depth all-reduce of gradients (a planted
+    bug the comparison must catch)."""
     import autoshard
     from autoshard.collectives import CommLedger
 
@@ -57,34 +61,58 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     out_d = dense(**inputs)
     out_d.loss.backward()
     sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=inputs)
+    if mutate == "no_depth_sync":
+        _drop_axis_from_grad_sync(sharded, "dep")
     with CommLedger() as led:
         out = sharded(**inputs)
         out.loss.backward()
     plan = sharded.plan
-    res = {"loss": (out.loss - out_d.loss).abs().item(),
-           "logits": (out.logits - out_d.logits).abs().max().item(),
-           "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
-           "ledger_calls": led.count(), "plan_calls": len(plan.comms()),
-           "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
-           "plan_param_bytes": plan.param_bytes_per_rank, "grad": 0.0, "n_params": 0,
-           "fallbacks": [n.name for n in plan.fallbacks]}
+    failures = []
+    tol = dict(atol=1e-5, rtol=1e-5)
+
+    def cmp(what, got, ref):
+        try:
+            torch.testing.assert_close(got, ref, **tol)
+        except AssertionError as e:
+            failures.append(f"{what}: {str(e).splitlines()[0]} {str(e).splitlines()[2:4]}")
+
+    cmp("loss", out.loss, out_d.loss)
+    cmp("logits", out.logits, out_d.logits)
     dparams = dict(dense.named_parameters(remove_duplicate=False))
     sparams = dict(sharded.named_parameters(remove_duplicate=False))
-    worst = ("", 0.0)
+    grad_err = 0.0
     for pp in plan.params:
         ref = pp.spec.local(dparams[pp.name].grad, plan.mesh, rank)
         got = sparams[pp.name].grad
-        err = (got - ref).abs().max().item() if got is not None else float("inf")
-        rel = err / (ref.abs().max().item() + 1e-12)
-        if rel > worst[1]:
-            worst = (pp.name, rel)
-        res["grad"] = max(res["grad"], err)
-        res["n_params"] += 1
-    res["worst_grad"] = worst
-    res["tied_one_param"] = len(list(sharded.parameters())) == len({id(p) for p in dense.parameters()})
+        if got is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got, ref)
+        grad_err = max(grad_err, (got - ref).abs().max().item())
+    res = {"failures": failures, "loss_err": (out.loss - out_d.loss).abs().item(),
+           "logits_err": (out.logits - out_d.logits).abs().max().item(), "grad_err": grad_err,
+           "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
+           "ledger_calls": led.count(), "plan_calls": len(plan.comms()),
+           "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
+           "plan_param_bytes": plan.param_bytes_per_rank,
+           "n_local_params": len(list(sharded.parameters())),
+           "n_dense_params": len({id(p) for p in dense.parameters()}),
+           "fallbacks": [n.name for n in plan.fallbacks]}
     if steps:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)
     return res
+
+
+def _drop_axis_from_grad_sync(sharded, axis: str) -> None:
+    from autoshard.module import _sync_hook
+
+    for h in sharded._hooks:
+        h.remove()
+    params = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in sharded.plan.params:
+        axes = tuple(a for a in pp.grad_sync if a != axis)
+        if axes:
+            params[pp.name].register_hook(_sync_hook(sharded.groups[",".join(axes)]))
 
 
 def _train(sharded, dense, inputs, steps):
