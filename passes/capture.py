@@ -82,6 +82,9 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         seq_len += 1  # distinct sizes keep batch and sequence symbols apart
     kwargs = dict(example_inputs) if example_inputs else default_example_inputs(
         model, batch_size=batch_size, seq_len=seq_len)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":       # plan-only capture: inputs live where the weights do
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     params = inspect.signature(model.forward).parameters
     constants = {}
     if "use_cache" in params and "use_cache" not in kwargs:

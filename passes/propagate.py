@@ -97,6 +97,7 @@ class _State:
     param_sync: dict       # get_attr target -> set(axes)
     batch_index: set
     origin: dict           # node name -> linear node name whose column split it carries
+    relayouts: set         # (value name, steps): re-layouts already made (the rewrite shares them)
 
 
 class _Ctx:
@@ -194,7 +195,7 @@ class _Ctx:
                 continue
             seen.add(u.name)
             ann = self.e.ann.get(u.name)
-            if u.op == "output":
+            if u.op == "output" or u.target in (aten._assert_tensor_metadata.default, aten.sym_size.int):
                 continue
             if ann and ann.kind in ("linear", "loss"):
                 continue
@@ -270,7 +271,7 @@ class _Engine:
 
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
-        self.st = _State({}, {}, {}, set(), {})
+        self.st = _State({}, {}, {}, set(), {}, set())
         nodes: list[NodePlan] = []
         for node in self.gm.graph.nodes:
             np_ = self._visit(node)
@@ -390,7 +391,6 @@ class _Engine:
             steps = _redistribute(cur, req, self.mesh)
             if steps:
                 arg_steps.append((path, tuple(steps)))
-                comms += self._step_comms(a, cur, steps, a.name in self.needs_grad)
             in_specs[path] = req
         out = choice.out
         out_axes = _spec_axes(out)
@@ -410,7 +410,15 @@ class _Engine:
                 step = Step(op="copy_to", axes=rep)
                 steps = dict(arg_steps).get(path, ()) + (step,)
                 arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
-                comms += self._step_comms(a, req, (step,), True)
+        # identical re-layouts of one value are made once and shared (one backward
+        # all-reduce for q, k and v reading the same normed hidden state)
+        for path, steps in arg_steps:
+            a = _get(node, path)
+            key = (a.name, steps)
+            if key in self.st.relayouts:
+                continue
+            self.st.relayouts.add(key)
+            comms += self._step_comms(a, ctx.spec(a), steps, a.name in self.needs_grad)
         for kc in choice.comms:
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad

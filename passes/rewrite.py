@@ -107,6 +107,7 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
     _slice_params(gm, plan, plan.mesh, rank)
+    shared: dict = {}     # (value name, steps) -> node made for the first consumer
     for np_ in plan.nodes:
         if np_.name == "output":
             node = next(n for n in graph.nodes if n.op == "output")
@@ -124,10 +125,13 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                 node.args = (type(node.args[0])(outs) if not isinstance(node.args[0], list) else outs,)
                 continue
             cur = _get(node, path)
-            with graph.inserting_before(node):
-                for st in steps:
-                    cur = _step_node(graph, cur, st, groups)
-            _set(node, path, cur)
+            key = (cur.name, tuple(steps))
+            if key not in shared:
+                with graph.inserting_before(node):
+                    for st in steps:
+                        cur = _step_node(graph, cur, st, groups)
+                shared[key] = cur
+            _set(node, path, shared[key])
         for path, value in np_.patches:
             if isinstance(value, dict):          # {"at": [[position, local size], ...]}
                 sizes = list(_get(node, path))
