@@ -67,7 +67,7 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
         if key not in _GROUPS:
             mine = None
             for ranks in mesh.all_groups(axes):
-                pg = dist.new_group(list(ranks), group_desc=axes_label(axes))
+                pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False)
                 if rank in ranks:
                     mine = pg
             _GROUPS[key] = mine.group_name
@@ -77,12 +77,14 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
 
 def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
-          captured: Captured | None = None) -> ShardedModule:
+          captured: Captured | None = None, weights=None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
     ``example_inputs`` (HF kwargs) fix which inputs the module takes and the batch
-    shape the plan's communication figures are computed for.
+    shape the plan's communication figures are computed for. ``weights(gm, plan,
+    rank)``, if given, fills the rewritten module's parameters and buffers (e.g.
+    from files, for a model built on meta) before the ShardedModule is built.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -98,6 +100,8 @@ def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None,
     p = propagate(cap, pol, batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
+    if weights is not None:
+        weights(gm, p, rank)
     return ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
                          example_inputs=cap.example_inputs)
 

@@ -13,7 +13,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from . import collectives as C
 
-__all__ = ["step", "row_linear", "summa", "partial_head", "vocab_embedding", "dist_layer_norm", "cross_entropy"]
+__all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm", "cross_entropy"]
 
 
 def _rank_in(group: str) -> tuple[int, int]:
@@ -88,6 +88,55 @@ def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int):
     """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract)."""
     y = _Summa.apply(x, w, row, col, n_dim, k_dim)
     return y if b is None else y + b
+
+
+def _ag_seg(t, dim: int, group: str, m: int):
+    """All-gather on ``dim`` whose blocks are ``m`` fused segments, each split."""
+    if m == 1:
+        return C._all_gather(t, dim, group)
+    shape = list(t.shape)
+    y = C._all_gather(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
+    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+
+
+def _rs_seg(t, dim: int, group: str, m: int):
+    if m == 1:
+        return C._reduce_scatter(t, dim, group)
+    shape = list(t.shape)
+    y = C._reduce_scatter(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
+    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+
+
+class _ThreeD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int):
+        xg = C._all_gather(x, row_dim, b)          # X_il: rows (a)
+        wg = _ag_seg(w, n_dim, a, m)               # W_lj: n (b)
+        ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
+        ctx.cfg = (a, b, c, row_dim, n_dim, m)
+        return C._reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, wg = ctx.saved_tensors
+        a, b, c, row_dim, n_dim, m = ctx.cfg
+        dyg = C._all_gather(dy.contiguous(), row_dim, c)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dxg = dyg @ (wg if n_dim == 0 else wg.t())
+            dx = C._reduce_scatter(dxg, row_dim, b)
+        if ctx.needs_input_grad[1]:
+            x2 = xg.reshape(-1, xg.shape[-1])
+            dy2 = dyg.reshape(-1, dyg.shape[-1])
+            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
+            dw = _rs_seg(dwg, n_dim, a, m)
+        return dx, dw, None, None, None, None, None, None
+
+
+def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1):
+    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``."""
+    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments)
+    return y if bias is None else y + bias
 
 
 def partial_head(x, w, b, *, col: str):

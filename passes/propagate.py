@@ -98,6 +98,7 @@ class _State:
     batch_index: set
     origin: dict           # node name -> linear node name whose column split it carries
     relayouts: set         # (value name, steps): re-layouts already made (the rewrite shares them)
+    param_uses: dict       # get_attr target -> [(node name, arg path, axes its grad is partial on)]
 
 
 class _Ctx:
@@ -271,12 +272,13 @@ class _Engine:
 
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
-        self.st = _State({}, {}, {}, set(), {}, set())
+        self.st = _State({}, {}, {}, set(), {}, set(), {})
         nodes: list[NodePlan] = []
         for node in self.gm.graph.nodes:
             np_ = self._visit(node)
             if np_ is not None:
                 nodes.append(np_)
+        nodes = self._settle_param_grads(nodes)
         params = []
         groups: dict[int, list[str]] = {}
         tensors = {}
@@ -295,6 +297,32 @@ class _Engine:
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
                             params=tuple(params), dp=self.mesh.size("dp") if "dp" in self.mesh.axes else 1)
+
+    def _settle_param_grads(self, nodes: list[NodePlan]) -> list[NodePlan]:
+        """A parameter used several times may get partial gradients over different
+        axes per use (a tied table: lookup partial over the batch axes, head
+        partial over fewer). Sum what all uses share once after backward; a use
+        partial over more axes gets an in-graph ``copy_to`` for the extra ones."""
+        import dataclasses
+
+        index = {n.name: i for i, n in enumerate(nodes)}
+        for target, uses in self.st.param_uses.items():
+            common = frozenset.intersection(*[u[2] for u in uses])
+            self.st.param_sync[target] = set(common)
+            for name, path, rep in uses:
+                extra = tuple(a for a in self.mesh.axes if a in rep - common)
+                if not extra:
+                    continue
+                i = index[name]
+                np_ = nodes[i]
+                node = next(n for n in self.gm.graph.nodes if n.name == name)
+                a = _get(node, path)
+                step = Step(op="copy_to", axes=extra)
+                comms = self._step_comms(a, self.st.param_spec[target], (step,), True)
+                nodes[i] = dataclasses.replace(np_, arg_steps=np_.arg_steps + ((path, (step,)),),
+                                               comms=np_.comms + tuple(comms),
+                                               notes=np_.notes + (f"{target} grad summed over {','.join(extra)} here",))
+        return nodes
 
     # ------------------------------------------------------------- per node
     def _visit(self, node: fx.Node) -> NodePlan | None:
@@ -405,7 +433,7 @@ class _Engine:
             if not rep:
                 continue
             if a.op == "get_attr" and a.target in self.params:
-                self.st.param_sync.setdefault(a.target, set()).update(rep)
+                self.st.param_uses.setdefault(a.target, []).append((node.name, path, frozenset(rep)))
             else:
                 step = Step(op="copy_to", axes=rep)
                 steps = dict(arg_steps).get(path, ()) + (step,)

@@ -68,7 +68,7 @@ def _slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int)
 def _kernel_call(graph: fx.Graph, node: fx.Node, np_, groups: dict) -> fx.Node:
     ka, k = np_.kernel_args, np_.kernel
     G = lambda axes: groups[axes_label(axes)] if axes else None  # noqa: E731
-    if k in ("row_linear", "summa", "partial_head"):
+    if k in ("row_linear", "summa", "partial_head", "three_d"):
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = _get(node, xp), _get(node, wp)
         b = _get(node, bp) if bp else None
@@ -77,6 +77,10 @@ def _kernel_call(graph: fx.Graph, node: fx.Node, np_, groups: dict) -> fx.Node:
         if k == "summa":
             return graph.call_function(K.summa, (x, w, b), {"row": G(ka["row_axes"]), "col": G(ka["col_axes"]),
                                                             "n_dim": nd, "k_dim": kd})
+        if k == "three_d":
+            return graph.call_function(K.three_d, (x, w, b), {"a": G(ka["a"]), "b": G(ka["b"]), "c": G(ka["c"]),
+                                                              "row_dim": ka["row_dim"], "n_dim": nd,
+                                                              "segments": ka["segments"]})
         return graph.call_function(K.partial_head, (x, w, b), {"col": G(ka["col_axes"])})
     if k == "vocab_embedding":
         return graph.call_function(K.vocab_embedding, (node.args[0], node.args[1]), {"group": G(ka["axes"])})

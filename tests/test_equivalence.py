@@ -15,12 +15,13 @@ CASES = [
     *[(m, 4, "1d", None, 0) for m in ("gpt2", "llama", "bert")],
     *[(m, 4, "2d", None, 10) for m in ("gpt2", "llama", "bert")],
     *[(m, 8, "2.5d", 2, 10) for m in ("gpt2", "llama", "bert")],
+    *[(m, 8, "3d", None, 10) for m in ("gpt2", "llama", "bert")],
 ]
 
 
 def _id(c):
     m, w, mode, d, _ = c
-    q = {"1d": f"p{w}", "2d": f"q{int(w ** 0.5)}", "2.5d": f"q2d{d}"}[mode]
+    q = {"1d": f"p{w}", "2d": f"q{int(w ** 0.5)}", "2.5d": f"q2d{d}", "3d": "q2"}[mode]
     return f"{m}-{mode}-{q}"
 
 

@@ -1,0 +1,151 @@
+"""3D tensor parallelism (seed 001): ``P = q³`` ranks on a mesh ``x[q] × y[q] × z[q]``.
+
+For ``Y = X·W`` with rank ``(i, j, l)`` on ``(x, y, z)``: ``X_ijl`` holds token rows
+block ``(i, j)`` and feature columns block ``l``; ``W_lji`` holds ``k`` block ``l``
+and ``n`` block ``(j, i)``. Forward all-gathers X over ``y`` and W over ``x``,
+multiplies, and reduce-scatters over ``z``; the output ``Y_ijl`` has rows
+``(i, l)`` and columns ``j``. Backward all-gathers ``dY`` and reduce-scatters ``dX``
+and ``dW``. In axis terms, with the input laid out rows ``(A, B)`` / columns ``C``::
+
+    X [rows (A,B), k (C)] · W [k (C), n (B,A)]  →  Y [rows (A,C), n (B)]
+
+so the next Linear sees the roles of ``B`` and ``C`` swapped; the pass simply
+reads the incoming layout, and a Linear pair (QKV → out, up → down) lands back
+on the residual stream's layout. Nothing here is named after a layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.errors import ConfigError
+from autoshard.mesh import Mesh
+from autoshard.spec import ShardSpec
+
+from .base import Choice, KComm, Policy
+from .linear_ops import linear_operands
+from .one_d import _at
+
+__all__ = ["ThreeD"]
+
+_AXES = ("x", "y", "z")
+
+
+class ThreeD(Policy):
+    name = "3d"
+    tp_axes = _AXES
+    batch_axes = ("x", "y")
+
+    def __init__(self, mesh: Mesh):
+        super().__init__(mesh)
+        self.q = mesh.size("x")
+
+    @classmethod
+    def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        if depth not in (None, 1):
+            raise ConfigError(f"3d takes no depth (got depth={depth}); depth belongs to mode='2.5d'")
+        tp = cls._check_dp(world_size, dp)
+        q = round(tp ** (1 / 3))
+        if q ** 3 != tp or q < 2:
+            cubes = [c ** 3 for c in range(2, 17)]
+            near = sorted(sorted(cubes, key=lambda c: abs(c - tp))[:2])
+            raise ConfigError(f"3d needs a cube world size q³ (q ≥ 2); got {tp}. Nearest valid: "
+                              + ", ".join(map(str, near)))
+        axes, sizes = list(_AXES), [q, q, q]
+        if dp > 1:
+            axes, sizes = ["dp"] + axes, [dp] + sizes
+        return Mesh(axes=tuple(axes), sizes=tuple(sizes))
+
+    # ------------------------------------------------------------------ linear
+    def _roles(self, sx: ShardSpec):
+        """(row dim, A, B, C) of an input in a 3D layout, or the canonical one."""
+        split_rows = [(d, a) for d, a in enumerate(sx.dims[:-1]) if a]
+        if len(split_rows) == 1 and len(split_rows[0][1]) == 2 and len(sx.dims[-1]) == 1:
+            d, (A, B) = split_rows[0]
+            C = sx.dims[-1][0]
+            if {A, B, C} == set(_AXES):
+                return d, A, B, C
+        return 0, "x", "y", "z"
+
+    def linear(self, ctx) -> Choice:
+        node = ctx.node
+        xp, wp, bp, nd, kd = linear_operands(node)
+        x, w = _at(node, xp), _at(node, wp)
+        sx = ctx.spec(x).with_partial(())
+        n, k = ctx.pshape(w)[nd], ctx.pshape(w)[kd]
+        q = self.q
+        fixed = ctx.fixed_param_spec(w)
+        nrow = sx.ndim - 1
+
+        def wspec(n_axes=(), k_axes=(), m=1):
+            d, sg = [(), ()], [1, 1]
+            d[nd], d[kd] = n_axes, k_axes
+            sg[nd] = m if n_axes else 1
+            return ShardSpec(dims=tuple(d), segments=tuple(sg))
+
+        rd, A, B, C = self._roles(sx)
+        if fixed is not None and fixed.dims[nd] == () and len(fixed.dims[kd]) == 1:
+            return self._tied_head(ctx, xp, wp, bp, sx, wspec((), fixed.dims[kd]), fixed.dims[kd][0])
+        m = ctx.output_segments(node)
+        if n % (q * q * m):
+            m = 1
+        if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q or n % (q * q):
+            rows = tuple((A, B) if i == rd else () for i in range(nrow))
+            req = ShardSpec(dims=rows + ((),))
+            ins = {xp: req, wp: wspec()}
+            if bp:
+                ins[bp] = ShardSpec(dims=((),))
+            return Choice(out=req, inputs=ins, weight="replicated",
+                          notes=("replicated weight: features not divisible by q / q² or split could not pass",))
+        rows_in = tuple((A, B) if i == rd else () for i in range(nrow))
+        rows_out = tuple((A, C) if i == rd else () for i in range(nrow))
+        xreq = ShardSpec(dims=rows_in + ((C,),))
+        ins = {xp: xreq, wp: wspec((B, A), (C,), m)}
+        if bp:
+            ins[bp] = ShardSpec(dims=((B,),), segments=(m,))
+        out = ShardSpec(dims=rows_out + ((B,),), segments=(1,) * nrow + (m,))
+        x_loc = ctx.local_numel(x, xreq)
+        w_loc = n * k // q ** 3
+        y_loc = ctx.local_numel(node, out)
+        comms = (KComm("fwd", "all_gather", (B,), x_loc * q), KComm("fwd", "all_gather", (A,), w_loc * q),
+                 KComm("fwd", "reduce_scatter", (C,), y_loc * q),
+                 KComm("bwd", "all_gather", (C,), y_loc * q, (xp, wp)),
+                 KComm("bwd", "reduce_scatter", (B,), x_loc * q, (xp,)),
+                 KComm("bwd", "reduce_scatter", (A,), w_loc * q, (wp,)))
+        return Choice(out=out, inputs=ins, kernel="three_d",
+                      kernel_args={"a": [A], "b": [B], "c": [C], "row_dim": rd, "n_dim": nd, "k_dim": kd,
+                                   "segments": m, "bias": list(bp) if bp else None},
+                      comms=comms,
+                      weight=f"[k/{q} over {C}, n/{q * q} over ({B},{A})]" + (f", {m} fused blocks" if m > 1 else ""),
+                      notes=(f"rows ({A},{B})→({A},{C}), features {C}→{B}",))
+
+    def _tied_head(self, ctx, xp, wp, bp, sx, ws, C):
+        rows = tuple(tuple(a for a in d if a != C) for d in sx.dims[:-1])
+        xreq = ShardSpec(dims=rows + ((C,),))
+        ins = {xp: xreq, wp: ws}
+        if bp:
+            ins[bp] = ShardSpec(dims=((C,),))
+        out = ShardSpec(dims=rows + ((C,),))
+        full = ctx.local_numel(ctx.node, out) * self.q
+        return Choice(out=out, inputs=ins, kernel="partial_head",
+                      kernel_args={"col_axes": [C], "n_dim": 0, "bias": list(bp) if bp else None},
+                      comms=(KComm("fwd", "reduce_scatter", (C,), full), KComm("bwd", "all_gather", (C,), full, (xp, wp))),
+                      weight=f"tied table [vocab, hidden/{self.q} over {C}]",
+                      notes=(f"x·Eᵀ partial over {C}, reduce-scattered on vocab",))
+
+    # --------------------------------------------------------------- embedding
+    def embedding(self, ctx) -> Choice:
+        node = ctx.node
+        w, ids = node.args[0], node.args[1]
+        si = ctx.spec(ids)
+        V, h = ctx.pshape(w)
+        fixed = ctx.fixed_param_spec(w)
+        used = set(si.axes)
+        C = next((a for a in ("z", "y", "x") if a not in used), None)
+        if fixed is not None and fixed.dims[0] == () and len(fixed.dims[1]) == 1 and fixed.dims[1][0] not in used:
+            C = fixed.dims[1][0]
+        if C is not None and h % self.q == 0 and (fixed is None or fixed.dims == ((), (C,))):
+            return Choice(out=ShardSpec(dims=si.dims + ((C,),)), inputs={(0,): ShardSpec(dims=((), (C,))), (1,): si},
+                          weight=f"[vocab, hidden/{self.q} over {C}]")
+        return Choice(out=ShardSpec(dims=si.dims + ((),)), inputs={(0,): ShardSpec(dims=((), ())), (1,): si},
+                      weight="replicated")
