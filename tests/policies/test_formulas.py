@@ -96,3 +96,37 @@ def test_gqa_kv_replicated_when_heads_do_not_divide():
     assert kv and all(n.weight == "replicated" for n in kv)
     assert all(plan.param(f"model.layers.{i}.self_attn.q_proj.weight").spec.dims[0] == ("tp",) for i in (0, 1))
     assert plan.param("lm_head.weight").spec.dims[0] == ("tp",)      # vocab-parallel head
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_three_d_comm_formula(name):
+    """DESIGN §8, 3D: 2(q−1)/q³·(Nk + kn + Nn) bytes per rank per Linear; W has no replica."""
+    plan = _plan(name, 8, "3d")
+    q = 2
+    nodes = [n for n in plan.nodes if n.kernel == "three_d"]
+    assert nodes
+    for n in nodes:
+        a, c = math.prod(n.global_shape[:-1]), n.global_shape[-1]
+        # the forward all-gather of X carries [N/q, k/q]
+        k = next(cm for cm in n.comms if cm.phase == "fwd" and cm.kind == "all_gather").buffer_bytes * q * q // (a * 4)
+        expect = 2 * (q - 1) / q ** 3 * (a * k + k * c + a * c) * 4
+        assert sum(cm.bytes_per_rank for cm in n.comms) == pytest.approx(expect, rel=1e-12), n.name
+    for pp in plan.params:
+        if len(pp.global_shape) == 2 and pp.spec.dims[0] and pp.spec.dims[1]:
+            assert pp.grad_sync == ()        # every Linear weight is split over all three axes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_three_d_no_activation_regathers(name):
+    """Residual adds and norms never re-layout in 3D: Linear pairs land back on the
+    residual layout. The only re-layouts are of integer / boolean tensors built on
+    the input's (x,y) batch split and consumed where rows are split over (x,z):
+    the attention mask (at the first attention) and the labels (at the loss)."""
+    plan = _plan(name, 8, "3d")
+    assert plan.fallbacks == []
+    relayouts = [(n.name, n.op, path) for n in plan.nodes if n.name != "output"
+                 for path, steps in n.arg_steps if any(s.op in ("gather", "scatter", "reduce_from") for s in steps)]
+    allowed = {("scaled_dot_product_attention", (3,)), ("cross_entropy_loss", (1,))}
+    assert {(op, path) for _, op, path in relayouts} <= allowed, relayouts
+    # the mask is re-laid out once and shared by every later attention
+    assert sum(1 for n in plan.nodes if n.op == "scaled_dot_product_attention" and n.comms) == 1
