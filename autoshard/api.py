@@ -22,8 +22,8 @@ MODES = tuple(POLICIES)
 
 
 def _policy(mode: str, world_size: int, depth, dp):
-    if mode == "auto":
-        raise ConfigError("mode='auto' needs the cost model, which is not built yet; choose one of "
+    if mode == "auto":      # resolved by plan()/shard() through autoshard.search
+        raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "
                           + ", ".join(repr(m) for m in MODES))
     if mode not in POLICIES:
         raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in MODES)}")
@@ -77,7 +77,7 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
 
 def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
-          captured: Captured | None = None, weights=None) -> ShardedModule:
+          captured: Captured | None = None, weights=None, cluster=None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -85,6 +85,10 @@ def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None,
     shape the plan's communication figures are computed for. ``weights(gm, plan,
     rank)``, if given, fills the rewritten module's parameters and buffers (e.g.
     from files, for a model built on meta) before the ShardedModule is built.
+    ``mode="auto"`` picks the cheapest TP layout for this world size and ``dp`` on
+    ``cluster`` (a preset name, a :class:`~autoshard.cost.Cluster`, e.g. from
+    :func:`autoshard.profile`; default: guessed from the device), see
+    :func:`autoshard.search`.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -94,8 +98,17 @@ def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None,
     """
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
-    pol = _policy(mode, world, depth, dp)          # validates before any collective
-    cap = captured or capture(model, example_inputs=example_inputs)
+    if mode == "auto":      # deterministic: every rank picks the same candidate
+        from .cost import default_cluster
+        from .search import search
+
+        cap = captured or capture(model, example_inputs=example_inputs)
+        ids = cap.example_inputs["input_ids"]
+        pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
+                     batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
+    else:
+        pol = _policy(mode, world, depth, dp)          # validates before any collective
+        cap = captured or capture(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
     p = propagate(cap, pol, batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
     groups = _groups_for(p, rank)
@@ -130,7 +143,8 @@ def _model_from(obj, *, meta: bool = True):
 
 
 def plan(model_or_config, *, world_size: int = 8, mode: str = "1d", depth: int | None = None, dp: int = 1,
-         batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None) -> ShardingPlan:
+         batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
+         cluster=None) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -140,7 +154,17 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "1d", depth: int |
         >>> p = plan(cfg, world_size=4, mode="2d", batch_size=4, seq_len=16)
         >>> p.mesh.axes, p.param("lm_head.weight").spec
         (('row', 'col'), [S(col), S(row)])
+
+    ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
+    (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
+    dp are searched unless given (dp > 1 pins dp).
     """
+    if mode == "auto":
+        from .search import search
+
+        return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
+                      dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
+                      example_inputs=example_inputs).plan
     pol = _policy(mode, world_size, depth, dp)
     model = _model_from(model_or_config)
     model.train()

@@ -1,0 +1,359 @@
+"""``autoshard`` command line: plan a model on a mesh, or check it can be sharded.
+
+No processes and no weights: the model is built on the meta device from a local
+Hugging Face folder, a ``config.json``, or a known architecture name
+(``llama:7b``, ``gpt2:small``, ...; see ``autoshard plan --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser"]
+
+# Public shapes of well-known checkpoints. Dropout is 0: autoshard refuses p > 0 in
+# train mode (no per-rank RNG streams yet), and planning does not depend on it.
+KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
+    "llama:tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=256)),
+    "llama:7b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)),
+    "llama:13b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)),
+    "llama:70b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
+    "gpt2:small": ("GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2:medium": ("GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2:large": ("GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2:xl": ("GPT2LMHeadModel", "GPT2Config", dict(
+        n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "bert:base": ("BertForMaskedLM", "BertConfig", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
+    "bert:large": ("BertForMaskedLM", "BertConfig", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
+}
+
+_EPILOG_PLAN = """\
+MODEL_OR_CONFIG is one of
+  a local Hugging Face folder (with config.json), e.g. ./my-model
+  a config.json file,                            e.g. ./config.json
+  a known architecture:size,                     one of {known}
+
+examples:
+  autoshard plan llama:7b --world-size 64 --mode 2.5d --depth 4 --batch-size 64 --seq-len 2048
+  autoshard plan llama:7b --world-size 64 --mode auto --cluster dgx-a100 --batch-size 64 --seq-len 2048
+  autoshard plan ./config.json --world-size 4 --mode 2d --batch-size 4 --seq-len 16 --json plan.json
+  autoshard plan gpt2:small --world-size 8 --mode 1d --all-nodes
+
+Numbers are per rank and per training step (forward + backward). The predicted
+time is the cost model's (see autoshard/cost.py): compute = 3 x forward FLOPs /
+cluster FLOP/s, plus every collective's latency + bytes / bandwidth on its link.
+With --mode auto, --batch-size is the global batch (split over dp replicas).
+"""
+
+_EPILOG_CHECK = """\
+Reports, without processes or weights, whether MODEL_OR_CONFIG can be sharded
+on this mesh, and lists the problems: planning errors (unsupported op, bad
+world size / depth, heads not divisible, dropout in train mode, ...), fallback
+nodes (ops gathered to a replicated layout), a batch that does not split over
+the batch axes, and (with --cluster) a plan that does not fit in memory.
+
+exit status: 0 no problems, 1 problems found, 2 bad arguments.
+
+examples:
+  autoshard check llama:7b --world-size 8 --mode 1d
+  autoshard check ./config.json --world-size 8 --mode 2.5d --depth 2 --batch-size 8
+"""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None:
+    from .cost import CLUSTERS
+    from .policies import POLICIES
+
+    p.add_argument("model", metavar="MODEL_OR_CONFIG",
+                   help="local HF folder, config.json path, or a known name such as llama:7b")
+    p.add_argument("--world-size", "-w", type=int, required=True, metavar="N",
+                   help="number of ranks to plan for (no processes are started)")
+    modes = ["auto", *POLICIES]
+    p.add_argument("--mode", "-m", default=mode_default, required=mode_default is None, choices=modes,
+                   help="tensor-parallel mode; 'auto' ranks every valid (mode, q, d, dp) by predicted step time")
+    p.add_argument("--depth", "-d", type=int, default=None, metavar="D",
+                   help="2.5d depth d (world = dp·d·q²); with --mode auto it pins d")
+    p.add_argument("--dp", type=int, default=None, metavar="R",
+                   help="data-parallel replicas outside the TP mesh (default 1; searched with --mode auto)")
+    p.add_argument("--batch-size", "-b", type=int, default=8, metavar="B",
+                   help="sequences per step (per dp replica; global batch with --mode auto)")
+    p.add_argument("--seq-len", "-s", type=int, default=128, metavar="S", help="tokens per sequence")
+    p.add_argument("--cluster", "-c", default=None, metavar="PRESET",
+                   help="hardware for the cost model: a preset (" + ", ".join(CLUSTERS)
+                        + ") or a JSON file with the Cluster fields; default dgx-a100")
+    p.add_argument("--width", type=int, default=None, metavar="COLS",
+                   help="console width for the tables (default: terminal width, at least 220)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autoshard`` argument parser (``plan`` and ``check`` subcommands)."""
+    known = ", ".join(KNOWN_MODELS)
+    ap = argparse.ArgumentParser(
+        prog="autoshard", formatter_class=_Help,
+        description="Automatic tensor parallelism for Hugging Face models: print the sharding plan of a "
+                    "model on a mesh (1d / 2d / 2.5d / 3d or auto), or check that it can be sharded.",
+        epilog="run `autoshard plan --help` or `autoshard check --help` for the options and examples")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check}")
+    pp = sub.add_parser("plan", formatter_class=_Help, help="print the plan table, summary and cost",
+                        description="Plan MODEL_OR_CONFIG on WORLD_SIZE ranks and print the per-node plan table, "
+                                    "a per-rank summary (parameter, gradient, optimizer and activation bytes, "
+                                    "predicted communication bytes and time per step, fallbacks) and, for "
+                                    "--mode auto, the ranked candidates.",
+                        epilog=_EPILOG_PLAN.format(known=known))
+    _add_common(pp, mode_default="auto")
+    pp.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the plan, summary, cost and (auto) candidates as JSON")
+    pp.add_argument("--all-nodes", action="store_true",
+                    help="list every graph node in the plan table, not only linear/norm/attention/"
+                         "embedding/loss and fallbacks")
+    pp.add_argument("--no-table", action="store_true", help="skip the per-node plan table")
+    pp.add_argument("--top", type=int, default=12, metavar="K",
+                    help="with --mode auto, show the K best candidates (and up to K dropped ones); 0 = all")
+    cp = sub.add_parser("check", formatter_class=_Help, help="report whether a model can be sharded (exit 1 if not)",
+                        description="Check MODEL_OR_CONFIG on WORLD_SIZE ranks without processes.",
+                        epilog=_EPILOG_CHECK)
+    _add_common(cp, mode_default=None)
+    return ap
+
+
+# --------------------------------------------------------------------------- helpers
+
+class _UsageError(Exception):
+    pass
+
+
+def resolve_model(spec: str):
+    """A config (or model) for a local folder, a config.json, or a known ``arch:size`` name."""
+    import transformers
+
+    if os.path.isdir(spec) or (os.path.isfile(spec) and spec.endswith(".json")):
+        try:
+            return transformers.AutoConfig.from_pretrained(spec)
+        except Exception as e:   # transformers raises OSError / ValueError / KeyError
+            raise _UsageError(f"cannot read a Hugging Face config from {spec!r}: {e}") from e
+    key = spec.lower()
+    if key in KNOWN_MODELS:
+        arch, cfg_cls, kw = KNOWN_MODELS[key]
+        return getattr(transformers, cfg_cls)(**kw, architectures=[arch])
+    raise _UsageError(f"{spec!r} is neither a local folder, a config.json nor a known model; "
+                      f"known: {', '.join(KNOWN_MODELS)}")
+
+
+def _cluster(arg):
+    from .cost import Cluster
+
+    if arg is None:
+        return Cluster.preset("dgx-a100")
+    if os.path.isfile(arg):
+        with open(arg) as f:
+            d = json.load(f)
+        return Cluster(**{k: v for k, v in d.items() if k in Cluster.__dataclass_fields__})
+    return Cluster.preset(arg)
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} TiB"
+
+
+def _seconds(s: float) -> str:
+    if s < 1e-6:
+        return f"{s * 1e9:,.1f} ns"
+    return f"{s * 1e6:,.1f} µs" if s < 1e-3 else (f"{s * 1e3:,.2f} ms" if s < 1 else f"{s:,.3f} s")
+
+
+def _console(width):
+    from rich.console import Console
+
+    if width is None:
+        width = max(Console().width if sys.stdout.isatty() else 0, 220)
+    return Console(width=width, highlight=False)
+
+
+def summary(plan, cost) -> dict:
+    """The plan's own summary merged with the cost model's figures."""
+    s = plan.summary()
+    s.update({f"predicted_{k}": v for k, v in cost.to_dict().items() if k not in ("notes",)})
+    s["notes"] = list(cost.notes)
+    return s
+
+
+def print_summary(console, plan, cost, cluster) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"per rank, per training step · {plan.mode} · mesh {plan.mesh} · {cluster.name}",
+              show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    t.add_column("detail")
+    t.add_row("batch × seq", f"{plan.batch_size} × {plan.seq_len}",
+              "per dp replica" if plan.dp > 1 else "every rank of the mesh gets this batch")
+    t.add_row("parameters", human_bytes(cost.param_bytes), f"{plan.param_bytes_per_rank:,} B")
+    t.add_row("gradients", human_bytes(cost.grad_bytes), "same as parameters")
+    t.add_row("optimizer state", human_bytes(cost.optimizer_bytes), "AdamW: 2 fp32 moments per parameter")
+    t.add_row("activations", human_bytes(cost.activation_bytes), "sum of local node outputs (rough)")
+    t.add_row("memory total", human_bytes(cost.memory_bytes),
+              ("fits in " if cost.fits else "DOES NOT FIT in ") + human_bytes(cluster.memory_bytes))
+    t.add_row("comm bytes fwd / bwd", f"{human_bytes(plan.comm_bytes_per_rank('fwd'))} / "
+              f"{human_bytes(cost.comm_bytes - plan.comm_bytes_per_rank('fwd'))}",
+              f"{cost.collective_calls} collective calls, {human_bytes(cost.inter_node_bytes)} across nodes")
+    t.add_row("comm time fwd / bwd", f"{_seconds(cost.comm_s_fwd)} / {_seconds(cost.comm_s_bwd)}",
+              "alpha-beta per link class")
+    t.add_row("compute time", _seconds(cost.compute_s), f"{cost.flops_fwd / 1e9:,.2f} GFLOP forward × 3")
+    t.add_row("predicted step", _seconds(cost.step_s), "compute + comm, no overlap")
+    fb = plan.fallbacks
+    t.add_row("fallbacks", str(len(fb)), ", ".join(n.name for n in fb[:8]) + (" …" if len(fb) > 8 else ""))
+    for n in cost.notes:
+        t.add_row("note", "", n)
+    console.print(t)
+
+
+# --------------------------------------------------------------------------- commands
+
+def _plan_or_search(args, cluster):
+    from .api import _model_from, plan as make_plan
+    from .search import search
+
+    cfg = resolve_model(args.model)
+    if args.mode == "auto":
+        res = search(_model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
+                     dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True)
+        return res.plan, res
+    p = make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
+                  batch_size=args.batch_size, seq_len=args.seq_len)
+    return p, None
+
+
+def cmd_plan(args) -> int:
+    from .cost import estimate
+    from .errors import AutoshardError
+
+    console = _console(args.width)
+    cluster = _cluster(args.cluster)
+    try:
+        plan, res = _plan_or_search(args, cluster)
+    except AutoshardError as e:
+        console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
+        return 1
+    cost = estimate(plan, cluster)
+    if res is not None:
+        res.show(console, top=args.top or None)
+    if not args.no_table:
+        console.print(plan.table(all_nodes=args.all_nodes))
+    print_summary(console, plan, cost, cluster)
+    if args.json:
+        out = {"summary": summary(plan, cost), "cluster": cluster.__dict__, "plan": json.loads(plan.to_json())}
+        if res is not None:
+            out["search"] = res.to_dict()
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
+    """(problems, notes, plan-or-None) for the ``check`` command."""
+    from .cost import estimate
+
+    problems, notes = [], []
+    try:
+        plan, _ = _plan_or_search(args, cluster or _cluster(None))
+    except _UsageError:
+        raise
+    except Exception as e:      # every planning error is a finding here, not a crash
+        problems.append(f"{type(e).__name__}: {e}")
+        return problems, notes, None
+    for n in plan.fallbacks:
+        problems.append(f"fallback node {n.name} ({n.op}, {n.module or '-'}): " + ("; ".join(n.notes) or
+                                                                                   "re-laid out to replicated"))
+    bsplit = plan.mesh.size(tuple(a for a in plan.batch_axes if a != "dp")) if plan.batch_axes else 1
+    if plan.batch_size % bsplit:
+        problems.append(f"batch {plan.batch_size} does not split over {','.join(plan.batch_axes)} "
+                        f"({bsplit} blocks); use a multiple of {bsplit}")
+    for n in plan.nodes:
+        if n.kind == "linear" and n.weight == "replicated":
+            notes.append(f"{n.name} ({n.module}): weight replicated" + (f" — {'; '.join(n.notes)}" if n.notes else ""))
+    if cluster is not None:
+        cost = estimate(plan, cluster)
+        if not cost.fits:
+            problems.append(f"needs {human_bytes(cost.memory_bytes)} per rank, {cluster.name} has "
+                            f"{human_bytes(cluster.memory_bytes)}")
+    return problems, notes, plan
+
+
+def cmd_check(args) -> int:
+    console = _console(args.width)
+    cluster = _cluster(args.cluster) if args.cluster else None
+    problems, notes, plan = check_problems(args, cluster)
+    where = f"{args.model} on {args.world_size} ranks, mode {args.mode}"
+    if plan is not None:
+        where += f" (mesh {plan.mesh}, {plan.mode})"
+    for n in notes:
+        console.print(f"  note: {n}", markup=False)
+    if problems:
+        console.print(f"[bold red]✗[/bold red] {where}: {len(problems)} problem(s)")
+        for p in problems:
+            console.print(f"  - {p}", markup=False)
+        return 1
+    console.print(f"[bold green]✓[/bold green] {where} can be sharded: "
+                  f"{sum(1 for n in plan.nodes if n.kind != 'other')} planned nodes, no fallbacks")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``autoshard`` console script."""
+    from .errors import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("world_size", "depth", "dp", "batch_size", "seq_len"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        return cmd_check(args)
+    except _UsageError as e:
+        print(f"autoshard: error: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:          # a bad --cluster and the like, before any planning
+        print(f"autoshard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,521 @@
+"""Cost model: per-rank FLOPs, memory and alpha-beta communication time of a plan.
+
+Everything here reads a :class:`~autoshard.plan.ShardingPlan` (pure data) and a
+:class:`Cluster`; nothing runs a collective except :func:`profile`, which times
+a few on the current process group and returns a measured :class:`Cluster`.
+
+Model (one training step on one rank, no overlap of compute and communication)::
+
+    step = 3·F_fwd / flops                          # backward ≈ 2 × forward
+         + Σ_collectives  steps·α_link + load·B / β_link
+
+* ``F_fwd``: Linear ``2·N·k·n / w`` where ``w`` is the number of ranks that share
+  the work (mesh axes splitting the output, the weight, or holding a partial
+  sum), attention ``4·b·h·s²·d`` on the local ``[b, h, s, d]`` block.
+* ``B``: bytes one rank sends (ring model, DESIGN §5); ``steps``: ``2(p−1)`` for
+  an all-reduce, ``p−1`` for an all-gather / reduce-scatter.
+* link class: a group whose ranks all sit in one node (``rank // ranks_per_node``
+  with the mesh's rank = coordinate formula, outermost axis first) runs at
+  ``intra_bw`` / ``intra_latency``; otherwise its ring crosses node boundaries
+  and each node's network (``inter_bw``, the node's links together) carries every
+  crossing edge of every group running at the same time, so ``load`` is the
+  busiest node's number of outgoing crossing edges.
+* memory per rank: parameters + gradients (same size) + optimizer state
+  (AdamW: two fp32 moments per parameter) + activations (sum of the local output
+  bytes of every node that allocates, views excluded: a rough upper estimate of
+  what is held for backward).
+
+Example:
+    >>> c = Cluster.preset("dgx-a100")
+    >>> c.ranks_per_node, c.memory_bytes // 2**30
+    (8, 80)
+    >>> link_of(Mesh(axes=("dep", "row", "col"), sizes=(4, 4, 4)), ("col",), 4)
+    ('intra', 0)
+    >>> link_of(Mesh(axes=("dep", "row", "col"), sizes=(4, 4, 4)), ("row",), 4)
+    ('inter', 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .mesh import Mesh
+from .plan import Comm, NodePlan, ShardingPlan
+
+__all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "link_of", "collective_time",
+           "node_flops", "default_cluster", "profile"]
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Hardware figures the cost model needs (SI units: bytes, seconds, FLOP/s).
+
+    Attributes:
+        ranks_per_node: ranks that share a node (NVLink / shared memory).
+        intra_bw: bytes/s one rank sends to a peer in its node.
+        intra_latency: seconds per ring step inside a node.
+        inter_bw: bytes/s of one node's network links together (shared by the
+            ranks of that node that send across nodes at the same time).
+        inter_latency: seconds per ring step across nodes.
+        flops: sustained matmul FLOP/s of one rank.
+        memory_bytes: memory of one rank (GPU memory, or host memory / ranks).
+        name: preset name or ``"custom"`` / ``"measured"``.
+    """
+
+    ranks_per_node: int
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    flops: float
+    memory_bytes: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"Cluster.{f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("intra_latency", "inter_latency"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> "Cluster":
+        """One of :data:`CLUSTERS` by name (``dgx-a100``, ``h100-sxm``, ``cpu-gloo``,
+        ``tesseract-paper``)."""
+        if isinstance(name, Cluster):
+            return name
+        try:
+            return CLUSTERS[name]
+        except KeyError:
+            raise ConfigError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTERS)}") from None
+
+    def replace(self, **changes) -> "Cluster":
+        """A copy with some fields changed (e.g. ``memory_bytes``)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.ranks_per_node} ranks/node, intra {self.intra_bw / 1e9:g} GB/s "
+                f"+ {self.intra_latency * 1e6:g} µs, inter {self.inter_bw / 1e9:g} GB/s/node "
+                f"+ {self.inter_latency * 1e6:g} µs, {self.flops / 1e12:g} TFLOP/s, "
+                f"{self.memory_bytes / GiB:g} GiB/rank")
+
+
+#: Presets. ``flops`` is a *sustained* rate (roughly 60% of the dense peak of the
+#: training dtype), what :func:`profile` would measure, not the datasheet peak.
+CLUSTERS: dict[str, Cluster] = {
+    # DGX A100 80GB: NVLink3 via NVSwitch 300 GB/s per direction per GPU (≈230 achieved
+    # by NCCL), 8 × HDR 200 Gb/s NICs per node; bf16 dense peak 312 TFLOP/s.
+    "dgx-a100": Cluster(name="dgx-a100", ranks_per_node=8, intra_bw=230e9, intra_latency=8e-6,
+                        inter_bw=8 * 25e9, inter_latency=15e-6, flops=190e12, memory_bytes=80 * GiB),
+    # DGX H100 / HGX H100 SXM: NVLink4 450 GB/s per direction per GPU (≈360 achieved),
+    # 8 × NDR 400 Gb/s NICs; bf16 dense peak 989 TFLOP/s.
+    "h100-sxm": Cluster(name="h100-sxm", ranks_per_node=8, intra_bw=360e9, intra_latency=6e-6,
+                        inter_bw=8 * 50e9, inter_latency=12e-6, flops=600e12, memory_bytes=80 * GiB),
+    # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
+    "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
+                        inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB),
+    # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
+    # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
+    # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
+    "tesseract-paper": Cluster(name="tesseract-paper", ranks_per_node=4, intra_bw=200e9, intra_latency=10e-6,
+                               inter_bw=25e9, inter_latency=20e-6, flops=0.4 * 156e12, memory_bytes=40 * GiB),
+}
+
+
+def default_cluster() -> Cluster:
+    """A preset guessed from this process's device: ``h100-sxm`` on an H100,
+    ``dgx-a100`` on another GPU, ``cpu-gloo`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return CLUSTERS["cpu-gloo"]
+    name = torch.cuda.get_device_name()
+    return CLUSTERS["h100-sxm"] if "H100" in name or "H200" in name else CLUSTERS["dgx-a100"]
+
+
+# --------------------------------------------------------------------------- links
+
+@functools.lru_cache(maxsize=4096)
+def link_of(mesh: Mesh, axes: tuple[str, ...], ranks_per_node: int) -> tuple[str, int]:
+    """``("intra", 0)`` if every group along ``axes`` sits inside one node, else
+    ``("inter", load)`` where ``load`` is the largest number of ring edges (over all
+    groups along ``axes``, running at once) that leave one node."""
+    axes = tuple(axes)
+    if mesh.size(axes) <= 1 or ranks_per_node >= mesh.world_size:
+        return ("intra", 0)
+    strides = {}
+    s = 1
+    for a, n in zip(reversed(mesh.axes), reversed(mesh.sizes)):
+        strides[a] = s
+        s *= n
+    # offsets of a group's members from its first rank, in ring order (first axis most significant)
+    ring = [0]
+    for a in axes:
+        ring = [o + c * strides[a] for o in ring for c in range(mesh.size(a))]
+    others = [a for a in mesh.axes if a not in axes]
+    bases = [0]
+    for a in others:
+        bases = [b + c * strides[a] for b in bases for c in range(mesh.size(a))]
+    out_edges: dict[int, int] = {}
+    crossing = False
+    for b in bases:
+        nodes = [(b + o) // ranks_per_node for o in ring]
+        for x, y in zip(nodes, nodes[1:] + nodes[:1]):
+            if x != y:
+                crossing = True
+                out_edges[x] = out_edges.get(x, 0) + 1
+    if not crossing:
+        return ("intra", 0)
+    return ("inter", max(out_edges.values()))
+
+
+def collective_time(c: Comm, mesh: Mesh, cluster: Cluster) -> tuple[float, str]:
+    """Seconds for one collective call and its link class (``intra`` / ``inter``)."""
+    p = c.group_size
+    if p <= 1 or c.buffer_bytes == 0:
+        return 0.0, "none"
+    steps = 2 * (p - 1) if c.kind == "all_reduce" else (p - 1)
+    link, load = link_of(mesh, tuple(c.axes), cluster.ranks_per_node)
+    b = c.bytes_per_rank
+    if link == "intra":
+        return steps * cluster.intra_latency + b / cluster.intra_bw, link
+    # the ring is as slow as its slowest edge: NVLink inside, the shared NIC across
+    t_bw = max(b / cluster.intra_bw, load * b / cluster.inter_bw)
+    return steps * cluster.inter_latency + t_bw, link
+
+
+# --------------------------------------------------------------------------- flops
+
+_VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "permute", "transpose.int", "t", "expand", "unsqueeze", "squeeze",
+    "squeeze.dim", "slice.Tensor", "select.int", "getitem", "alias", "detach", "split.Tensor",
+    "split_with_sizes", "chunk", "sym_size.int", "output", "unflatten.int", "flatten.using_ints",
+    "lift_fresh_copy", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
+})
+
+
+def _numel(shape) -> int:
+    if not shape:
+        return 0 if shape == () else 1
+    if isinstance(shape[0], (tuple, list)):
+        return sum(_numel(s) for s in shape)
+    return math.prod(int(x) for x in shape)
+
+
+def _spec_axes(spec) -> set:
+    if spec is None:
+        return set()
+    if isinstance(spec, tuple):
+        out = set()
+        for s in spec:
+            out |= _spec_axes(s)
+        return out
+    return set(spec.axes) | set(spec.partial)
+
+
+def _param_index(plan: ShardingPlan) -> dict:
+    idx = {}
+    for p in plan.params:
+        for n in (p.name, *p.aliases):
+            idx[n] = p
+    return idx
+
+
+def node_flops(n: NodePlan, plan: ShardingPlan, params: dict | None = None) -> float:
+    """Forward FLOPs of one node on one rank (0 for cheap elementwise / view ops)."""
+    if n.kind == "linear":
+        params = params if params is not None else _param_index(plan)
+        pp = params.get(f"{n.module}.weight") if n.module else None
+        gshape = n.global_shape[0] if n.global_shape and isinstance(n.global_shape[0], tuple) else n.global_shape
+        if not gshape:
+            return 0.0
+        out = math.prod(gshape)                      # N·n
+        n_feat = gshape[-1]
+        work = _spec_axes(n.out_spec)
+        if pp is not None and len(pp.global_shape) == 2:
+            nd = n.kernel_args.get("n_dim")
+            if nd in (0, 1):
+                k = pp.global_shape[1 - nd]
+            else:
+                a, b = pp.global_shape
+                k = b if a == n_feat else a
+            work |= set(pp.spec.axes)
+        else:                                        # weight unknown: assume square
+            k = n_feat
+        return 2.0 * out * k / plan.mesh.size(tuple(sorted(work, key=plan.mesh.axes.index)))
+    if n.kind == "attention":
+        ls = n.local_shape
+        if ls and not isinstance(ls[0], tuple) and len(ls) == 4:
+            b, h, s, d = ls
+            return 4.0 * b * h * s * s * d
+    return 0.0
+
+
+# --------------------------------------------------------------------------- estimate
+
+@dataclass(frozen=True, kw_only=True)
+class CommTime:
+    """One collective of the step with its predicted time."""
+
+    comm: Comm
+    seconds: float
+    link: str
+    node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostEstimate:
+    """Predicted figures for one training step on one rank (bytes, seconds, FLOPs)."""
+
+    cluster: str
+    flops_fwd: float
+    compute_s: float
+    comm_s_fwd: float
+    comm_s_bwd: float
+    comm_bytes: float
+    inter_node_bytes: float
+    collective_calls: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    memory_limit: int
+    notes: tuple[str, ...] = ()
+    comms: tuple[CommTime, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm_s_fwd + self.comm_s_bwd
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_limit
+
+    def to_dict(self) -> dict:
+        return {"cluster": self.cluster, "flops_fwd": self.flops_fwd, "compute_s": self.compute_s,
+                "comm_s_fwd": self.comm_s_fwd, "comm_s_bwd": self.comm_s_bwd, "comm_s": self.comm_s,
+                "step_s": self.step_s, "comm_bytes": self.comm_bytes, "inter_node_bytes": self.inter_node_bytes,
+                "collective_calls": self.collective_calls, "param_bytes": self.param_bytes,
+                "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes,
+                "memory_limit": self.memory_limit, "fits": self.fits, "notes": list(self.notes)}
+
+
+def _dp_grad_comms(plan: ShardingPlan) -> list[Comm]:
+    """Gradient all-reduce over ``dp`` for parameters whose plan does not sync it."""
+    if "dp" not in plan.mesh.axes or plan.mesh.size("dp") <= 1:
+        return []
+    return [Comm(phase="bwd", kind="all_reduce", axes=("dp",), group_size=plan.mesh.size("dp"),
+                 buffer_bytes=p.local_bytes(plan.mesh))
+            for p in plan.params if not p.is_buffer and "dp" not in p.grad_sync]
+
+
+def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
+    """Sum of the local output bytes of every node that allocates (views excluded)."""
+    if dtype_bytes is None:
+        sizes = [p.dtype_bytes for p in plan.params if not p.is_buffer]
+        dtype_bytes = max(set(sizes), key=sizes.count) if sizes else 4
+    total = 0
+    for n in plan.nodes:
+        if n.kind == "input" or n.op in _VIEW_OPS or n.op.startswith(("sym_", "_assert")):
+            continue
+        total += _numel(n.local_shape) * dtype_bytes
+    return int(total)
+
+
+def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
+             activation_dtype_bytes: int | None = None) -> CostEstimate:
+    """Predict one training step of ``plan`` on ``cluster`` for one rank.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> import autoshard
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> p = autoshard.plan(cfg, world_size=2, mode="1d", batch_size=4, seq_len=16)
+        >>> e = estimate(p, "cpu-gloo")
+        >>> e.param_bytes == p.param_bytes_per_rank, e.step_s > e.compute_s > 0
+        (True, True)
+    """
+    cluster = Cluster.preset(cluster)
+    mesh = plan.mesh
+    params = _param_index(plan)
+    flops = sum(node_flops(n, plan, params) for n in plan.nodes)
+    timed: list[CommTime] = []
+    for n in plan.nodes:
+        for c in n.comms:
+            t, link = collective_time(c, mesh, cluster)
+            timed.append(CommTime(comm=c, seconds=t, link=link, node=n.name))
+    notes = []
+    for c in plan.grad_sync_comms():
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
+    extra = _dp_grad_comms(plan)
+    if extra:
+        notes.append("dp gradient all-reduce added by the cost model (the plan does not list it)")
+    for c in extra:
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
+    pbytes = plan.param_bytes_per_rank
+    trainable = sum(p.local_bytes(mesh) // p.dtype_bytes for p in plan.params if not p.is_buffer)
+    if optimizer in (None, "none", "sgd"):
+        obytes = 0
+    elif optimizer in ("adam", "adamw"):
+        obytes = 2 * 4 * trainable
+    else:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose 'adamw', 'adam', 'sgd' or None")
+    if plan.fallbacks:
+        notes.append(f"{len(plan.fallbacks)} fallback node(s)")
+    return CostEstimate(
+        cluster=cluster.name, flops_fwd=flops, compute_s=3.0 * flops / cluster.flops,
+        comm_s_fwd=sum(t.seconds for t in timed if t.comm.phase == "fwd"),
+        comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
+        comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
+        inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
+        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=pbytes, optimizer_bytes=obytes,
+        activation_bytes=activation_bytes(plan, activation_dtype_bytes), memory_limit=cluster.memory_bytes,
+        notes=tuple(notes), comms=tuple(timed))
+
+
+# --------------------------------------------------------------------------- profile
+
+def _fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """Least squares of ``t = steps·α + bytes/β`` over (steps, bytes, seconds); returns (α, β)."""
+    s_ss = sum(s * s for s, _, _ in samples)
+    s_sb = sum(s * b for s, b, _ in samples)
+    s_bb = sum(b * b for _, b, _ in samples)
+    s_st = sum(s * t for s, _, t in samples)
+    s_bt = sum(b * t for _, b, t in samples)
+    det = s_ss * s_bb - s_sb * s_sb
+    if det <= 0:
+        inv_beta = max(s_bt / s_bb, 1e-15) if s_bb else 1e-15
+        return 0.0, 1.0 / inv_beta
+    alpha = (s_st * s_bb - s_bt * s_sb) / det
+    inv_beta = (s_ss * s_bt - s_sb * s_st) / det
+    if alpha < 0 or inv_beta <= 0:          # noisy timings: fall back to one-parameter fits
+        inv_beta = max(s_bt / s_bb, 1e-15)
+        alpha = max(0.0, min((t - b * inv_beta) / s for s, b, t in samples))
+    return max(alpha, 0.0), 1.0 / inv_beta
+
+
+def _time_collectives(group, p: int, device, sizes, iters: int) -> list[tuple[int, float, float]]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        numel = max(p, nbytes // 4 // p * p)
+        x = torch.ones(numel, dtype=torch.float32, device=device)
+        y = torch.empty(numel, dtype=torch.float32, device=device)
+        for kind in ("all_reduce", "all_gather"):
+            def once():
+                if kind == "all_reduce":
+                    dist.all_reduce(x, group=group)
+                else:
+                    dist.all_gather_into_tensor(y, x[: numel // p], group=group)
+            once()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                once()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / iters
+            steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+            sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4
+            out.append((steps, sent, dt))
+    return out
+
+
+def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int = 5,
+            ranks_per_node: int | None = None, matmul_size: int | None = None,
+            memory_bytes: int | None = None) -> Cluster:
+    """Measure a :class:`Cluster` on the current process group (call on every rank).
+
+    Times all-reduces and all-gathers of ``sizes`` bytes inside each node (and, if
+    the job spans nodes, between ranks of the same local index on different nodes,
+    all such groups at once, as tensor-parallel traffic would run) and one matmul;
+    fits ``t = steps·α + bytes/β`` per link class. The figures are maxed over ranks,
+    so every rank returns the same Cluster (and ``mode="auto"`` picks the same plan
+    everywhere). With one node the inter-node figures copy the intra-node ones.
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        cluster = autoshard.profile()
+        sharded = autoshard.shard(model, mode="auto", cluster=cluster)
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("autoshard.profile needs an initialised process group (run under torchrun)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if rpn < 1 or world % rpn:
+        raise ConfigError(f"ranks_per_node={rpn} must divide the world size {world}")
+    cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    # groups are created by every rank in the same order
+    node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(world // rpn)]
+    slot_groups = [dist.new_group(list(range(s, world, rpn))) for s in range(rpn)] if world > rpn else []
+    intra = inter = None
+    if rpn > 1:
+        intra = _fit_alpha_beta(_time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters))
+    if slot_groups:
+        a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters))
+        inter = (a, b * rpn)       # all rpn slots ran at once: the node's links carried rpn flows
+    if intra is None:
+        intra = inter if inter is not None else (0.0, 1e12)
+    if inter is None:
+        inter = intra
+
+    n = matmul_size or (4096 if cuda else 512)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a_ = torch.randn(n, n, device=device, dtype=dtype)
+    b_ = torch.randn(n, n, device=device, dtype=dtype)
+    a_ @ b_
+    if cuda:
+        torch.cuda.synchronize()
+    reps = 10 if cuda else 3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a_ @ b_
+    if cuda:
+        torch.cuda.synchronize()
+    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+    if memory_bytes is None:
+        if cuda:
+            memory_bytes = torch.cuda.get_device_properties(device).total_memory
+        else:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
+    # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory
+    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes)],
+                        dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    v = vals.tolist()
+    return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
+                   inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]))

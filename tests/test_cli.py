@@ -1,0 +1,108 @@
+"""The ``autoshard`` command line (autoshard/cli.py): plan, check, --help, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from autoshard.cli import KNOWN_MODELS, build_parser, main, resolve_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def config_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "config.json"
+    transformers.LlamaConfig(**TINY).to_json_file(str(path))
+    return str(path)
+
+
+def _run(*args, timeout=300):
+    env = {**os.environ, "COLUMNS": "250"}
+    return subprocess.run([sys.executable, "-m", "autoshard.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_plan_2d_subprocess_prints_table_and_summary(config_json, tmp_path):
+    out = tmp_path / "plan.json"
+    r = _run("plan", config_json, "--world-size", "4", "--mode", "2d", "--batch-size", "4", "--seq-len", "16",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = r.stdout
+    assert "autoshard plan" in text and "row[2] × col[2]" in text and "summa" in text
+    for what in ("parameters", "activations", "comm bytes fwd / bwd", "comm time fwd / bwd", "predicted step",
+                 "fallbacks"):
+        assert what in text, what
+    d = json.loads(out.read_text())
+    assert d["summary"]["mode"] == "2d" and d["summary"]["world_size"] == 4
+    assert d["summary"]["predicted_step_s"] > 0 and d["plan"]["mesh"]["sizes"] == [2, 2]
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--world-size", "--mode", "--depth", "--dp", "--batch-size", "--seq-len", "--cluster", "--json",
+                 "--all-nodes", "examples:", "llama:7b"):
+        assert flag in text, flag
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    assert "exit status" in capsys.readouterr().out
+    # every option has a help text
+    for action in build_parser()._subparsers._group_actions[0].choices["plan"]._actions:
+        assert action.help, action.dest
+
+
+def test_console_script_help():
+    exe = os.path.join(os.path.dirname(sys.executable), "autoshard")
+    cmd = [exe, "--help"] if os.path.exists(exe) else [sys.executable, "-m", "autoshard.cli", "--help"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "plan" in r.stdout and "check" in r.stdout
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--world-size", "4", "--mode", "2d", "--batch-size", "4"], 0),
+    (["--world-size", "6", "--mode", "2d"], 1),                                      # not a square
+    (["--world-size", "8", "--mode", "2.5d", "--depth", "2", "--batch-size", "2"], 1),  # batch 2 over 4 blocks
+], ids=["ok-2d", "bad-world", "batch-does-not-split"])
+def test_check_exit_codes(config_json, capsys, args, code):
+    assert main(["check", config_json, *args]) == code
+    out = capsys.readouterr().out
+    assert ("✓" in out) if code == 0 else ("problem" in out)
+
+
+def test_check_reports_memory_and_bad_input(config_json, tmp_path, capsys):
+    cl = tmp_path / "small.json"
+    cl.write_text(json.dumps({"name": "tiny", "ranks_per_node": 8, "intra_bw": 1e9, "intra_latency": 0,
+                              "inter_bw": 1e9, "inter_latency": 0, "flops": 1e9, "memory_bytes": 1000}))
+    assert main(["check", config_json, "-w", "2", "-m", "1d", "--cluster", str(cl)]) == 1
+    assert "per rank, tiny has" in capsys.readouterr().out
+    assert main(["check", "llama:nope", "-w", "2", "-m", "1d"]) == 2
+    assert main(["check", config_json, "-w", "2", "-m", "1d", "--cluster", "tpu-v9"]) == 2
+
+
+def test_plan_auto_writes_ranked_candidates(config_json, tmp_path, capsys):
+    out = tmp_path / "auto.json"
+    assert main(["plan", config_json, "-w", "4", "--mode", "auto", "--no-table", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "autoshard auto" in text and "chosen:" in text
+    d = json.loads(out.read_text())
+    ranks = [c["rank"] for c in d["search"]["candidates"] if c["rank"]]
+    assert ranks == list(range(1, len(ranks) + 1))
+    best = next(c for c in d["search"]["candidates"] if c["rank"] == 1)
+    assert d["summary"]["mode"] == best["mode"]
+
+
+def test_known_models():
+    for name in ("llama:7b", "llama:13b", "llama:70b", "gpt2:small", "bert:base"):
+        assert name in KNOWN_MODELS
+    c = resolve_model("llama:70b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads) == (8192, 80, 8)
+    assert resolve_model("gpt2:small").n_embd == 768 and resolve_model("bert:base").hidden_size == 768

@@ -1,0 +1,217 @@
+"""Cost model and ``mode="auto"`` search (autoshard/cost.py, autoshard/search.py).
+
+One tiny Llama is captured once per module and reused by every search, as the
+search itself does across candidates.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import transformers
+from rich.console import Console
+
+import autoshard
+from autoshard.cost import CLUSTERS, Cluster, collective_time, estimate, link_of
+from autoshard.errors import ConfigError
+from autoshard.mesh import Mesh
+from autoshard.plan import Comm
+from autoshard.policies import POLICIES
+from autoshard.search import candidates, search
+
+B, S = 8, 16
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def cap():
+    from autoshard.api import _model_from
+    from autoshard.passes.capture import capture
+
+    m = _model_from(transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
+    m.train()
+    return capture(m)
+
+
+# ------------------------------------------------------------------ candidates
+
+def _tp_size(c) -> int:
+    return {"1d": c.q, "2d": c.q ** 2, "2.5d": c.q ** 2 * c.d, "3d": c.q ** 3}.get(c.mode, c.mesh.world_size // c.dp)
+
+
+@pytest.mark.parametrize("world", range(1, 65))
+def test_every_candidate_is_a_valid_factorisation(world):
+    cands = candidates(world)
+    assert cands, f"no candidate for {world} ranks"
+    for c in cands:
+        mesh = POLICIES[c.mode].make_mesh(world, depth=c.depth, dp=c.dp)   # raises if invalid
+        assert mesh == c.mesh and mesh.world_size == world
+        assert world % c.dp == 0 and _tp_size(c) * c.dp == world, c
+    # complete: every non-degenerate mesh a mode accepts is proposed
+    found = {(c.mode, c.mesh) for c in cands}
+    for mode, cls in POLICIES.items():
+        for dp in (d for d in range(1, world + 1) if world % d == 0):
+            for depth in [None] + [d for d in range(1, world + 1) if world % d == 0]:
+                try:
+                    mesh = cls.make_mesh(world, depth=depth, dp=dp)
+                except ConfigError:
+                    continue
+                if 1 in [s for a, s in zip(mesh.axes, mesh.sizes) if a != "dp"]:
+                    continue          # 2.5d with d = 1 is 2d; tp = 1 is the pure-dp candidate
+                assert (mode, mesh) in found, (mode, mesh)
+    assert sum(1 for c in cands if _tp_size(c) == 1) == 1       # one pure data-parallel candidate
+
+
+def test_candidates_pin_depth_and_dp():
+    assert {(c.mode, c.d) for c in candidates(32, depth=2)} == {("2.5d", 2)}
+    assert all(c.dp == 2 for c in candidates(16, dp=2))
+    with pytest.raises(ConfigError, match="unknown mode"):
+        candidates(4, modes=["4d"])
+
+
+# ------------------------------------------------------------------ cost model
+
+def test_cluster_presets_and_validation():
+    assert {"dgx-a100", "h100-sxm", "cpu-gloo", "tesseract-paper"} <= set(CLUSTERS)
+    paper = Cluster.preset("tesseract-paper")
+    assert paper.ranks_per_node == 4 and paper.intra_bw == 200e9 and paper.inter_bw == 25e9
+    assert paper.memory_bytes == 40 * 2 ** 30
+    with pytest.raises(ConfigError, match="presets: dgx-a100"):
+        Cluster.preset("tpu-v9")
+    with pytest.raises(ConfigError, match="intra_bw"):
+        paper.replace(intra_bw=0)
+
+
+def test_link_class_follows_rank_formula():
+    m = Mesh(axes=("dep", "row", "col"), sizes=(4, 4, 4))       # rank = k·16 + i·4 + j
+    assert link_of(m, ("col",), 4) == ("intra", 0)                # 4 consecutive ranks = one node
+    assert link_of(m, ("row",), 4) == ("inter", 4)                # stride 4: 4 rings share each NIC
+    assert link_of(m, ("col",), 2) == ("inter", 1)
+    assert link_of(m, ("row", "col"), 16) == ("intra", 0)
+    assert link_of(Mesh(axes=("tp",), sizes=(64,)), ("tp",), 4) == ("inter", 1)
+    c = Cluster.preset("tesseract-paper")
+    ar = Comm(phase="fwd", kind="all_reduce", axes=("col",), group_size=4, buffer_bytes=1 << 20)
+    t_in, link = collective_time(ar, m, c)
+    assert link == "intra" and t_in == pytest.approx(6 * c.intra_latency + 1.5 * (1 << 20) / c.intra_bw)
+    t_out, link = collective_time(Comm(**{**ar.__dict__, "axes": ("row",)}), m, c)
+    assert link == "inter" and t_out == pytest.approx(6 * c.inter_latency + 4 * 1.5 * (1 << 20) / c.inter_bw)
+
+
+def _dense_linear_flops(cfg: dict, tokens: int) -> int:
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    return 2 * tokens * (L * per_layer + h * v)
+
+
+@pytest.mark.parametrize("mode,world,depth", [("1d", 2, None), ("2d", 4, None), ("2.5d", 8, 2)],
+                         ids=["1d-p2", "2d-q2", "2.5d-q2d2"])
+def test_estimate_flops_memory_and_time(cap, mode, world, depth):
+    from autoshard.api import _policy
+    from autoshard.passes.propagate import propagate
+
+    plan = propagate(cap, _policy(mode, world, depth, 1), batch_size=B, seq_len=S)
+    e = estimate(plan, "dgx-a100")
+    h, heads = TINY["hidden_size"], TINY["num_attention_heads"]
+    attn = TINY["num_hidden_layers"] * 4 * B * heads * S * S * (h // heads)
+    assert e.flops_fwd == pytest.approx((_dense_linear_flops(TINY, B * S) + attn) / world)
+    assert e.param_bytes == e.grad_bytes == plan.param_bytes_per_rank
+    assert e.optimizer_bytes == 2 * plan.param_bytes_per_rank          # fp32 params: 2 fp32 moments
+    assert e.activation_bytes > 0 and e.memory_bytes == (e.param_bytes * 2 + e.optimizer_bytes
+                                                         + e.activation_bytes)
+    assert e.comm_bytes == pytest.approx(plan.comm_bytes_per_rank())
+    assert e.collective_calls == len(plan.comms())
+    assert e.compute_s == pytest.approx(3 * e.flops_fwd / CLUSTERS["dgx-a100"].flops)
+    assert e.step_s == pytest.approx(e.compute_s + e.comm_s) and e.comm_s > 0
+
+
+def test_dp_gradient_sync_is_counted(cap):
+    from autoshard.api import _policy
+    from autoshard.passes.propagate import propagate
+
+    plan = propagate(cap, _policy("1d", 4, None, 2), batch_size=B // 2, seq_len=S)
+    e = estimate(plan, "dgx-a100")
+    extra = sum(p.local_bytes(plan.mesh) for p in plan.params if "dp" not in p.grad_sync)
+    assert e.comm_bytes == pytest.approx(plan.comm_bytes_per_rank() + extra)   # 2(r−1)/r = 1 for r = 2
+    assert any("dp gradient" in n for n in e.notes)
+
+
+# ------------------------------------------------------------------ search
+
+def _render(res) -> str:
+    buf = io.StringIO()
+    res.show(Console(file=buf, width=250))
+    return buf.getvalue()
+
+
+def test_search_ranks_deterministically(cap):
+    a = search(cap, world_size=8, cluster="dgx-a100", batch_size=B, seq_len=S)
+    b = search(cap, world_size=8, cluster="dgx-a100", batch_size=B, seq_len=S)
+    assert a.to_dict() == b.to_dict() and _render(a) == _render(b)
+    ranked = a.ranked
+    assert [e.rank for e in ranked] == list(range(1, len(ranked) + 1))
+    steps = [e.cost.step_s for e in ranked]
+    assert steps == sorted(steps)
+    assert a.plan is ranked[0].plan and a.plan.mesh.world_size == 8
+    assert {e.candidate.mode for e in a.results} == set(POLICIES)     # 2d as [2,2] × dp2
+    assert "chosen:" in _render(a)
+
+
+def test_search_drops_batches_that_do_not_split(cap):
+    res = search(cap, world_size=8, cluster="dgx-a100", batch_size=2, seq_len=S)
+    why = {e.candidate.label: e.reason for e in res.results}
+    assert "does not split" in why["2.5d [2,2,2]"]
+    assert all(e.plan.batch_size * e.candidate.dp == 2 for e in res.ranked)
+
+
+def _fits(cap, world, budget) -> bool:
+    res = search(cap, world_size=world, cluster=Cluster.preset("cpu-gloo").replace(memory_bytes=budget),
+                 batch_size=B, seq_len=S, raise_if_none=False)
+    return bool(res.ranked)
+
+
+def test_nothing_fits_names_smallest_world_size(cap):
+    big = search(cap, world_size=1, cluster="cpu-gloo", batch_size=B, seq_len=S)
+    need1 = big.best.cost.memory_bytes
+    budget = int(need1 * 0.4)                                      # 1 rank cannot hold it
+    with pytest.raises(ConfigError) as ei:
+        search(cap, world_size=1, cluster=Cluster.preset("cpu-gloo").replace(memory_bytes=budget),
+               batch_size=B, seq_len=S)
+    msg = str(ei.value)
+    assert "nothing fits" in msg and "smallest world size that fits is" in msg
+    w = int(msg.split("smallest world size that fits is ")[1].split()[0])
+    assert w > 1 and _fits(cap, w, budget)
+    assert not any(_fits(cap, x, budget) for x in range(2, w))
+
+
+def test_plan_auto_routes_through_search(cap):
+    cfg = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
+    p = autoshard.plan(cfg, world_size=4, mode="auto", batch_size=B, seq_len=S, cluster="dgx-a100")
+    assert p.mode in POLICIES and p.mesh.world_size == 4
+    ref = search(cap, world_size=4, cluster="dgx-a100", batch_size=B, seq_len=S).best
+    assert (p.mode, p.mesh) == (ref.candidate.mode, ref.candidate.mesh)
+
+
+# ------------------------------------------------------------------ processes
+
+def _profile_and_auto(rank, world):
+    import models
+    import autoshard
+
+    c = autoshard.profile(sizes=(1 << 10, 1 << 16), iters=2, matmul_size=128)
+    res = models.check(rank, world, "llama", "auto")
+    return c, res
+
+
+def test_profile_and_shard_auto_on_gloo():
+    from dist_pool import get_pool
+
+    out = get_pool(2).run(_profile_and_auto)
+    (c0, r0), (c1, _) = out
+    assert c0 == c1 and c0.name == "measured" and c0.ranks_per_node == 2
+    assert c0.intra_bw > 0 and c0.flops > 0 and c0.memory_bytes > 0
+    assert r0["failures"] == [], r0["failures"]
+    assert r0["ledger_bytes"] == pytest.approx(r0["plan_bytes"])
