@@ -1,0 +1,144 @@
+"""capture: input names, dynamic batch / sequence symbols, meta device, errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import models
+import tiny_plans as tp
+from autoshard import CaptureError, ConfigError
+from autoshard.passes.capture import capture, default_example_inputs
+
+NAMES = ["gpt2", "llama", "bert"]
+DECODERS = {"gpt2", "llama"}
+
+
+@pytest.fixture(scope="module")
+def cpu_models():
+    return {n: models.build(n) for n in NAMES}
+
+
+def _cpu_capture(cpu_models, name):
+    return tp.cached_capture(cpu_models[name])
+
+
+def _targets(cap):
+    # ``contiguous`` calls depend on the strides fake meta tensors report: not compared
+    return Counter(str(n.target) for n in cap.module.graph.nodes
+                   if n.op == "call_function" and n.target != torch.ops.aten.contiguous.default)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_input_names_and_constants(cpu_models, name):
+    cap = _cpu_capture(cpu_models, name)
+    assert cap.model_name == type(cpu_models[name]).__name__
+    assert {"input_ids", "attention_mask", "labels"} <= set(cap.input_names)
+    assert cap.input_names[0] == "input_ids"
+    if name in DECODERS:
+        assert cap.constants == {"use_cache": False}
+    else:
+        assert "use_cache" not in cap.input_names and cap.constants == {}
+    assert cap.training is True
+    assert isinstance(cap.module, torch.fx.GraphModule)
+    # every tensor input is a graph placeholder
+    ph = [n.name for n in cap.module.graph.nodes if n.op == "placeholder"]
+    for k in ("input_ids", "attention_mask", "labels"):
+        assert k in ph
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batch_and_seq_symbols_are_distinct(cpu_models, name):
+    cap = _cpu_capture(cpu_models, name)
+    assert cap.batch_symbol is not None and cap.seq_symbol is not None
+    assert cap.batch_symbol != cap.seq_symbol
+    # every [batch, seq] input carries exactly these two symbols
+    for n in cap.module.graph.nodes:
+        if n.op == "placeholder" and n.name in ("input_ids", "attention_mask", "labels"):
+            b, s = n.meta["val"].shape[:2]
+            assert b.node.expr == cap.batch_symbol and s.node.expr == cap.seq_symbol
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_captured_graph_is_dynamic_and_exact(cpu_models, name):
+    """The graph runs at a batch / sequence size other than the example's and
+    matches the eager model bit for bit in loss and logits."""
+    model = cpu_models[name]
+    cap = _cpu_capture(cpu_models, name)
+    ex = cap.example_inputs["input_ids"].shape
+    inputs = models.batch(name, b=3, s=5)
+    assert tuple(ex) != (3, 5)
+    with torch.no_grad():
+        ref = model(**inputs, **cap.constants)
+        got = cap.module(**inputs, **cap.constants)
+    assert torch.equal(got.logits if hasattr(got, "logits") else got["logits"], ref.logits)
+    assert torch.equal(got.loss if hasattr(got, "loss") else got["loss"], ref.loss)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_capture_on_meta_device(cpu_models, name):
+    with torch.device("meta"):
+        model = getattr(transformers, models.TINY[name][0])(tp.config(name))
+    model.train()
+    assert next(model.parameters()).is_meta
+    cap = tp.cached_capture(model)
+    assert {"input_ids", "labels"} <= set(cap.input_names)
+    assert cap.batch_symbol is not None and cap.seq_symbol is not None and cap.batch_symbol != cap.seq_symbol
+    # same computation as the capture of the real-weight model
+    assert _targets(cap) == _targets(_cpu_capture(cpu_models, name))
+    assert all(p.is_meta for p in cap.module.parameters())
+
+
+class _DataDependent(nn.Module):
+    """Python control flow on a tensor value: torch.export cannot capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.PretrainedConfig(vocab_size=16)
+        self.emb = nn.Embedding(16, 4)
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_uncapturable_model_raises_capture_error_naming_it():
+    with pytest.raises(CaptureError, match="_DataDependent") as ei:
+        capture(_DataDependent())
+    assert isinstance(ei.value.__cause__, Exception)        # the export error is chained
+    assert "torch.export" in str(ei.value)
+
+
+def test_capture_error_is_an_autoshard_error():
+    import autoshard
+
+    assert issubclass(CaptureError, autoshard.AutoshardError)
+    assert issubclass(CaptureError, RuntimeError)
+
+
+@pytest.mark.parametrize("b, s", [(1, 8), (4, 1)])
+def test_tiny_example_sizes_rejected(b, s):
+    with pytest.raises(ConfigError, match="batch_size >= 2"):
+        capture(_DataDependent(), batch_size=b, seq_len=s)
+
+
+def test_example_inputs_need_input_ids():
+    with pytest.raises(ConfigError, match="input_ids"):
+        capture(_DataDependent(), example_inputs={"labels": torch.zeros(2, 3, dtype=torch.long)})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_example_inputs(cpu_models, name):
+    ex = default_example_inputs(cpu_models[name], batch_size=3, seq_len=7)
+    assert set(ex) == {"input_ids", "attention_mask", "labels"}
+    assert ex["input_ids"].shape == (3, 7)
+    assert torch.equal(ex["labels"], ex["input_ids"]) and ex["labels"] is not ex["input_ids"]
+    assert int(ex["input_ids"].max()) < cpu_models[name].config.vocab_size
+    # deterministic
+    assert torch.equal(default_example_inputs(cpu_models[name], batch_size=3, seq_len=7)["input_ids"], ex["input_ids"])

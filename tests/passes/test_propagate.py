@@ -1,0 +1,212 @@
+"""propagate: re-layout steps, Megatron communication pattern, shape bookkeeping,
+errors. Plans come from tiny_plans (the same plans test_plan.py checks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import models
+import tiny_plans as tp
+from autoshard import Mesh, ShardingError, ShardSpec
+from autoshard.passes.propagate import _redistribute, propagate
+from autoshard.plan import Comm, Step
+from autoshard.policies import POLICIES
+
+MESH = Mesh(axes=("row", "col"), sizes=(2, 2))
+
+
+def S(*dims, segments=(), partial=()):
+    return ShardSpec(dims=tuple(tuple(d) for d in dims), segments=segments, partial=partial)
+
+
+# ---------------------------------------------------------------- re-layouts
+@pytest.mark.parametrize("cur, req, steps", [
+    (S(["row"], []), S(["row"], []), []),
+    (S([], [], partial=("col",)), S([], []), [Step(op="reduce_from", axes=("col",))]),
+    (S([], [], partial=("col",)), S([], ["col"]), [Step(op="reduce_scatter", axes=("col",), dim=1)]),
+    (S(["row"], [], partial=("col",)), S(["row"], ["col"]), [Step(op="reduce_scatter", axes=("col",), dim=1)]),
+    (S([], ["col"]), S([], []), [Step(op="gather", axes=("col",), dim=1)]),
+    (S([], []), S(["row"], []), [Step(op="scatter", axes=("row",), dim=0)]),
+    (S(["col"], []), S(["row"], []), [Step(op="gather", axes=("col",), dim=0), Step(op="scatter", axes=("row",), dim=0)]),
+    (S([], ["col"], segments=(1, 3)), S([], ["col"]),
+     [Step(op="gather", axes=("col",), dim=1, segments=3), Step(op="scatter", axes=("col",), dim=1)]),
+    (S([], []), S([], ["col"], segments=(1, 3)), [Step(op="scatter", axes=("col",), dim=1, segments=3)]),
+    # a fused (segmented) target cannot take a plain reduce-scatter
+    (S([], [], partial=("col",)), S([], ["col"], segments=(1, 3)),
+     [Step(op="reduce_from", axes=("col",)), Step(op="scatter", axes=("col",), dim=1, segments=3)]),
+], ids=["same", "reduce", "reduce-scatter", "reduce-scatter-keeps-rows", "gather", "scatter", "move-dim0",
+        "regroup-segments", "scatter-segments", "partial-to-segments"])
+def test_redistribute(cur, req, steps):
+    assert _redistribute(cur, req, MESH) == steps
+
+
+def _simulate(blocks, step, mesh):
+    """Per-rank blocks after one collective step (plain tensor ops, no processes)."""
+    n = mesh.world_size
+    group = [mesh.group_ranks(step.axes, r) for r in range(n)]
+    if step.op == "reduce_from":
+        return [sum(blocks[o] for o in group[r]) for r in range(n)]
+    if step.op == "reduce_scatter":
+        return [sum(blocks[o] for o in group[r]).chunk(len(group[r]), step.dim)[mesh.index(step.axes, r)]
+                for r in range(n)]
+    if step.op == "gather":
+        m = step.segments
+        return [torch.cat([torch.cat([blocks[o].chunk(m, step.dim)[j] for o in group[r]], step.dim)
+                           for j in range(m)], step.dim) for r in range(n)]
+    if step.op == "scatter":
+        m = step.segments
+        return [torch.cat([seg.chunk(len(group[r]), step.dim)[mesh.index(step.axes, r)]
+                           for seg in blocks[r].chunk(m, step.dim)], step.dim) for r in range(n)]
+    raise AssertionError(step.op)
+
+
+@pytest.mark.parametrize("cur, req", [
+    (S(["row"], [], partial=("col",)), S([], [])),
+    (S([], [], partial=("col",)), S(["row"], ["col"])),
+    (S(["row"], [], partial=("col",)), S(["row"], ["col"])),
+    (S(["row", "col"], []), S(["col"], ["row"])),
+    (S([], ["col"], segments=(1, 3)), S(["col"], [])),
+    (S([], ["col"], segments=(1, 3)), S([], ["col"])),
+    (S([], [], partial=("row", "col")), S([], ["row", "col"])),
+    (S(["col"], ["row"]), S(["row"], ["col"], segments=(1, 3))),
+], ids=["partial-to-rep", "partial-to-2d", "partial-rs", "swap-multi", "segments-to-rows", "segments-to-plain",
+        "partial-2axes-rs", "to-segments"])
+def test_redistribute_moves_the_data(cur, req):
+    """Executing the steps on per-rank blocks turns ``cur``'s layout of a tensor into ``req``'s."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(4, 24, generator=g, dtype=torch.float64)
+    n = MESH.world_size
+    blocks = [cur.local(t, MESH, r) for r in range(n)]
+    if cur.partial:                                  # partial: the blocks sum to the value over those axes
+        blocks = [b / MESH.size(cur.partial) for b in blocks]
+    for st in _redistribute(cur, req, MESH):
+        blocks = _simulate(blocks, st, MESH)
+    for r in range(n):
+        assert torch.allclose(blocks[r], req.local(t, MESH, r)), r
+
+
+# ------------------------------------------------------------- whole plans
+def test_propagate_is_what_plan_returns():
+    cap = tp.cached_capture(tp.meta_model("llama"))
+    pol = POLICIES["2d"](POLICIES["2d"].make_mesh(4))
+    direct = propagate(cap, pol, batch_size=tp.BATCH, seq_len=tp.SEQ)
+    assert direct.to_json() == tp.plan_for("llama", "2d", 4).to_json()
+
+
+def test_gather_outputs_false_leaves_outputs_split():
+    cap = tp.cached_capture(tp.meta_model("llama"))
+    pol = POLICIES["1d"](POLICIES["1d"].make_mesh(2))
+    kept = propagate(cap, pol, batch_size=tp.BATCH, seq_len=tp.SEQ, gather_outputs=False)
+    full = tp.plan_for("llama", "1d", 2)
+    assert [n.name for n in full.nodes if n.op == "output"] == ["output"]
+    assert not [n for n in kept.nodes if n.op == "output"]
+    out = full.node("output")
+    assert [c.kind for c in out.comms] == ["all_gather"]            # logits [b, s, vocab/tp] gathered
+    assert len(kept.comms()) == len(full.comms()) - 1
+
+
+# 1D, per layer: the column / row pair of attention and of the MLP (Megatron's f and g)
+ROW_MODULES = {"gpt2": ("attn.c_proj", "mlp.c_proj"), "llama": ("self_attn.o_proj", "mlp.down_proj"),
+               "bert": ("attention.output.dense", "output.dense")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_1d_megatron_pattern(name, world):
+    plan = tp.plan_for(name, "1d", world)
+    L = tp.config(name).num_hidden_layers
+    linears = [n for n in plan.nodes if n.kind == "linear"]
+    rows = [n for n in linears if n.kernel == "row_linear"]
+    assert len(rows) == 2 * L
+    assert all(n.module.endswith(ROW_MODULES[name]) for n in rows)
+    # forward: exactly one all-reduce per row-parallel Linear
+    for n in rows:
+        assert [(c.phase, c.kind, c.axes) for c in n.comms] == [("fwd", "all_reduce", ("tp",))]
+    # backward: one all-reduce per replicated input read by column-parallel Linears
+    # (q, k and v share one; so do gate and up), i.e. 2 per layer plus the LM head
+    layer_bwd = [c for n in linears if n not in rows for c in n.comms]
+    assert all((c.phase, c.kind) == ("bwd", "all_reduce") for c in layer_bwd)
+    assert len(layer_bwd) == 2 * L + 1
+    # the all-reduced activation: [batch, seq, hidden] floats; ring cost 2(p-1)/p of it
+    hidden = tp.config(name).hidden_size
+    for c in rows[0].comms + tuple(layer_bwd):
+        assert c.buffer_bytes == tp.BATCH * tp.SEQ * hidden * 4
+        assert c.group_size == world
+        assert c.bytes_per_rank == pytest.approx(2 * (world - 1) / world * c.buffer_bytes)
+    # 1d has no parameter gradient all-reduce
+    assert not plan.grad_sync_comms()
+
+
+@pytest.mark.parametrize("case", tp.MATRIX, ids=[tp.case_id(c) for c in tp.MATRIX])
+def test_shapes_are_consistent_and_divisible(case):
+    plan = tp.plan_for(*case)
+    mesh = plan.mesh
+    checked = 0
+    for n in plan.nodes:
+        if not isinstance(n.out_spec, ShardSpec) or not n.global_shape:
+            continue
+        s, g = n.out_spec, n.global_shape
+        assert len(g) == s.ndim, n.name
+        assert n.local_shape == s.local_shape(g, mesh), n.name
+        for size, axes, m in zip(g, s.dims, s.segments):
+            if axes:
+                assert size % (mesh.size(axes) * m) == 0, (n.name, g, str(s))
+        checked += 1
+    assert checked > 10
+    for p in plan.params:
+        for size, axes, m in zip(p.global_shape, p.spec.dims, p.spec.segments):
+            if axes:
+                assert size % (mesh.size(axes) * m) == 0, p.name
+
+
+@pytest.mark.parametrize("case", tp.MATRIX, ids=[tp.case_id(c) for c in tp.MATRIX])
+def test_node_param_bytes_are_local_blocks(case):
+    """A heavy node's parameter bytes are the local blocks of the parameters it reads."""
+    plan = tp.plan_for(*case)
+    by_name = {}
+    for p in plan.params:
+        for n in (p.name,) + p.aliases:
+            by_name[n] = p
+    mods = {}
+    for p in plan.params:
+        mods.setdefault(p.name.rpartition(".")[0], []).append(p)
+    for n in plan.nodes:
+        if n.kind not in ("linear", "embedding"):
+            continue
+        own = mods.get(n.module, [])
+        if not own:               # a tied table read under another module's name
+            assert n.param_bytes > 0
+            continue
+        expect = sum(p.local_bytes(plan.mesh) for p in own)
+        assert n.param_bytes == expect, (n.name, n.module)
+
+
+@pytest.mark.parametrize("mode, world, depth, axes", [("2d", 4, None, ("row",)), ("2.5d", 8, 2, ("dep", "row"))])
+def test_batch_inputs_are_scattered(mode, world, depth, axes):
+    plan = tp.plan_for("llama", mode, world, depth)
+    inputs = [n for n in plan.nodes if n.kind == "input"]
+    assert sorted(n.name for n in inputs) == ["attention_mask", "input_ids", "labels"]
+    for n in inputs:
+        assert n.post == (Step(op="scatter", axes=axes, dim=0),)
+        assert n.local_shape == (tp.BATCH // plan.mesh.size(axes), tp.SEQ)
+
+
+def test_comm_ring_factors():
+    assert Comm(phase="fwd", kind="all_reduce", axes=("tp",), group_size=4, buffer_bytes=100).bytes_per_rank == 150
+    assert Comm(phase="fwd", kind="all_gather", axes=("tp",), group_size=4, buffer_bytes=100).bytes_per_rank == 75
+    assert Comm(phase="bwd", kind="reduce_scatter", axes=("tp",), group_size=4, buffer_bytes=100).bytes_per_rank == 75
+    assert Comm(phase="fwd", kind="all_reduce", axes=(), group_size=1, buffer_bytes=100).bytes_per_rank == 0
+
+
+def test_train_mode_dropout_is_refused():
+    cls, cfg_cls, kw = models.TINY["gpt2"]
+    cfg = getattr(transformers, cfg_cls)(**{**kw, "n_layer": 1, "resid_pdrop": 0.1})
+    with torch.device("meta"):
+        model = getattr(transformers, cls)(cfg)
+    model.train()
+    cap = tp.cached_capture(model)
+    pol = POLICIES["1d"](POLICIES["1d"].make_mesh(2))
+    with pytest.raises(ShardingError, match="dropout p=0.1"):
+        propagate(cap, pol)
