@@ -110,23 +110,25 @@ class Cluster:
 
 #: Presets. ``flops`` is a *sustained* rate (roughly 60% of the dense peak of the
 #: training dtype), what :func:`profile` would measure, not the datasheet peak.
+#: Latencies per ring step follow NCCL's own tuning model (src/graph/tuning.cc,
+#: Ring/Simple: NVLink 3.4-5.7 µs, network 6.6-9.6 µs per hop).
 CLUSTERS: dict[str, Cluster] = {
     # DGX A100 80GB: NVLink3 via NVSwitch 300 GB/s per direction per GPU (≈230 achieved
     # by NCCL), 8 × HDR 200 Gb/s NICs per node; bf16 dense peak 312 TFLOP/s.
-    "dgx-a100": Cluster(name="dgx-a100", ranks_per_node=8, intra_bw=230e9, intra_latency=8e-6,
-                        inter_bw=8 * 25e9, inter_latency=15e-6, flops=190e12, memory_bytes=80 * GiB),
+    "dgx-a100": Cluster(name="dgx-a100", ranks_per_node=8, intra_bw=230e9, intra_latency=5e-6,
+                        inter_bw=8 * 25e9, inter_latency=10e-6, flops=190e12, memory_bytes=80 * GiB),
     # DGX H100 / HGX H100 SXM: NVLink4 450 GB/s per direction per GPU (≈360 achieved),
     # 8 × NDR 400 Gb/s NICs; bf16 dense peak 989 TFLOP/s.
-    "h100-sxm": Cluster(name="h100-sxm", ranks_per_node=8, intra_bw=360e9, intra_latency=6e-6,
-                        inter_bw=8 * 50e9, inter_latency=12e-6, flops=600e12, memory_bytes=80 * GiB),
+    "h100-sxm": Cluster(name="h100-sxm", ranks_per_node=8, intra_bw=360e9, intra_latency=5e-6,
+                        inter_bw=8 * 50e9, inter_latency=10e-6, flops=600e12, memory_bytes=80 * GiB),
     # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
     "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
                         inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB),
     # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
     # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
     # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
-    "tesseract-paper": Cluster(name="tesseract-paper", ranks_per_node=4, intra_bw=200e9, intra_latency=10e-6,
-                               inter_bw=25e9, inter_latency=20e-6, flops=0.4 * 156e12, memory_bytes=40 * GiB),
+    "tesseract-paper": Cluster(name="tesseract-paper", ranks_per_node=4, intra_bw=200e9, intra_latency=5e-6,
+                               inter_bw=25e9, inter_latency=10e-6, flops=0.4 * 156e12, memory_bytes=40 * GiB),
 }
 
 

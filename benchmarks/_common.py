@@ -1,0 +1,62 @@
+"""Shared helpers of the benchmarks: paths, result JSON, rich output, tiny models.
+
+Benchmarks are scripts (``python benchmarks/bench_x.py``), not tests. Each prints a
+rich table and writes ``benchmarks/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+for _p in (HERE, os.path.join(ROOT, "tests"), ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+def console(width: int = 200):
+    from rich.console import Console
+
+    return Console(width=width, highlight=False)
+
+
+def write_result(name: str, data: dict) -> str:
+    """Write ``data`` (plus host facts) to ``benchmarks/results/<name>.json``; return the path."""
+    import torch
+
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    meta = {"benchmark": name, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "host": platform.platform(),
+            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, **data}, f, indent=1, default=str)
+    return path
+
+
+def human_bytes(n: float) -> str:
+    from autoshard.cli import human_bytes as hb
+
+    return hb(n)
+
+
+# Tiny Llama that every mode can split without replicating kv heads (8 heads,
+# 8 kv heads, hidden 64): 1d up to 8 ranks, 2d/2.5d/3d with q = 2.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=128, max_position_embeddings=64)
+
+#: (mode, world, depth) runs that fit on this host's gloo ranks.
+RUNS = [("1d", 2, None), ("1d", 4, None), ("1d", 8, None), ("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)]
+
+
+def runs() -> list[tuple[str, int, int | None]]:
+    from autoshard.policies import POLICIES
+
+    return [r for r in RUNS if r[0] in POLICIES]
