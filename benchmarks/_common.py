@@ -60,3 +60,18 @@ def runs() -> list[tuple[str, int, int | None]]:
     from autoshard.policies import POLICIES
 
     return [r for r in RUNS if r[0] in POLICIES]
+
+
+def run_tiny_llama(runs_, *, b: int = 8, s: int = 16, log=print) -> list[dict]:
+    """Run ``_workers.comm_and_memory`` for each (mode, world, depth) on gloo ranks;
+    returns, per run, every rank's result."""
+    import _workers
+    from dist_pool import get_pool
+
+    out = []
+    for mode, world, depth in runs_:
+        t0 = time.perf_counter()
+        per_rank = get_pool(world, timeout=900).run(_workers.comm_and_memory, mode, depth, TINY_LLAMA, b, s)
+        log(f"{mode} on {world} ranks: {time.perf_counter() - t0:.1f} s")
+        out.append({"mode": mode, "world": world, "depth": depth, "batch": b, "seq": s, "ranks": per_rank})
+    return out

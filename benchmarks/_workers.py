@@ -1,0 +1,164 @@
+"""Per-rank worker functions of the multi-rank benchmarks (run by tests/dist_pool's
+RankPool: ``fn(rank, world_size, *args)``; module-level so they pickle)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def _tiny_llama(cfg_kw: dict, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg_kw))
+    model.train()
+    return model
+
+
+def _batch(vocab: int, b: int, s: int, seed: int = 1) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long), "labels": ids.clone()}
+
+
+def formula_bytes(plan) -> dict:
+    """DESIGN §8 per-rank bytes for the nodes the formula covers, and the plan's bytes for
+    the same nodes (fp32 elements; ring model)."""
+    mesh, mode = plan.mesh, plan.mode
+    params = {}
+    for p in plan.params:
+        for n in (p.name, *p.aliases):
+            params[n] = p
+    sync = {}
+    for c, p in zip([c for c in plan.grad_sync_comms()], [p for p in plan.params if p.grad_sync and not p.is_buffer]):
+        sync[p.name] = c.bytes_per_rank
+    formula = planned = 0.0
+    if mode == "1d":
+        p = mesh.size("tp")
+        layers = sorted({n.module.split(".layers.")[1].split(".")[0] for n in plan.nodes if ".layers." in n.module})
+        hid = next(n.global_shape[-1] for n in plan.nodes if n.kind == "embedding")
+        tokens = plan.batch_size * plan.seq_len
+        formula = len(layers) * 8 * (p - 1) / p * tokens * hid * 4
+        planned = sum(n.comm_bytes for n in plan.nodes if ".layers." in n.module)
+        return {"formula": formula, "plan_same_nodes": planned, "covers": f"{len(layers)} transformer layers"}
+    kern = {"2d": "summa", "2.5d": "summa", "3d": "three_d"}[mode]
+    nodes = [n for n in plan.nodes if n.kernel == kern]
+    for n in nodes:
+        N, nf = math.prod(n.global_shape[:-1]), n.global_shape[-1]
+        w = params.get(f"{n.module}.weight")
+        nd = n.kernel_args.get("n_dim", 0)
+        k = w.global_shape[1 - nd]
+        if mode == "3d":
+            q = mesh.size("x")
+            formula += 2 * (q - 1) / q ** 3 * (N * k + k * nf + N * nf) * 4
+        else:
+            q = mesh.size("row")
+            d = mesh.size("dep") if "dep" in mesh.axes else 1
+            formula += (3 * (q - 1) / q ** 2 * (N * k / d + k * nf) + 2 * (d - 1) / d * k * nf / q ** 2) * 4
+        planned += n.comm_bytes + sync.get(w.name, 0.0)
+    return {"formula": formula, "plan_same_nodes": planned, "covers": f"{len(nodes)} {kern} Linears"}
+
+
+def comm_and_memory(rank: int, world: int, mode: str, depth, cfg_kw: dict, b: int, s: int) -> dict:
+    """One forward + backward of a tiny Llama sharded by ``mode``: the ledger, the plan,
+    parameter / gradient bytes, and the bytes saved for backward (peak activations)."""
+    import warnings
+
+    import torch
+
+    import autoshard
+    from autoshard.collectives import CommLedger
+
+    warnings.filterwarnings("ignore", category=FutureWarning)    # gloo's *_tensor deprecations
+    torch.set_num_threads(1)
+    model = _tiny_llama(cfg_kw)
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=inputs)
+    plan = sharded.plan
+    param_ptrs = {p.untyped_storage().data_ptr() for p in sharded.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_ptrs:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with CommLedger() as led:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = sharded(**inputs)
+        out.loss.backward()
+    est = autoshard.estimate(plan, "cpu-gloo")
+    return {
+        "ledger_bytes": led.bytes_per_rank(), "ledger_calls": led.count(),
+        "ledger_by_kind": {f"{k}({g})": v for (k, g), v in led.by_kind().items()},
+        "plan_bytes": plan.comm_bytes_per_rank(), "plan_calls": len(plan.comms()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
+        "plan_param_bytes": plan.param_bytes_per_rank,
+        "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in sharded.parameters() if p.grad is not None),
+        "saved_activation_bytes": sum(saved.values()), "est_activation_bytes": est.activation_bytes,
+        "est_grad_bytes": est.grad_bytes, "mesh": str(plan.mesh), "fallbacks": len(plan.fallbacks),
+        **{f"formula_{k}": v for k, v in formula_bytes(plan).items()},
+    }
+
+
+def step_time(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int) -> dict:
+    """Forward + backward + AdamW step time: autoshard 1d and PyTorch's own
+    ``parallelize_module`` (ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down), same
+    model, same batch, same process group, measured alternately in one run."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import warnings
+
+    import autoshard
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    ours = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs)
+    ref = _tiny_llama(cfg_kw)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    tp_plan = {}
+    for i in range(cfg_kw["num_hidden_layers"]):
+        pre = f"model.layers.{i}"
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            tp_plan[f"{pre}.{n}"] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            tp_plan[f"{pre}.{n}"] = RowwiseParallel()
+    parallelize_module(ref, mesh, tp_plan)
+
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+
+    def one(m, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = m(**inputs).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(warmup):
+        one(ours, opt_ours)
+        one(ref, opt_ref)
+    times = {"autoshard": [], "dtensor": []}
+    losses = {}
+    for _ in range(steps):             # alternate, so drift in host load hits both alike
+        for name, m, opt in (("autoshard", ours, opt_ours), ("dtensor", ref, opt_ref)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = one(m, opt)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+            loss = loss.detach()
+            losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+    return {"times": times, "losses": losses,
+            "ours_params": sum(p.numel() for p in ours.parameters()),
+            "ref_local_params": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                    for p in ref.parameters())}

@@ -1,0 +1,49 @@
+"""Memory per rank for one training step of a tiny Llama on gloo ranks, per mode:
+parameter and gradient bytes (measured on the sharded module vs the plan) and the
+peak activation bytes (tensors saved for backward at the end of the forward,
+parameters excluded, measured with ``torch.autograd.graph.saved_tensors_hooks``)
+vs the cost model's rough activation estimate (sum of local node outputs).
+
+    python benchmarks/bench_memory.py
+"""
+
+from __future__ import annotations
+
+import _common
+
+
+def main() -> int:
+    from rich.table import Table
+
+    con = _common.console(220)
+    cfg = _common.TINY_LLAMA
+    con.print(f"tiny Llama {cfg}, batch 8 × seq 16, fp32, gloo")
+    res = _common.run_tiny_llama(_common.runs(), log=lambda s: con.print(f"[dim]{s}[/dim]"))
+    hb = _common.human_bytes
+    t = Table(title="bytes per rank (max over ranks)", header_style="bold")
+    for c in ("mode", "ranks", "mesh", "params", "plan params", "params = plan", "grads", "grads = plan",
+              "saved activations", "estimate", "estimate / measured"):
+        t.add_column(c, justify="left" if c in ("mode", "mesh") else "right")
+    rows = []
+    for r in res:
+        rk = r["ranks"]
+        p, pp = max(x["param_bytes"] for x in rk), max(x["plan_param_bytes"] for x in rk)
+        g = max(x["grad_bytes"] for x in rk)
+        peq = all(x["param_bytes"] == x["plan_param_bytes"] for x in rk)
+        geq = all(x["grad_bytes"] == x["est_grad_bytes"] for x in rk)
+        a, ae = max(x["saved_activation_bytes"] for x in rk), max(x["est_activation_bytes"] for x in rk)
+        t.add_row(r["mode"], str(r["world"]), rk[0]["mesh"], hb(p), hb(pp), "[green]yes[/green]" if peq else "[red]NO[/red]",
+                  hb(g), "[green]yes[/green]" if geq else "[red]NO[/red]", hb(a), hb(ae), f"{ae / a:.2f}")
+        rows.append({"mode": r["mode"], "world": r["world"], "mesh": rk[0]["mesh"],
+                     "param_bytes": [x["param_bytes"] for x in rk], "plan_param_bytes": [x["plan_param_bytes"] for x in rk],
+                     "grad_bytes": [x["grad_bytes"] for x in rk], "params_equal_plan": peq, "grads_equal_plan": geq,
+                     "saved_activation_bytes": [x["saved_activation_bytes"] for x in rk],
+                     "est_activation_bytes": [x["est_activation_bytes"] for x in rk]})
+    con.print(t)
+    path = _common.write_result("memory", {"model": cfg, "batch": 8, "seq": 16, "rows": rows})
+    con.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
