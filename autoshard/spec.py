@@ -104,7 +104,8 @@ class ShardSpec:
             seg = out.reshape(shape[:d] + [m, count, size // (m * count)] + shape[d + 1:])
             blk = seg.select(d + 1, idx)
             out = blk.reshape(shape[:d] + [size // count] + shape[d + 1:])
-        return out.contiguous()
+        # always a fresh copy: a view would keep the full tensor alive behind the slice
+        return out.clone(memory_format=torch.contiguous_format)
 
     def assemble(self, blocks: Sequence[torch.Tensor], mesh) -> torch.Tensor:
         """Inverse of :meth:`local`: the global tensor from every rank's block (indexed by rank).

@@ -110,16 +110,11 @@ def test_multi_axis_dim_first_axis_outermost():
         assert s2.local(t, M3, r).tolist() == [float(c["row"] * 2 + c["dep"])]
 
 
-_VIEW_BUG = pytest.mark.xfail(strict=True, reason=(
-    "library bug: ShardSpec.local returns a view of the global tensor (not the documented copy) when only "
-    "dim 0 is split or nothing is; passes/rewrite.py::_slice_params then keeps every full weight alive"))
-
-
 @pytest.mark.parametrize("spec", [
-    pytest.param(S(["tp"], []), marks=_VIEW_BUG, id="dim0"),
+    pytest.param(S(["tp"], []), id="dim0"),
     pytest.param(S([], ["tp"]), id="dim1"),
     pytest.param(S(["tp"], [], segments=(2, 1)), id="dim0-seg2"),
-    pytest.param(S([], []), marks=_VIEW_BUG, id="replicated"),
+    pytest.param(S([], []), id="replicated"),
 ])
 def test_local_is_a_copy(spec):
     """The docstring promises a copy: the block must own exactly its own storage
