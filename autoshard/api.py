@@ -110,7 +110,9 @@ def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None,
         pol = _policy(mode, world, depth, dp)          # validates before any collective
         cap = captured or capture(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
-    p = propagate(cap, pol, batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
+    # each dp replica holds its own rows: the plan reasons on the global batch
+    n_dp = pol.mesh.size("dp") if "dp" in pol.mesh.axes else 1
+    p = propagate(cap, pol, batch_size=int(ids.shape[0]) * n_dp, seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     if weights is not None:

@@ -153,7 +153,9 @@ def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
     lo = r * v_loc
     inside = (ids >= lo) & (ids < lo + v_loc)
     local = torch.where(inside, ids - lo, torch.zeros_like(ids))
-    out = F.embedding(local, w) * inside.unsqueeze(-1).to(w.dtype)
+    # the padding row gets no gradient, as in the dense lookup; it lives on one rank
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
+    out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
     return C.reduce_from(out, group)
 
 

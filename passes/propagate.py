@@ -107,7 +107,7 @@ class _Ctx:
     def __init__(self, engine: "_Engine", node: fx.Node):
         self.e, self.node = engine, node
         self.mesh = engine.mesh
-        self.batch_axes = engine.policy.batch_axes
+        self.batch_axes = engine.batch_axes
         self.BATCH = _PRIME_BATCH
         self.training = engine.training
 
@@ -232,6 +232,10 @@ class _Engine:
         self.gather_outputs = gather_outputs
         self.batch_size, self.seq_len = batch_size, seq_len
         self.params = param_names(self.gm)
+        # data parallelism: each dp replica is handed its own batch, so the batch dim
+        # is split over dp before the graph starts; the policy's batch axes split it further
+        self.dp_axes = ("dp",) if "dp" in self.mesh.axes else ()
+        self.batch_axes = self.dp_axes + tuple(policy.batch_axes)
         self.ann = annotate(self.gm)
         self.forced: set[str] = set()
         self.needs_grad = self._needs_grad()
@@ -350,9 +354,11 @@ class _Engine:
             return None
         sh = self.shapes.probe(v.shape)
         b = self.policy.batch_axes
-        if b and sh and sh[0] == _PRIME_BATCH:
-            spec = replicated(len(sh)).with_dim(0, b)
+        if self.batch_axes and sh and sh[0] == _PRIME_BATCH:
+            spec = replicated(len(sh)).with_dim(0, self.batch_axes)
             self.st.specs[node.name] = spec
+            if not b:
+                return None
             return NodePlan(name=node.name, op="placeholder", kind="input", module="", out_spec=spec,
                             post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete(v.shape),
                             local_shape=spec.local_shape(self.shapes.concrete(v.shape), self.mesh),
@@ -519,13 +525,14 @@ class _Engine:
                 c("fwd", "all_reduce", loc)
                 if needs_grad:
                     c("bwd", "all_reduce", loc)
-            elif st.op == "gather":
+            elif st.op == "gather":          # gathers the inner axes of the dim's split
                 c("fwd", "all_gather", loc * p)
-                s = s.with_dim(st.dim, ())
-            elif st.op == "scatter":
+                have = s.dims[st.dim]
+                s = s.with_dim(st.dim, have[:len(have) - len(st.axes)], s.segments[st.dim])
+            elif st.op == "scatter":         # splits further over inner axes
                 if needs_grad:
                     c("bwd", "all_gather", loc)
-                s = s.with_dim(st.dim, st.axes, st.segments)
+                s = s.with_dim(st.dim, s.dims[st.dim] + st.axes, st.segments)
             elif st.op == "reduce_scatter":
                 c("fwd", "reduce_scatter", loc)
                 if needs_grad:
@@ -544,7 +551,11 @@ class _Engine:
             s = self.st.specs.get(a.name)
             if not isinstance(s, ShardSpec) or s.is_replicated or not self.gather_outputs:
                 continue
-            steps = _redistribute(s, replicated(s.ndim), self.mesh)
+            # dp replicas keep their own rows: gather everything else
+            keep = ShardSpec(dims=tuple(tuple(x for x in d if x in self.dp_axes) for d in s.dims))
+            steps = _redistribute(s, keep, self.mesh)
+            if not steps:
+                continue
             arg_steps.append(((0, i), tuple(steps)))
             comms += self._step_comms(a, s, steps, False)
         if not arg_steps:
@@ -602,13 +613,18 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
             steps.append(Step(op="reduce_from", axes=p))
             s = s.with_partial(())
     for d in range(s.ndim):
-        if s.dims[d] and (s.dims[d] != req.dims[d] or s.segments[d] != req.segments[d]):
-            steps.append(Step(op="gather", axes=s.dims[d], dim=d, segments=s.segments[d]))
-            s = s.with_dim(d, ())
+        have, want = s.dims[d], req.dims[d]
+        if have and (have != want or s.segments[d] != req.segments[d]):
+            # gathering only the inner axes keeps the outer block: (dp,row) -> (dp,)
+            keep = want if (want and have[:len(want)] == want and s.segments[d] == req.segments[d]) else ()
+            steps.append(Step(op="gather", axes=have[len(keep):], dim=d, segments=s.segments[d]))
+            s = s.with_dim(d, keep, s.segments[d])
     for d in range(s.ndim):
-        if req.dims[d] and not s.dims[d]:
-            steps.append(Step(op="scatter", axes=req.dims[d], dim=d, segments=req.segments[d]))
-            s = s.with_dim(d, req.dims[d], req.segments[d])
+        have, want = s.dims[d], req.dims[d]
+        if want and have != want:
+            # have is () or a prefix of want: slice the inner axes locally
+            steps.append(Step(op="scatter", axes=want[len(have):], dim=d, segments=req.segments[d]))
+            s = s.with_dim(d, want, req.segments[d])
     return steps
 
 

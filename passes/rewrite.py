@@ -83,7 +83,9 @@ def _kernel_call(graph: fx.Graph, node: fx.Node, np_, groups: dict) -> fx.Node:
                                                               "segments": ka["segments"]})
         return graph.call_function(K.partial_head, (x, w, b), {"col": G(ka["col_axes"])})
     if k == "vocab_embedding":
-        return graph.call_function(K.vocab_embedding, (node.args[0], node.args[1]), {"group": G(ka["axes"])})
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        return graph.call_function(K.vocab_embedding, (node.args[0], node.args[1]),
+                                   {"group": G(ka["axes"]), "padding_idx": pad if pad is not None and pad >= 0 else None})
     if k == "dist_layer_norm":
         args = list(node.args) + [None] * 5
         count = 1

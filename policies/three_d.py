@@ -58,14 +58,17 @@ class ThreeD(Policy):
 
     # ------------------------------------------------------------------ linear
     def _roles(self, sx: ShardSpec):
-        """(row dim, A, B, C) of an input in a 3D layout, or the canonical one."""
-        split_rows = [(d, a) for d, a in enumerate(sx.dims[:-1]) if a]
+        """(row dim, outer axes, A, B, C) of an input in a 3D layout, or the canonical
+        one. Outer axes (a data-parallel ``dp``) stay in front of the row split."""
+        outer = tuple(a for a in self.mesh.axes if a not in _AXES)
+        split_rows = [(d, tuple(x for x in a if x not in outer)) for d, a in enumerate(sx.dims[:-1])
+                      if set(a) - set(outer)]
         if len(split_rows) == 1 and len(split_rows[0][1]) == 2 and len(sx.dims[-1]) == 1:
             d, (A, B) = split_rows[0]
             C = sx.dims[-1][0]
             if {A, B, C} == set(_AXES):
-                return d, A, B, C
-        return 0, "x", "y", "z"
+                return d, outer, A, B, C
+        return 0, outer, "x", "y", "z"
 
     def linear(self, ctx) -> Choice:
         node = ctx.node
@@ -83,22 +86,22 @@ class ThreeD(Policy):
             sg[nd] = m if n_axes else 1
             return ShardSpec(dims=tuple(d), segments=tuple(sg))
 
-        rd, A, B, C = self._roles(sx)
+        rd, outer, A, B, C = self._roles(sx)
         if fixed is not None and fixed.dims[nd] == () and len(fixed.dims[kd]) == 1:
             return self._tied_head(ctx, xp, wp, bp, sx, wspec((), fixed.dims[kd]), fixed.dims[kd][0])
         m = ctx.output_segments(node)
         if n % (q * q * m):
             m = 1
         if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q or n % (q * q):
-            rows = tuple((A, B) if i == rd else () for i in range(nrow))
+            rows = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
             req = ShardSpec(dims=rows + ((),))
             ins = {xp: req, wp: wspec()}
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated",
                           notes=("replicated weight: features not divisible by q / q² or split could not pass",))
-        rows_in = tuple((A, B) if i == rd else () for i in range(nrow))
-        rows_out = tuple((A, C) if i == rd else () for i in range(nrow))
+        rows_in = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
+        rows_out = tuple(outer + (A, C) if i == rd else () for i in range(nrow))
         xreq = ShardSpec(dims=rows_in + ((C,),))
         ins = {xp: xreq, wp: wspec((B, A), (C,), m)}
         if bp:

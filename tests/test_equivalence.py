@@ -43,6 +43,20 @@ def test_sharded_equals_dense(case):
     assert len({round(r["loss_err"], 9) for r in results}) >= 1
 
 
+@pytest.mark.parametrize("name,world,mode,depth", [("llama", 4, "1d", None), ("gpt2", 8, "2d", None),
+                                                   ("bert", 8, "1d", None)],
+                         ids=["llama-1d-tp2-dp2", "gpt2-2d-q2-dp2", "bert-1d-tp4-dp2"])
+def test_data_parallel_on_top(name, world, mode, depth):
+    """dp = 2 replicas, each with its own rows of the global batch: loss (global
+    mean), each replica's logits and every local gradient equal the dense model's
+    on the whole batch; the ledger (now with the dp gradient all-reduces) = plan."""
+    results = get_pool(world, timeout=600).run(models.check, name, mode, depth, 0, None, 2)
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["ledger_bytes"] == r["plan_bytes"] and r["ledger_calls"] == r["plan_calls"]
+        assert r["param_bytes"] == r["plan_param_bytes"]
+
+
 def test_depth_allreduce_is_needed():
     """Dropping the depth all-reduce of gradients (the reference implementation's
     bug) must make the 2.5D gradients differ from dense."""
