@@ -9,6 +9,7 @@ device mesh, and rewrites it into a trainable distributed module::
 """
 
 from .api import MODES, plan, shard
+from .checkpoint import from_pretrained, load_checkpoint
 from .collectives import CommLedger
 from .cost import CLUSTERS, Cluster, estimate, profile
 from .errors import AutoshardError, CaptureError, CheckpointError, ConfigError, ShardingError
@@ -18,7 +19,8 @@ from .plan import ShardingPlan
 from .search import search
 from .spec import ShardSpec
 
-__all__ = ["shard", "plan", "MODES", "Mesh", "ShardSpec", "ShardingPlan", "ShardedModule", "CommLedger",
+__all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
+           "ShardedModule", "CommLedger",
            "search", "profile", "estimate", "Cluster", "CLUSTERS",
            "AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError"]
 __version__ = "0.1.0"
