@@ -35,12 +35,7 @@ def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments:
     if op == "reduce_scatter":
         return C.reduce_scatter_to(x, dim, group)
     if op in ("gather", "scatter"):
-        fn = C.gather_from if op == "gather" else C.scatter_to
-        if segments == 1:
-            return fn(x, dim, group)
-        shape = list(x.shape)
-        y = fn(x.reshape(shape[:dim] + [segments, shape[dim] // segments] + shape[dim + 1:]), dim + 1, group)
-        return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+        return _on_segments(C.gather_from if op == "gather" else C.scatter_to, x, dim, group, segments)
     raise ValueError(f"unknown step {op}")
 
 
@@ -90,21 +85,21 @@ def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int):
     return y if b is None else y + b
 
 
-def _ag_seg(t, dim: int, group: str, m: int):
-    """All-gather on ``dim`` whose blocks are ``m`` fused segments, each split."""
+def _on_segments(fn, t, dim: int, group: str, m: int):
+    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
     if m == 1:
-        return C._all_gather(t, dim, group)
+        return fn(t, dim, group)
     shape = list(t.shape)
-    y = C._all_gather(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
+    y = fn(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
     return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+
+
+def _ag_seg(t, dim: int, group: str, m: int):
+    return _on_segments(C._all_gather, t, dim, group, m)
 
 
 def _rs_seg(t, dim: int, group: str, m: int):
-    if m == 1:
-        return C._reduce_scatter(t, dim, group)
-    shape = list(t.shape)
-    y = C._reduce_scatter(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
-    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+    return _on_segments(C._reduce_scatter, t, dim, group, m)
 
 
 class _ThreeD(torch.autograd.Function):

@@ -89,3 +89,23 @@ def spec_of(ndim: int, **dims) -> ShardSpec:
     for k, v in dims.items():
         d[int(k[1:])] = v
     return ShardSpec(dims=tuple(d))
+
+
+def tied_head_choice(ctx, xp, wp, bp, rows, rseg, col: tuple[str, ...], ws: ShardSpec, q: int) -> Choice:
+    """A Linear that reuses an embedding table split on hidden over ``col``
+    (tied LM head): ``x·Eᵀ`` is partial over ``col`` and reduce-scattered on vocab.
+
+    ``rows``/``rseg`` give the token dims' layout of ``x``; the output keeps them
+    and splits the vocabulary over ``col``."""
+    xreq = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
+    ins = {xp: xreq, wp: ws}
+    if bp:
+        ins[bp] = ShardSpec(dims=(col,))
+    out = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
+    full = ctx.local_numel(ctx.node, out) * q
+    label = ",".join(col)
+    return Choice(out=out, inputs=ins, kernel="partial_head",
+                  kernel_args={"col_axes": list(col), "n_dim": 0, "bias": list(bp) if bp else None},
+                  comms=(KComm("fwd", "reduce_scatter", col, full), KComm("bwd", "all_gather", col, full, (xp, wp))),
+                  weight=f"tied table [vocab, hidden/{q} over {label}]",
+                  notes=(f"x·Eᵀ partial over {label}, reduce-scattered on vocab",))

@@ -22,7 +22,7 @@ from autoshard.errors import ConfigError
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
-from .base import Choice, KComm, Policy
+from .base import Choice, KComm, Policy, tied_head_choice
 from .linear_ops import linear_operands
 from .one_d import _at
 
@@ -114,18 +114,7 @@ class Tesseract(Policy):
                       + (", replicated over dep" if self.d > 1 else ""))
 
     def _tied_head(self, ctx, xp, wp, bp, rows, rseg, ws, n):
-        C = self.col
-        xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
-        ins = {xp: xreq, wp: ws}
-        if bp:
-            ins[bp] = ShardSpec(dims=(C,))
-        out = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
-        full = ctx.local_numel(ctx.node, out) * self.q
-        return Choice(out=out, inputs=ins, kernel="partial_head",
-                      kernel_args={"col_axes": list(C), "n_dim": 0, "bias": list(bp) if bp else None},
-                      comms=(KComm("fwd", "reduce_scatter", C, full), KComm("bwd", "all_gather", C, full, (xp, wp))),
-                      weight="tied table [vocab, hidden/q over col]",
-                      notes=("x·Eᵀ partial over col, reduce-scattered on vocab",))
+        return tied_head_choice(ctx, xp, wp, bp, rows, rseg, self.col, ws, self.q)
 
     def _tied_like_fallback(self, ctx, xp, wp, bp, rows, rseg, wspec):
         req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))

@@ -22,7 +22,7 @@ from autoshard.errors import ConfigError
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
-from .base import Choice, KComm, Policy
+from .base import Choice, KComm, Policy, tied_head_choice
 from .linear_ops import linear_operands
 from .one_d import _at
 
@@ -124,17 +124,7 @@ class ThreeD(Policy):
 
     def _tied_head(self, ctx, xp, wp, bp, sx, ws, C):
         rows = tuple(tuple(a for a in d if a != C) for d in sx.dims[:-1])
-        xreq = ShardSpec(dims=rows + ((C,),))
-        ins = {xp: xreq, wp: ws}
-        if bp:
-            ins[bp] = ShardSpec(dims=((C,),))
-        out = ShardSpec(dims=rows + ((C,),))
-        full = ctx.local_numel(ctx.node, out) * self.q
-        return Choice(out=out, inputs=ins, kernel="partial_head",
-                      kernel_args={"col_axes": [C], "n_dim": 0, "bias": list(bp) if bp else None},
-                      comms=(KComm("fwd", "reduce_scatter", (C,), full), KComm("bwd", "all_gather", (C,), full, (xp, wp))),
-                      weight=f"tied table [vocab, hidden/{self.q} over {C}]",
-                      notes=(f"x·Eᵀ partial over {C}, reduce-scattered on vocab",))
+        return tied_head_choice(ctx, xp, wp, bp, rows, (1,) * len(rows), (C,), ws, self.q)
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx) -> Choice:
