@@ -66,7 +66,7 @@ examples:
 Numbers are per rank and per training step (forward + backward). The predicted
 time is the cost model's (see autoshard/cost.py): compute = 3 x forward FLOPs /
 cluster FLOP/s, plus every collective's latency + bytes / bandwidth on its link.
-With --mode auto, --batch-size is the global batch (split over dp replicas).
+--batch-size is the global batch: dp replicas split it, the mode's batch axes split it further.
 """
 
 _EPILOG_CHECK = """\
@@ -104,7 +104,7 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
     p.add_argument("--dp", type=int, default=None, metavar="R",
                    help="data-parallel replicas outside the TP mesh (default 1; searched with --mode auto)")
     p.add_argument("--batch-size", "-b", type=int, default=8, metavar="B",
-                   help="sequences per step (per dp replica; global batch with --mode auto)")
+                   help="global sequences per step (dp replicas split it)")
     p.add_argument("--seq-len", "-s", type=int, default=128, metavar="S", help="tokens per sequence")
     p.add_argument("--cluster", "-c", default=None, metavar="PRESET",
                    help="hardware for the cost model: a preset (" + ", ".join(CLUSTERS)
@@ -220,7 +220,7 @@ def print_summary(console, plan, cost, cluster) -> None:
     t.add_column("value", justify="right")
     t.add_column("detail")
     t.add_row("batch × seq", f"{plan.batch_size} × {plan.seq_len}",
-              "per dp replica" if plan.dp > 1 else "every rank of the mesh gets this batch")
+              f"global batch, split over dp={plan.dp} replicas" if plan.dp > 1 else "global batch")
     t.add_row("parameters", human_bytes(cost.param_bytes), f"{plan.param_bytes_per_rank:,} B")
     t.add_row("gradients", human_bytes(cost.grad_bytes), "same as parameters")
     t.add_row("optimizer state", human_bytes(cost.optimizer_bytes), "AdamW: 2 fp32 moments per parameter")

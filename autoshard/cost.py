@@ -205,8 +205,10 @@ _VIEW_OPS = frozenset({
 
 
 def _numel(shape) -> int:
-    if not shape:
-        return 0 if shape == () else 1
+    if shape is None:
+        return 0
+    if len(shape) == 0:          # a scalar
+        return 1
     if isinstance(shape[0], (tuple, list)):
         return sum(_numel(s) for s in shape)
     return math.prod(int(x) for x in shape)

@@ -11,8 +11,8 @@ predicted step time (ties: less communication, then the registry order). If
 nothing fits, the :class:`~autoshard.errors.ConfigError` names the smallest world
 size that would.
 
-``batch_size`` is the *global* batch: a candidate with ``dp = r`` plans each
-replica with ``batch_size / r`` sequences.
+``batch_size`` is the *global* batch, as in every plan: ``dp`` replicas split it
+first, the mode's batch axes split each replica's rows further.
 
 Example:
     >>> from transformers import LlamaConfig
@@ -247,9 +247,6 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
               static: int, plans: dict) -> Evaluated:
     from .passes.propagate import propagate
 
-    if batch_size % cand.dp:
-        return Evaluated(candidate=cand, reason=f"global batch {batch_size} does not split over dp={cand.dp}")
-    per_replica = batch_size // cand.dp
     tp = cand.mesh.world_size // cand.dp
     if static / tp > cluster.memory_bytes:          # lower bound, no plan needed
         return Evaluated(candidate=cand, reason=f"parameters+grads+optimizer ≥ {static / tp / 2**30:,.2f} GiB/rank"
@@ -258,14 +255,14 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         pol = cand.policy()
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    bsplit = cand.mesh.size(tuple(a for a in pol.batch_axes if a != "dp")) if pol.batch_axes else 1
-    if per_replica % bsplit:
-        return Evaluated(candidate=cand, reason=f"batch {per_replica}/replica does not split over "
-                                                f"{'·'.join(a for a in pol.batch_axes if a != 'dp')}={bsplit}")
-    key = (cand.mode, cand.mesh, per_replica, seq_len)
+    axes = (("dp",) if cand.dp > 1 else ()) + tuple(a for a in pol.batch_axes if a != "dp")
+    if batch_size % cand.mesh.size(axes):
+        return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
+                                                f"{'·'.join(axes)}={cand.mesh.size(axes)}")
+    key = (cand.mode, cand.mesh, batch_size, seq_len)
     try:
         if key not in plans:
-            plans[key] = propagate(cap, pol, batch_size=per_replica, seq_len=seq_len)
+            plans[key] = propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)
         plan = plans[key]
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
