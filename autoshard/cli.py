@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
-__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser"]
+from .cost import human_bytes
+
+__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes"]
 
 # Public shapes of well-known checkpoints. Dropout is 0: autoshard refuses p > 0 in
 # train mode (no per-rank RNG streams yet), and planning does not depend on it.
@@ -177,16 +179,6 @@ def _cluster(arg):
             d = json.load(f)
         return Cluster(**{k: v for k, v in d.items() if k in Cluster.__dataclass_fields__})
     return Cluster.preset(arg)
-
-
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n:,.2f} TiB"
 
 
 def _seconds(s: float) -> str:

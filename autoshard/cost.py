@@ -48,9 +48,23 @@ from .mesh import Mesh
 from .plan import Comm, NodePlan, ShardingPlan
 
 __all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "link_of", "collective_time",
-           "node_flops", "default_cluster", "profile"]
+           "node_flops", "default_cluster", "profile", "human_bytes"]
 
 GiB = 2 ** 30
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``.
+
+    >>> human_bytes(1536), human_bytes(80 * 2**30)
+    ('1.50 KiB', '80.00 GiB')
+    """
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} TiB"
 
 
 @dataclass(frozen=True, kw_only=True)

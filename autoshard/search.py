@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .cost import Cluster, CostEstimate, estimate
+from .cost import Cluster, CostEstimate, estimate, human_bytes
 from .errors import AutoshardError, ConfigError
 from .mesh import Mesh
 from .plan import ShardingPlan
@@ -78,6 +78,10 @@ class Evaluated:
     @property
     def ok(self) -> bool:
         return self.rank is not None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f}" if n >= 2**24 else f"{n / 2**30:.2g}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -183,25 +187,23 @@ class SearchResult:
         t = Table(title=f"autoshard auto · {self.model} · {self.world_size} ranks · global batch "
                         f"{self.batch_size} × seq {self.seq_len} · {self.cluster.name}",
                   header_style="bold")
-        for col, just in (("#", "right"), ("candidate", "left"), ("mesh", "left"), ("step ms", "right"),
-                          ("compute ms", "right"), ("comm ms", "right"), ("comm MB/rank", "right"),
-                          ("inter-node MB", "right"), ("mem GiB/rank", "right"), ("params+grads+opt", "right"),
-                          ("activations", "right"), ("fallbacks", "right"), ("why not", "left")):
+        for col, just in (("#", "right"), ("candidate", "left"), ("step ms", "right"), ("compute ms", "right"),
+                          ("comm ms", "right"), ("comm MB", "right"), ("inter-node MB", "right"),
+                          ("memory GiB", "right"), ("params+grads+opt", "right"), ("activations", "right"),
+                          ("fallbacks", "right"), ("why not", "left")):
             t.add_column(col, justify=just, overflow="fold")
         rows = self.results if top is None else [e for e in self.results if e.ok][:top] + \
             [e for e in self.results if not e.ok][:top]
         for e in rows:
             c, k = e.candidate, e.cost
             if k is not None:
-                nums = (f"{k.step_s * 1e3:,.3f}", f"{k.compute_s * 1e3:,.3f}", f"{k.comm_s * 1e3:,.3f}",
-                        f"{k.comm_bytes / 1e6:,.2f}", f"{k.inter_node_bytes / 1e6:,.2f}",
-                        f"{k.memory_bytes / 2**30:,.2f}",
-                        f"{(k.param_bytes + k.grad_bytes + k.optimizer_bytes) / 2**30:,.2f}",
-                        f"{k.activation_bytes / 2**30:,.2f}", str(len(e.plan.fallbacks)))
+                nums = (f"{k.step_s * 1e3:,.1f}", f"{k.compute_s * 1e3:,.1f}", f"{k.comm_s * 1e3:,.1f}",
+                        f"{k.comm_bytes / 1e6:,.0f}", f"{k.inter_node_bytes / 1e6:,.0f}",
+                        _gib(k.memory_bytes), _gib(k.param_bytes + k.grad_bytes + k.optimizer_bytes),
+                        _gib(k.activation_bytes), str(len(e.plan.fallbacks)))
             else:
                 nums = ("-",) * 9
-            t.add_row(*(escape(x) for x in (str(e.rank) if e.ok else "-", c.label, str(c.mesh), *nums,
-                                             e.reason)),
+            t.add_row(*(escape(x) for x in (str(e.rank) if e.ok else "-", c.label, *nums, e.reason)),
                       style="bold green" if e.rank == 1 else (None if e.ok else "dim"))
         hidden = len(self.results) - len(rows)
         if hidden > 0:
@@ -216,8 +218,8 @@ class SearchResult:
         if self.ranked:
             b = self.best
             console.print(f"[bold]chosen:[/bold] {b.candidate.label} (mesh {b.candidate.mesh}) · predicted step "
-                          f"{b.cost.step_s * 1e3:,.3f} ms · {b.cost.memory_bytes / 2**30:,.2f} GiB/rank of "
-                          f"{self.cluster.memory_bytes / 2**30:,.0f}")
+                          f"{b.cost.step_s * 1e3:,.1f} ms · {human_bytes(b.cost.memory_bytes)}/rank of "
+                          f"{human_bytes(self.cluster.memory_bytes)}")
 
     def to_dict(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "batch_size": self.batch_size,
@@ -249,8 +251,8 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
 
     tp = cand.mesh.world_size // cand.dp
     if static / tp > cluster.memory_bytes:          # lower bound, no plan needed
-        return Evaluated(candidate=cand, reason=f"parameters+grads+optimizer ≥ {static / tp / 2**30:,.2f} GiB/rank"
-                                                 f" > {cluster.memory_bytes / 2**30:,.2f} GiB")
+        return Evaluated(candidate=cand, reason=f"params+grads+opt ≥ {_gib(static / tp)} GiB > "
+                                                f"{_gib(cluster.memory_bytes)}")
     try:
         pol = cand.policy()
     except AutoshardError as e:
@@ -269,7 +271,7 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     cost = estimate(plan, cluster, optimizer=optimizer)
     if not cost.fits:
         return Evaluated(candidate=cand, plan=plan, cost=cost,
-                         reason=f"needs {cost.memory_bytes / 2**30:,.2f} GiB/rank > {cluster.memory_bytes / 2**30:,.2f}")
+                         reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
     return Evaluated(candidate=cand, plan=plan, cost=cost)
 
 
@@ -333,10 +335,10 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
 def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw) -> str:
     world, cluster = res.world_size, res.cluster
     costed = [e for e in res.results if e.cost is not None]
-    head = f"nothing fits in {cluster.memory_bytes / 2**30:,.3g} GiB per rank on {world} ranks ({cluster.name})"
+    head = f"nothing fits in {human_bytes(cluster.memory_bytes)} per rank on {world} ranks ({cluster.name})"
     if costed:
         e = min(costed, key=lambda e: e.cost.memory_bytes)
-        head += f"; the leanest candidate, {e.candidate.label}, needs {e.cost.memory_bytes / 2**30:,.3g} GiB"
+        head += f"; the leanest candidate, {e.candidate.label}, needs {human_bytes(e.cost.memory_bytes)}"
     else:
         reasons = sorted({e.reason for e in res.results})[:3]
         head += "; " + "; ".join(reasons)
@@ -349,5 +351,5 @@ def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw) -> st
             e = _evaluate(cap, c, **kw)
             if not e.reason:
                 return (f"{head}. The smallest world size that fits is {w} "
-                        f"({c.label}, {e.cost.memory_bytes / 2**30:,.3g} GiB/rank).")
+                        f"({c.label}, {human_bytes(e.cost.memory_bytes)} per rank).")
     return f"{head}. No world size up to {_MAX_UPWARD} fits either."

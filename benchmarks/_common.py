@@ -42,7 +42,7 @@ def write_result(name: str, data: dict) -> str:
 
 
 def human_bytes(n: float) -> str:
-    from autoshard.cli import human_bytes as hb
+    from autoshard.cost import human_bytes as hb
 
     return hb(n)
 
