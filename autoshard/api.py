@@ -75,7 +75,7 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
     return out
 
 
-def shard(model: torch.nn.Module, *, mode: str = "1d", depth: int | None = None, dp: int = 1,
+def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
@@ -144,7 +144,7 @@ def _model_from(obj, *, meta: bool = True):
     raise ConfigError(f"cannot build a model for config {type(config).__name__}")
 
 
-def plan(model_or_config, *, world_size: int = 8, mode: str = "1d", depth: int | None = None, dp: int = 1,
+def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
