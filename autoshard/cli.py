@@ -260,7 +260,7 @@ def cmd_plan(args) -> int:
     except AutoshardError as e:
         console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
         return 1
-    cost = estimate(plan, cluster)
+    cost = res.best.cost if res is not None else estimate(plan, cluster)
     if res is not None:
         res.show(console, top=args.top or None)
     if not args.no_table:

@@ -246,7 +246,7 @@ def _static_bytes(captured, optimizer: str | None) -> int:
 
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
-              static: int, plans: dict) -> Evaluated:
+              static: int) -> Evaluated:
     from .passes.propagate import propagate
 
     tp = cand.mesh.world_size // cand.dp
@@ -261,11 +261,8 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     if batch_size % cand.mesh.size(axes):
         return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
                                                 f"{'·'.join(axes)}={cand.mesh.size(axes)}")
-    key = (cand.mode, cand.mesh, batch_size, seq_len)
     try:
-        if key not in plans:
-            plans[key] = propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)
-        plan = plans[key]
+        plan = propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     cost = estimate(plan, cluster, optimizer=optimizer)
@@ -316,9 +313,7 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     cluster = Cluster.preset(cluster)
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
-    plans: dict = {}
-    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static,
-              plans=plans)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static)
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp)
     if not cands:
         raise ConfigError(f"no mode accepts {world_size} ranks"

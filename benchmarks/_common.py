@@ -62,16 +62,17 @@ def runs() -> list[tuple[str, int, int | None]]:
     return [r for r in RUNS if r[0] in POLICIES]
 
 
-def run_tiny_llama(runs_, *, b: int = 8, s: int = 16, log=print) -> list[dict]:
-    """Run ``_workers.comm_and_memory`` for each (mode, world, depth) on gloo ranks;
-    returns, per run, every rank's result."""
+def run_tiny_llama(con, *, b: int = 8, s: int = 16) -> list[dict]:
+    """Run ``_workers.comm_and_memory`` for each run of :func:`runs` on gloo ranks (the tiny
+    Llama, one forward + backward); returns, per run, every rank's result."""
     import _workers
     from dist_pool import get_pool
 
+    con.print(f"tiny Llama {TINY_LLAMA}, batch {b} × seq {s}, fp32, gloo")
     out = []
-    for mode, world, depth in runs_:
+    for mode, world, depth in runs():
         t0 = time.perf_counter()
         per_rank = get_pool(world, timeout=900).run(_workers.comm_and_memory, mode, depth, TINY_LLAMA, b, s)
-        log(f"{mode} on {world} ranks: {time.perf_counter() - t0:.1f} s")
+        con.print(f"[dim]{mode} on {world} ranks: {time.perf_counter() - t0:.1f} s[/dim]")
         out.append({"mode": mode, "world": world, "depth": depth, "batch": b, "seq": s, "ranks": per_rank})
     return out

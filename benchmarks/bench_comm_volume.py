@@ -21,8 +21,7 @@ def main() -> int:
 
     con = _common.console(220)
     cfg = _common.TINY_LLAMA
-    con.print(f"tiny Llama {cfg}, batch 8 × seq 16, fp32, gloo")
-    res = _common.run_tiny_llama(_common.runs(), log=lambda s: con.print(f"[dim]{s}[/dim]"))
+    res = _common.run_tiny_llama(con)
     t = Table(title="comm bytes per rank per step (rank 0; ring model: all-reduce 2(p−1)/p·B, gather / "
                     "reduce-scatter (p−1)/p·B)", header_style="bold")
     for c in ("mode", "ranks", "mesh", "ledger B", "plan B", "ledger = plan", "calls ledger/plan",

@@ -17,8 +17,7 @@ def main() -> int:
 
     con = _common.console(220)
     cfg = _common.TINY_LLAMA
-    con.print(f"tiny Llama {cfg}, batch 8 × seq 16, fp32, gloo")
-    res = _common.run_tiny_llama(_common.runs(), log=lambda s: con.print(f"[dim]{s}[/dim]"))
+    res = _common.run_tiny_llama(con)
     hb = _common.human_bytes
     t = Table(title="bytes per rank (max over ranks)", header_style="bold")
     for c in ("mode", "ranks", "mesh", "params", "plan params", "params = plan", "grads", "grads = plan",
