@@ -192,7 +192,7 @@ def main(argv=None):
     after = evaluate(sharded, eval_data, per, n_dp, dp_index, args)
     if losses:
         log(f"trained {len(losses)} steps in {time.perf_counter() - t1:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    log(f"{metric}: untrained {before:.4f} -> trained {after:.4f}")
+    log(f"{metric}: {'resumed' if args.resume else 'untrained'} {before:.4f} -> trained {after:.4f}")
     if args.checkpoint_dir:
         T.save_state(sharded, args.checkpoint_dir, opt, step=args.steps)
         log(f"saved {args.checkpoint_dir} (step {args.steps})")
