@@ -41,7 +41,6 @@ aten = torch.ops.aten
 _PRIME_BATCH = 100003
 _PRIME_SEQ = 100019
 _OTHER_PRIMES = [100043, 100049, 100057, 100069, 100103, 100109, 100129, 100151]
-_MAX_RETRIES = 64
 
 
 def _get(node: fx.Node, path):
@@ -267,12 +266,16 @@ class _Engine:
 
     # ------------------------------------------------------------------- run
     def run(self) -> ShardingPlan:
-        for _ in range(_MAX_RETRIES):
+        # each retry replicates one more Linear, so the number of Linears bounds it
+        bound = 1 + sum(1 for a in self.ann.values() if a.kind == "linear")
+        for _ in range(bound):
             try:
                 return self._run_once()
             except _Retry as r:
+                if r.linear in self.forced:
+                    break
                 self.forced.add(r.linear)
-        raise ShardingError("planning did not settle after re-planning 64 Linears")
+        raise ShardingError(f"planning did not settle after re-planning {len(self.forced)} Linears")
 
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
