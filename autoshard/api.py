@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
-from .mesh import Mesh
 from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture

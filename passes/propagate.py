@@ -22,14 +22,13 @@ import math
 import operator
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch import fx
 
 from autoshard.errors import ShardingError
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
-from autoshard.policies.base import Choice, KComm, NeedReplicate, Policy
+from autoshard.policies.base import Choice, NeedReplicate, Policy
 from autoshard.policies.generic import rule_for
 from autoshard.spec import ShardSpec, replicated
 
@@ -484,17 +483,12 @@ class _Engine:
             if a.op == "get_attr" and a.target in self.params and ann.kind in ("linear", "embedding", "norm"):
                 pbytes += math.prod(req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)) * \
                     a.meta["val"].element_size()
-        if choice.fallback and not self._interesting(node, ann, choice, arg_steps):
-            pass
         return NodePlan(name=node.name, op=_op_name(node), kind=ann.kind if ann.kind in (
             "linear", "norm", "attention", "embedding", "loss") else "other", module=ann.module, out_spec=out,
             kernel=choice.kernel, kernel_args=choice.kernel_args, arg_steps=tuple(arg_steps),
             post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
             global_shape=gshape, local_shape=lshape, weight=weight, param_bytes=pbytes,
             notes=tuple(n for n in choice.notes if n), fallback=choice.fallback)
-
-    def _interesting(self, node, ann, choice, arg_steps) -> bool:
-        return True
 
     def _track_origin(self, node, ann, choice, in_specs):
         if ann.kind == "linear" and not choice.kernel and isinstance(choice.out, ShardSpec) and choice.out.dims[-1]:

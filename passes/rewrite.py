@@ -88,7 +88,6 @@ def _kernel_call(graph: fx.Graph, node: fx.Node, np_, groups: dict) -> fx.Node:
                                    {"group": G(ka["axes"]), "padding_idx": pad if pad is not None and pad >= 0 else None})
     if k == "dist_layer_norm":
         args = list(node.args) + [None] * 5
-        count = 1
         return graph.call_function(K.dist_layer_norm, (args[0], args[1], args[2], args[3],
                                                        args[4] if args[4] is not None else 1e-5),
                                    {"group": G(ka["axes"]), "count": _group_size(groups, ka["axes"])})
@@ -156,13 +155,9 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
         if np_.post:
             users = [u for u in target.users if u.op != "call_module"]
             cur = target
-            with graph.inserting_after(target):
-                pass
-            anchor = target
             for st in np_.post:
-                with graph.inserting_after(anchor):
+                with graph.inserting_after(cur):
                     cur = _step_node(graph, cur, st, groups)
-                anchor = cur
             for u in users:
                 u.replace_input_with(target, cur)
     graph.lint()

@@ -10,7 +10,6 @@ Every rule takes the propagate pass's context ``ctx`` and returns a
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -25,10 +24,6 @@ from .base import Choice, KComm, NeedReplicate
 aten = torch.ops.aten
 
 __all__ = ["RULES", "rule_for", "view_groups"]
-
-
-def _rep_like(spec: ShardSpec | None, n: int) -> ShardSpec:
-    return replicated(n)
 
 
 def _tensor_args(ctx):
@@ -420,7 +415,7 @@ def index_tensor(ctx) -> Choice:
 
 def gather_op(ctx) -> Choice:
     x, d, idx = ctx.node.args[:3]
-    s, si = ctx.spec(x), ctx.spec(idx)
+    s = ctx.spec(x)
     d = d % s.ndim
     req_x = _need_unsplit(s, [d]).with_partial(())
     req_i = ShardSpec(dims=tuple(req_x.dims[j] if j != d else () for j in range(s.ndim)))

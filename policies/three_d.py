@@ -16,8 +16,6 @@ on the residual stream's layout. Nothing here is named after a layer.
 
 from __future__ import annotations
 
-import math
-
 from autoshard.errors import ConfigError
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
