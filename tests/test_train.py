@@ -1,4 +1,4 @@
-"""autoshard.train on gloo CPU ranks: 1D tp2 × dp2 training with gradient
+"""autoshard.train on gloo CPU ranks: 1D tp2 × dp2, 2.5D (q2 d2) and 3D (q2) training with gradient
 accumulation and active global-norm clipping follows the dense single-process
 run step by step (loss within 1e-4, grad norm within 1e-5 relative); a run
 checkpointed at step 10 and resumed on a fresh module continues the same curve."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import models
@@ -42,15 +43,15 @@ def _dense_run(name: str, batches: list[dict], steps: int):
     return losses, norms
 
 
-def _sharded_run(rank, world, name, dp, steps):
+def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
     import autoshard
     from autoshard import train as T
 
     torch.set_num_threads(1)
     batches = _global_batches(steps * ACCUM)
     model = models.build(name)
-    sharded = autoshard.shard(model, mode="1d", dp=dp, example_inputs=T.local_rows_for(dp, rank // (world // dp),
-                                                                                        batches[0]))
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp,
+                              example_inputs=T.local_rows_for(dp, rank // (world // dp), batches[0]))
     opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3)
     local = [T.local_rows(sharded, b) for b in batches]
     losses, norms = [], []
@@ -61,10 +62,23 @@ def _sharded_run(rank, world, name, dp, steps):
     return {"losses": losses, "norms": norms}
 
 
-def test_train_tp2_dp2_accum_clip_equals_dense():
-    results = get_pool(4, timeout=600).run(_sharded_run, "llama", 2, STEPS)
-    torch.set_num_threads(1)
-    ref_losses, ref_norms = _dense_run("llama", _global_batches(STEPS * ACCUM), STEPS)
+_DENSE: dict = {}
+
+
+def _dense_reference(name: str):
+    if name not in _DENSE:
+        torch.set_num_threads(1)
+        _DENSE[name] = _dense_run(name, _global_batches(STEPS * ACCUM), STEPS)
+    return _DENSE[name]
+
+
+@pytest.mark.parametrize("world,mode,depth,dp", [(4, "1d", None, 2), (8, "2.5d", 2, 1), (8, "3d", None, 1)],
+                         ids=["1d-tp2-dp2", "2.5d-q2-d2", "3d-q2"])
+def test_train_accum_clip_equals_dense(world, mode, depth, dp):
+    """20 AdamW steps (warmup + cosine), 2 accumulated micro-batches each, global-norm
+    clipping active every step: the sharded run's losses and norms are the dense run's."""
+    results = get_pool(world, timeout=900).run(_sharded_run, "llama", dp, STEPS, mode, depth)
+    ref_losses, ref_norms = _dense_reference("llama")
     assert min(ref_norms) > CLIP, "clipping must be active in every step"
     for rank, r in enumerate(results):
         assert len(r["losses"]) == STEPS
