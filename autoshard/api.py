@@ -76,7 +76,8 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
 
 def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
-          captured: Captured | None = None, weights=None, cluster=None) -> ShardedModule:
+          captured: Captured | None = None, weights=None, cluster=None,
+          activation_checkpointing: bool = False) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -87,7 +88,10 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     ``mode="auto"`` picks the cheapest TP layout for this world size and ``dp`` on
     ``cluster`` (a preset name, a :class:`~autoshard.cost.Cluster`, e.g. from
     :func:`autoshard.profile`; default: guessed from the device), see
-    :func:`autoshard.search`.
+    :func:`autoshard.search`. ``activation_checkpointing=True`` recomputes each
+    repeated block (every numbered module, e.g. ``layers.3``) in backward instead of
+    keeping its activations (:mod:`autoshard.passes.remat`); the block's forward
+    collectives then run a second time in backward.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -114,6 +118,10 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     p = propagate(cap, pol, batch_size=int(ids.shape[0]) * n_dp, seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
+    if activation_checkpointing:
+        from .passes.remat import checkpoint_blocks
+
+        checkpoint_blocks(gm)
     if weights is not None:
         weights(gm, p, rank)
     return ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,

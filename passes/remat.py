@@ -1,0 +1,139 @@
+"""Activation checkpointing on a captured (or rewritten) graph: each repeated
+block is moved into a submodule run under :func:`torch.utils.checkpoint.checkpoint`,
+so backward keeps only the block's inputs and recomputes the rest.
+
+A block is found from the graph, not from class names: the nodes whose module
+stack passes through a numbered child (``model.layers.3``, ``encoder.layer.0``,
+``h.11`` — any ``ModuleList`` entry) form one block, keyed by that path. Nodes the
+rewrite inserted (re-layout collectives) carry no stack and join the block of the
+node before them. Parameters stay in the outer module and enter the block as
+inputs, so the ShardedModule's parameter names do not change.
+
+Recomputation re-runs the block's forward collectives during backward; every
+rank runs the same graph, so the order is the same on every rank.
+
+Example::
+
+    from autoshard.passes.remat import checkpoint_blocks
+    n = checkpoint_blocks(gm)      # gm: an fx.GraphModule from autoshard capture/rewrite
+    # n blocks now recompute their activations in backward
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.utils.checkpoint
+from torch import fx, nn
+
+__all__ = ["checkpoint_blocks", "block_key"]
+
+_NUMBERED = re.compile(r"(^|\.)\d+$")
+
+
+def block_key(node: fx.Node) -> str | None:
+    """The outermost numbered module path in the node's module stack, or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        if isinstance(path, str) and _NUMBERED.search(path):
+            return path
+    return None
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``block`` under non-reentrant checkpointing (RNG state preserved, so
+    dropout recomputes the same mask)."""
+
+    def __init__(self, block: fx.GraphModule, key: str):
+        super().__init__()
+        self.block = block
+        self.key = key
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.block(*args)
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+    def extra_repr(self) -> str:
+        return f"block={self.key!r}"
+
+
+def _segments(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
+    """Maximal runs of consecutive compute nodes with the same block key."""
+    out: list[tuple[str, list[fx.Node]]] = []
+    current = None
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        key = block_key(node) if node.meta.get("nn_module_stack") else current
+        current = key
+        if key is None:
+            continue
+        if out and out[-1][0] == key and out[-1][1][-1].next is node:
+            out[-1][1].append(node)
+        elif out and out[-1][0] == key and _only_placeholders_or_attrs_between(out[-1][1][-1], node):
+            out[-1][1].append(node)
+        else:
+            out.append((key, [node]))
+    return out
+
+
+def _only_placeholders_or_attrs_between(a: fx.Node, b: fx.Node) -> bool:
+    n = a.next
+    while n is not b:
+        if n.op not in ("get_attr", "placeholder"):
+            return False
+        n = n.next
+    return True
+
+
+def checkpoint_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> int:
+    """Wrap every block of ``gm`` (see module docstring) in activation
+    checkpointing, in place. Returns the number of blocks wrapped (0 when the
+    graph has no numbered modules: nothing changes)."""
+    graph = gm.graph
+    n_done = 0
+    for key, nodes in _segments(graph):
+        if len(nodes) < min_nodes:
+            continue
+        inside = set(nodes)
+        inputs: list[fx.Node] = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in inputs:
+                    inputs.append(a)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if not outputs:
+            continue
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for i, a in enumerate(inputs):
+            env[a] = sub.placeholder(f"in_{i}")
+            env[a].meta = dict(a.meta)
+        for n in nodes:
+            env[n] = sub.node_copy(n, lambda x: env[x])
+        sub.output(tuple(env[o] for o in outputs))
+        block = fx.GraphModule(gm, sub)        # no get_attr inside: parameters arrive as inputs
+        name = f"_remat_{n_done}"
+        gm.add_module(name, _Checkpointed(block, key))
+        with graph.inserting_after(nodes[-1]):       # every input is defined by now
+            call = graph.call_module(name, tuple(inputs))
+            call.meta = {}
+        outs = []
+        prev = call
+        for i, o in enumerate(outputs):
+            with graph.inserting_after(prev):
+                prev = graph.call_function(operator.getitem, (call, i))
+            prev.meta = dict(o.meta)
+            outs.append(prev)
+        for o, g in zip(outputs, outs):
+            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+        n_done += 1
+    if n_done:
+        graph.lint()
+        gm.recompile()
+    return n_done
