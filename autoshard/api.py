@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import AutoshardWarning, ConfigError
 from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
 from .passes.propagate import propagate
 from .passes.rewrite import axes_label, rewrite
 from .policies import POLICIES
+from .validate import (Problem, check_dims, check_environment, check_example_inputs, check_group,
+                       check_model, raise_problems, timeout_seconds)
 
-__all__ = ["shard", "plan", "MODES"]
+__all__ = ["shard", "plan", "validate", "MODES"]
 
 MODES = tuple(POLICIES)
 
@@ -31,14 +35,15 @@ def _policy(mode: str, world_size: int, depth, dp):
 
 
 def _ensure_dist() -> None:
+    """Join the torchrun job, with a bounded collective timeout (``AUTOSHARD_TIMEOUT``
+    seconds, default :data:`autoshard.validate.DEFAULT_TIMEOUT_S`): a dead or stuck rank
+    becomes an error on the others instead of a hang. A process group the caller made
+    keeps its own timeout."""
     if dist.is_available() and dist.is_initialized():
         return
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return
-    raise ConfigError("autoshard.shard needs torch.distributed: run under torchrun "
-                      "(e.g. `torchrun --nproc-per-node 4 script.py`) or call init_process_group first; "
-                      "to inspect a plan without processes use autoshard.plan(...)")
+    raise_problems(check_environment(os.environ), "autoshard.shard")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_seconds()))
 
 
 _GROUPS: dict = {}
@@ -74,9 +79,55 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
     return out
 
 
+def _batch_split(pol) -> tuple[int, str]:
+    """How many blocks one dp replica's batch is cut into, and over which axes."""
+    axes = tuple(a for a in pol.batch_axes if a != "dp")
+    if not axes:
+        return 1, ""
+    return pol.mesh.size(axes), f"{pol.name} splits the batch over " + "·".join(
+        f"{a}[{pol.mesh.size(a)}]" for a in axes)
+
+
+def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
+             example_inputs: dict | None = None, weights_given: bool = False, environ=None):
+    """Every problem :func:`shard` would refuse or warn about, found without a collective.
+
+    Returns ``(policy or None, problems)``. Pure: the same arguments give the same
+    list on every rank, so every rank raises the same error before the first
+    collective. ``mode='auto'`` checks only what does not depend on the layout."""
+    problems: list[Problem] = []
+    if environ is not None:
+        problems += check_group(world_size, environ)
+    pol = None
+    if mode != "auto":
+        try:
+            pol = _policy(mode, world_size, depth, dp)
+        except ConfigError as e:
+            problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
+    problems += check_model(model, weights_given=weights_given)
+    config = getattr(model, "config", None)
+    if pol is not None:
+        problems += check_dims(config, pol.name, pol.mesh)
+        split, label = _batch_split(pol)
+    else:
+        split, label = 1, ""
+    problems += check_example_inputs(example_inputs, config=config, batch_split=split, batch_label=label)
+    return pol, problems
+
+
+def _warn_fallbacks(p: ShardingPlan) -> None:
+    fb = p.fallbacks
+    if fb:
+        rows = "; ".join(f"{n.name} ({n.op}{', ' + n.module if n.module else ''}): {'; '.join(n.notes) or 'gathered'}"
+                         for n in fb[:6])
+        warnings.warn(f"{len(fb)} node(s) have no rule for their input layout and run replicated (exact, "
+                      f"gathered first; the plan's fallback rows): {rows}" + (" …" if len(fb) > 6 else ""),
+                      AutoshardWarning, stacklevel=3)
+
+
 def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
-          captured: Captured | None = None, weights=None, cluster=None,
+          captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
@@ -88,7 +139,13 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     ``mode="auto"`` picks the cheapest TP layout for this world size and ``dp`` on
     ``cluster`` (a preset name, a :class:`~autoshard.cost.Cluster`, e.g. from
     :func:`autoshard.profile`; default: guessed from the device), see
-    :func:`autoshard.search`. ``activation_checkpointing=True`` recomputes each
+    :func:`autoshard.search`.
+
+    Every input is checked first, on every rank alike (see :mod:`autoshard.validate`):
+    a bad one raises one :class:`~autoshard.errors.ConfigError` listing every problem
+    before any collective. ``debug=True`` makes each call of the module compare a
+    checksum of its inputs across the TP ranks of a replica (one small all-gather)
+    and raise if they differ. ``activation_checkpointing=True`` recomputes each
     repeated block (every numbered module, e.g. ``layers.3``) in backward instead of
     keeping its activations (:mod:`autoshard.passes.remat`); the block's forward
     collectives then run a second time in backward.
@@ -101,6 +158,9 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     """
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
+    pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
+                             weights_given=weights is not None, environ=os.environ)
+    raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
     if mode == "auto":      # deterministic: every rank picks the same candidate
         from .cost import default_cluster
         from .search import search
@@ -109,13 +169,19 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         ids = cap.example_inputs["input_ids"]
         pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
                      batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
+        # the search chose this layout knowing its fallbacks: report them, refuse nothing
+        split, label = _batch_split(pol)
+        auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None),
+                                                                              pol.name, pol.mesh)]
+        raise_problems(auto + check_example_inputs(example_inputs, batch_split=split, batch_label=label),
+                       f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
-        pol = _policy(mode, world, depth, dp)          # validates before any collective
         cap = captured or capture(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
     # each dp replica holds its own rows: the plan reasons on the global batch
     n_dp = pol.mesh.size("dp") if "dp" in pol.mesh.axes else 1
     p = propagate(cap, pol, batch_size=int(ids.shape[0]) * n_dp, seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
+    _warn_fallbacks(p)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     if activation_checkpointing:
@@ -124,8 +190,22 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         checkpoint_blocks(gm)
     if weights is not None:
         weights(gm, p, rank)
-    return ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
-                         example_inputs=cap.example_inputs)
+    sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
+                       example_inputs=cap.example_inputs, debug=debug)
+    sm._limits = _input_limits(getattr(model, "config", None))
+    return sm
+
+
+def _input_limits(config) -> dict:
+    """What a call's inputs are checked against: vocabulary and positions."""
+    out = {}
+    for key, names in (("vocab_size", ("vocab_size",)), ("max_positions", ("max_position_embeddings", "n_positions"))):
+        for n in names:
+            v = getattr(config, n, None) if config is not None else None
+            if isinstance(v, int) and v > 0:
+                out[key] = (n, v)
+                break
+    return out
 
 
 def _model_from(obj, *, meta: bool = True):

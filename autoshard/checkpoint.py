@@ -630,6 +630,67 @@ def _fill_from_folder(gm, plan, rank: int, folder: _HFFolder, built: _Built, pro
     stats.update(tensors=len(params), bytes_read=folder.bytes_read, seconds=time.perf_counter() - t0)
 
 
+_FLOAT_CODES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
+
+def _check_folder(folder: _HFFolder, model: nn.Module, config_name: str = "config.json") -> None:
+    """Every parameter of ``model`` (built from the folder's config, on meta) against the
+    folder's files, before any process group or read: missing shard files, missing
+    tensors, shapes that disagree with the config, non-floating tensors for floating
+    parameters. One :class:`CheckpointError` lists every problem, naming file and tensor."""
+    import warnings
+
+    from .errors import AutoshardWarning
+
+    problems: list[str] = []
+    missing_files: dict[Path, list[str]] = {}
+    for key, f in folder.where.items():
+        if not f.exists():
+            missing_files.setdefault(f, []).append(key)
+    for f, keys in missing_files.items():
+        problems.append(f"{f}: shard file missing (model.safetensors.index.json maps {len(keys)} tensor(s) to it, "
+                        f"e.g. {keys[0]!r})")
+    groups: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    used: set[str] = set()
+    bad_shapes = 0
+    for pid, names in groups.items():
+        p = params[pid]
+        key = folder.key_for(names)
+        if key is None:
+            problems.append(f"{folder.path}: no tensor for parameter {names[0]!r}"
+                            + (f" (nor its tied aliases {names[1:]})" if len(names) > 1 else ""))
+            continue
+        used.add(key)
+        f = folder.where[key]
+        if f in missing_files:
+            continue
+        _, sl = folder._slice(key)
+        shape, code = tuple(sl.get_shape()), sl.get_dtype()
+        if shape != tuple(p.shape):
+            bad_shapes += 1
+            problems.append(f"{f.name}: tensor {key!r} has shape {list(shape)}, {config_name} makes "
+                            f"{names[0]!r} {list(p.shape)}")
+        if p.is_floating_point() and code not in _FLOAT_CODES:
+            problems.append(f"{f.name}: tensor {key!r} is stored as {code}, parameter {names[0]!r} is "
+                            f"{str(p.dtype).removeprefix('torch.')}: not a floating dtype, refusing to convert")
+    folder.files.close()
+    if problems:
+        hint = (f"; {config_name} does not describe these weights" if bad_shapes else "")
+        head = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        raise CheckpointError(f"{folder.path}: cannot load {len(problems)} tensor(s){hint}:\n"
+                              + "\n".join(f"  - {x}" for x in head))
+    for name, _ in model.named_buffers(remove_duplicate=False):
+        used.add(folder.key_for((name,)) or name)
+    extra = sorted(k for k in folder.where if k not in used)
+    if extra:
+        warnings.warn(f"{folder.path}: {len(extra)} tensor(s) in the files are not parameters of the model built "
+                      f"from {config_name} and are ignored, e.g. {extra[:3]}", AutoshardWarning, stacklevel=3)
+
+
 # =====================================================================================
 # public: from_pretrained
 # =====================================================================================
@@ -663,6 +724,7 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
     config = _load_config(path)
     built = _build_meta(config, model_class=model_class, dtype=dtype)
     folder = _HFFolder(path, prefix=getattr(built.model, "base_model_prefix", "") or "")
+    _check_folder(folder, built.model)
     built.model.train(train)
     stats: dict = {}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError"]
+__all__ = ["AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "AutoshardWarning"]
 
 
 class AutoshardError(Exception):
@@ -35,3 +35,8 @@ class CaptureError(AutoshardError, RuntimeError):
 
 class CheckpointError(AutoshardError, RuntimeError):
     """A checkpoint is incomplete, corrupt or belongs to another model."""
+
+
+class AutoshardWarning(UserWarning):
+    """An exact fallback worth knowing about: a dimension that does not divide and
+    stays replicated, a graph node gathered to a replicated layout."""

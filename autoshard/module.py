@@ -8,6 +8,7 @@ from torch import fx, nn
 from . import collectives as C
 from .errors import ConfigError
 from .plan import ShardingPlan
+from .validate import Problem as _P
 
 __all__ = ["ShardedModule"]
 
@@ -24,7 +25,7 @@ class ShardedModule(nn.Module):
     """
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
-                 input_names: tuple[str, ...], constants: dict, example_inputs: dict):
+                 input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False):
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
         for name, child in gm.named_children():
@@ -39,6 +40,8 @@ class ShardedModule(nn.Module):
         self._constants = dict(constants)
         self._tensor_inputs = {k for k, v in example_inputs.items() if isinstance(v, torch.Tensor)}
         self._hooks = []
+        self.debug = debug
+        self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
         params = dict(self.named_parameters(remove_duplicate=False))
         for pp in plan.params:
             if pp.grad_sync and pp.name in params:
@@ -65,13 +68,73 @@ class ShardedModule(nn.Module):
             else:
                 raise ConfigError(f"input {name!r} is required: the graph was captured with it")
         ids = full.get("input_ids")
+        self._check_inputs(full)
         split = self.batch_split
         if isinstance(ids, torch.Tensor) and split > 1 and ids.shape[0] % split:
             b = ids.shape[0]
             raise ConfigError(f"batch size {b} is not divisible by the batch split {split} "
                               f"({'·'.join(self.plan.batch_axes)}); use a multiple of {split}, e.g. "
                               f"{max(split, b - b % split)} or {b - b % split + split}")
+        if self.debug:
+            self._check_same_inputs(full)
         return self._gm(**full)
+
+    def _check_inputs(self, full: dict) -> None:
+        """Shapes and dtypes a call must have; local and cheap (no collective)."""
+        from .validate import check_example_inputs
+
+        ids = full.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return
+        problems = [p for p in check_example_inputs(full) if "capture needs" not in p.message]
+        if ids.dim() == 2:
+            s = ids.shape[1]
+            if s < 2:
+                problems.append(_P("input_ids", f"sequence length {s}: the graph was captured for seq >= 2"))
+            lim = self._limits.get("max_positions")
+            if lim and s > lim[1]:
+                problems.append(_P("input_ids", f"sequence length {s} exceeds the model's {lim[0]}={lim[1]}"))
+            voc = self._limits.get("vocab_size")
+            if voc and ids.numel() and not ids.dtype.is_floating_point:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= voc[1]:
+                    problems.append(_P("input_ids", f"token ids span {lo}..{hi}, outside the vocabulary "
+                                                    f"0..{voc[1] - 1} (a vocab-parallel embedding would "
+                                                    f"silently read zeros)"))
+        if problems:
+            from .validate import raise_problems
+            raise_problems(problems, "ShardedModule call")
+
+    def _check_same_inputs(self, full: dict) -> None:
+        """``debug=True``: every TP rank of a data-parallel replica must see the same
+        inputs. Each rank all-gathers a checksum per input (numel, sum, position-weighted
+        sum, in float64) over the default group and compares it with its replica's ranks;
+        every rank reaches the same verdict from the same gathered table."""
+        import torch.distributed as dist
+
+        names = [n for n in self._input_names if isinstance(full.get(n), torch.Tensor)]
+        rows = []
+        for n in names:
+            x = full[n].detach().reshape(-1).to("cpu", torch.float64)
+            w = torch.arange(x.numel(), dtype=torch.float64) % 9973 + 1
+            rows.append(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * w).sum()]))
+        mine = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+        world = dist.get_world_size()
+        table = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(table, mine)
+        dp_of = (lambda r: self.mesh.coords(r)["dp"]) if "dp" in self.mesh.axes else (lambda r: 0)
+        bad = []
+        for i, n in enumerate(names):
+            by_replica: dict = {}
+            for r in range(world):
+                by_replica.setdefault(dp_of(r), {}).setdefault(tuple(table[r][i].tolist()), []).append(r)
+            for rep, sums in sorted(by_replica.items()):
+                if len(sums) > 1:
+                    groups = "; ".join(f"ranks {rs} see numel={int(k[0])} checksum={k[2]:.12g}" for k, rs in sums.items())
+                    bad.append(f"{n!r}" + (f" (dp replica {rep})" if "dp" in self.mesh.axes else "") + f": {groups}")
+        if bad:
+            raise ConfigError("debug: inputs differ between the TP ranks of a replica, which must all be called "
+                              "with the same batch (dp replicas may differ): " + " | ".join(bad))
 
     def graph_module(self) -> fx.GraphModule:
         return self._gm
