@@ -34,18 +34,21 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF folder (default: bundled all-MiniLM-L6-v2; clm: tiny-gpt2)")
     p.add_argument("--task", choices=["clm", "cls"], default="cls")
     p.add_argument("--data", default=None, help="text file (clm) or JSONL {text,label} (cls)")
-    p.add_argument("--mode", default="auto", help="auto, 1d, 2d, 2.5d, 3d")
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--mode", default="auto", help="auto, 1d, 2d, 2.5d, 3d (auto: cheapest by the cost model)")
+    p.add_argument("--depth", type=int, default=None, help="2.5d depth d (world = dp·d·q²); default: searched")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas on top of tensor parallelism")
     p.add_argument("--batch-size", type=int, default=16, help="global batch per micro-step (all dp replicas)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (all shards, once each)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = CPU autocast")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block in backward instead of keeping its activations")
     p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint + step here at the end")
+    p.add_argument("--save-every", type=int, default=0, help="also save to --checkpoint-dir every N steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
@@ -170,6 +173,10 @@ def main(argv=None):
     else:
         sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example)
         opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup)
+    if args.activation_checkpointing:
+        from autoshard.passes.remat import checkpoint_blocks
+
+        log(f"activation checkpointing: {checkpoint_blocks(sharded.graph_module())} blocks recompute in backward")
     mesh = sharded.mesh
     n_dp = mesh.size("dp") if "dp" in mesh.axes else 1
     dp_index = sharded.coords.get("dp", 0)
@@ -182,6 +189,9 @@ def main(argv=None):
     def on_step(step, loss):
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             log(f"step {step}: {metric} {evaluate(sharded, eval_data, per, n_dp, dp_index, args):.4f}")
+        if args.checkpoint_dir and args.save_every and step % args.save_every == 0 and step < args.steps:
+            T.save_state(sharded, args.checkpoint_dir, opt, step=step)
+            log(f"step {step}: saved {args.checkpoint_dir}")
 
     batches = T.replica_batches(train_data, args.batch_size, seed=args.seed, dp_index=dp_index, dp=n_dp)
     for _ in range(start * args.accum):         # skip what the resumed run has seen
