@@ -53,7 +53,7 @@ class Problem:
     error: bool = True
 
     def __str__(self) -> str:
-        return f"{self.what}: {self.message}"
+        return self.message if self.message.startswith(self.what) else f"{self.what}: {self.message}"
 
 
 def timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
