@@ -277,24 +277,53 @@ def cmd_plan(args) -> int:
 
 
 def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
-    """(problems, notes, plan-or-None) for the ``check`` command."""
+    """(problems, notes, plan-or-None) for the ``check`` command: every problem at once.
+
+    The mesh, the model's dimensions against the split and the batch are checked as
+    :func:`autoshard.shard` checks them (:mod:`autoshard.validate`); then the model is
+    planned, and planning errors, fallback nodes and (with a cluster) memory are added."""
+    from .api import _batch_split, _policy
     from .cost import estimate
+    from .errors import ConfigError
+    from .validate import check_dims
 
     problems, notes = [], []
-    try:
-        plan, _ = _plan_or_search(args, cluster or _cluster(None))
-    except _UsageError:
-        raise
-    except Exception as e:      # every planning error is a finding here, not a crash
-        problems.append(f"{type(e).__name__}: {e}")
+    cfg = resolve_model(args.model)
+    pol = None
+    if args.mode != "auto":
+        try:
+            pol = _policy(args.mode, args.world_size, args.depth, args.dp or 1)
+        except ConfigError as e:
+            problems.append(f"ConfigError: {e}")
+    dp = args.dp or 1
+    if args.batch_size % dp:
+        problems.append(f"batch {args.batch_size} does not split over dp={dp} replicas; use a multiple of {dp}")
+    if pol is not None:
+        for p in check_dims(cfg, pol.name, pol.mesh):
+            (problems if p.error else notes).append(str(p))
+        split, label = _batch_split(pol)
+        per = args.batch_size // dp
+        if split > 1 and per % split:
+            problems.append(f"batch {per} per replica does not split over the batch axes ({label}); "
+                            f"use a global batch that is a multiple of {split * dp}")
+    plan = None
+    if pol is not None or args.mode == "auto":
+        try:
+            plan, _ = _plan_or_search(args, cluster or _cluster(None))
+        except _UsageError:
+            raise
+        except Exception as e:      # every planning error is a finding here, not a crash
+            problems.append(f"{type(e).__name__}: {e}")
+    if plan is None:
         return problems, notes, None
     for n in plan.fallbacks:
         problems.append(f"fallback node {n.name} ({n.op}, {n.module or '-'}): " + ("; ".join(n.notes) or
                                                                                    "re-laid out to replicated"))
-    bsplit = plan.mesh.size(tuple(a for a in plan.batch_axes if a != "dp")) if plan.batch_axes else 1
-    if plan.batch_size % bsplit:
-        problems.append(f"batch {plan.batch_size} does not split over {','.join(plan.batch_axes)} "
-                        f"({bsplit} blocks); use a multiple of {bsplit}")
+    if pol is None:     # auto: the batch axes are known once the search chose
+        bsplit = plan.mesh.size(tuple(a for a in plan.batch_axes if a != "dp")) if plan.batch_axes else 1
+        if plan.batch_size % bsplit:
+            problems.append(f"batch {plan.batch_size} does not split over {','.join(plan.batch_axes)} "
+                            f"({bsplit} blocks); use a multiple of {bsplit}")
     for n in plan.nodes:
         if n.kind == "linear" and n.weight == "replicated":
             notes.append(f"{n.name} ({n.module}): weight replicated" + (f" — {'; '.join(n.notes)}" if n.notes else ""))
@@ -315,6 +344,8 @@ def cmd_check(args) -> int:
         where += f" (mesh {plan.mesh}, {plan.mode})"
     for n in notes:
         console.print(f"  note: {n}", markup=False)
+    if plan is None and not problems:
+        problems.append("no plan")
     if problems:
         console.print(f"[bold red]✗[/bold red] {where}: {len(problems)} problem(s)")
         for p in problems:

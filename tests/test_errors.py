@@ -467,3 +467,25 @@ if __name__ == "__main__":
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(render_doc(obs))
     print(f"wrote {DOC}")
+
+
+def test_check_lists_every_problem_at_once(tmp_path, capsys):
+    """`autoshard check` reports, without processes, every problem shard() would raise."""
+    import transformers
+
+    from autoshard.cli import main
+
+    cfg = transformers.GPT2Config(**{**GPT2, "n_embd": 45, "n_head": 3, "vocab_size": 127, "attn_pdrop": 0.1},
+                                  architectures=["GPT2LMHeadModel"])
+    cfg.save_pretrained(str(tmp_path))
+    assert main(["check", str(tmp_path), "-w", "4", "-m", "2d", "-b", "6", "-s", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "3 problem(s)" in out, out
+    for want in ("num_attention_heads=3 is not divisible by the 2d split 2", "hidden_size=45 is not divisible",
+                 "ShardingError: attention dropout p=0.1", "note: vocab_size=127 is not divisible"):
+        assert want in out, want
+    assert main(["check", str(tmp_path), "-w", "4", "-m", "2d", "-b", "3", "-s", "16"]) == 1
+    assert "batch 3 per replica does not split over the batch axes (2d splits the batch over row[2])" in \
+        capsys.readouterr().out
+    assert main(["check", str(tmp_path), "-w", "6", "-m", "2d"]) == 1
+    assert "2d needs a square world size q² (q ≥ 2); got 6. Nearest valid: 4, 9, 16" in capsys.readouterr().out
