@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "AutoshardWarning"]
+__all__ = ["AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "CollectiveError",
+           "AutoshardWarning"]
 
 
 class AutoshardError(Exception):
@@ -35,6 +36,10 @@ class CaptureError(AutoshardError, RuntimeError):
 
 class CheckpointError(AutoshardError, RuntimeError):
     """A checkpoint is incomplete, corrupt or belongs to another model."""
+
+
+class CollectiveError(AutoshardError, RuntimeError):
+    """A collective failed: another rank died, or stalled past the collective timeout."""
 
 
 class AutoshardWarning(UserWarning):

@@ -11,15 +11,54 @@ Every function here is called on every rank (the norm is a collective)::
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["clip_grad_norm_", "grad_norm", "replica_batches", "local_rows", "make_optimizer",
-           "warmup_cosine", "train_step", "train", "local_rows_for", "save_state", "load_state"]
+           "warmup_cosine", "train_step", "train", "local_rows_for", "save_state", "load_state",
+           "last_complete_state", "collectives_guard"]
+
+_STATE = "train_state.json"
+
+# What c10d / gloo / NCCL say when a peer is gone or a collective timed out.
+_PEER_LOST = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl error",
+              "socket", "peer", "aborted")
+
+
+@contextlib.contextmanager
+def collectives_guard(what: str):
+    """Turn a collective that failed because another rank died or stalled (gloo or
+    NCCL, after the process group's timeout, ``AUTOSHARD_TIMEOUT``) into a
+    :class:`~autoshard.errors.CollectiveError` that says so and how to resume::
+
+        with collectives_guard(f"step {step}"):
+            train_step(sharded, mbs, opt, sched)
+    """
+    from .errors import AutoshardError, CollectiveError
+
+    try:
+        yield
+    except AutoshardError:
+        raise
+    except RuntimeError as e:
+        text = str(e)
+        if not (isinstance(e, getattr(dist, "DistError", ())) or any(k in text.lower() for k in _PEER_LOST)):
+            raise
+        rank = _rank()
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise CollectiveError(
+            f"rank {rank}: a collective failed during {what}: another rank died or stalled "
+            f"(collective timeout {os.environ.get('AUTOSHARD_TIMEOUT', 'default')} s). Resume every rank from "
+            f"the last complete checkpoint (autoshard.train.last_complete_state). Cause: {type(e).__name__}: "
+            f"{first[:300]}") from e
 
 
 def _unique_params(sharded):
@@ -104,29 +143,68 @@ def local_rows_for(dp: int, dp_index: int, batch: dict) -> dict:
 def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None = None) -> None:
     """Sharded checkpoint (:func:`autoshard.checkpoint.save_checkpoint`: weights and
     AdamW state) plus ``train_state.json`` (the step; the LR schedule is a function
-    of it). Collective."""
-    import json
-    from pathlib import Path
+    of it). Collective.
 
-    from .checkpoint import save_checkpoint
+    A save killed at any point leaves a folder :func:`load_state` refuses: the old
+    ``train_state.json`` is removed before the weights are written, the manifest is
+    committed after them, and the new ``train_state.json`` (atomically) after that."""
+    from .checkpoint import _write_atomic, save_checkpoint
 
-    save_checkpoint(sharded, path, optimizer)
+    path = Path(path)
     if _rank() == 0:
-        (Path(path) / "train_state.json").write_text(json.dumps({"step": int(step), **(extra or {})}))
+        (path / _STATE).unlink(missing_ok=True)
+    save_checkpoint(sharded, path, optimizer)      # barriers: rank 0's unlink happened before
+    if _rank() == 0:
+        _write_atomic(path / _STATE, json.dumps({"step": int(step), **(extra or {})}))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _state_step(path: Path) -> int:
+    from .checkpoint import read_manifest
+    from .errors import CheckpointError
+
+    read_manifest(path)         # refuses a checkpoint whose writer did not commit
+    sp = path / _STATE
+    if not sp.exists():
+        raise CheckpointError(f"{sp}: missing: the save was killed after the weights were committed, "
+                              f"or this folder was not written by autoshard.train.save_state")
+    try:
+        return int(json.loads(sp.read_text())["step"])
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{sp}: unreadable ({type(e).__name__}: {e})") from e
+
+
+def last_complete_state(root) -> Path:
+    """The folder under ``root`` (or ``root`` itself) holding the complete
+    :func:`save_state` checkpoint with the highest step; incomplete ones (killed
+    mid-save) are skipped. :class:`~autoshard.errors.CheckpointError` if none."""
+    from .errors import AutoshardError, CheckpointError
+
+    root = Path(root)
+    best, why = None, []
+    for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
+        try:
+            step = _state_step(d)
+        except AutoshardError as e:
+            if d != root:
+                why.append(str(e).splitlines()[0])
+            continue
+        if best is None or step > best[0]:
+            best = (step, d)
+    if best is None:
+        raise CheckpointError(f"{root}: no complete checkpoint" + (f" ({'; '.join(why[:3])})" if why else ""))
+    return best[1]
 
 
 def load_state(path, model, *, mode: str, depth: int | None = None, dp: int = 1, example_inputs: dict,
                lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0, min_ratio: float = 0.0):
     """Rebuild ``(sharded, optimizer, scheduler, step)`` from :func:`save_state`'s folder
-    (any mode / world size the checkpoint module supports)."""
-    import json
-    from pathlib import Path
-
+    (any mode / world size the checkpoint module supports). A folder whose save was
+    killed is refused before any process group is touched."""
     from .checkpoint import load_checkpoint
 
-    step = int(json.loads((Path(path) / "train_state.json").read_text())["step"])
+    step = _state_step(Path(path))
     sharded, opt = load_checkpoint(path, model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay))
     for g in opt.param_groups:
@@ -240,7 +318,8 @@ def train(module, batches: Iterable[dict], steps: int, *, lr: float = 1e-4, accu
             mbs = [next(it) for _ in range(accum)]
             t0 = time.perf_counter()
             cur_lr = optimizer.param_groups[0]["lr"]
-            loss, norm = train_step(module, mbs, optimizer, scheduler, clip=clip, dtype=dtype)
+            with collectives_guard(f"step {step + 1}"):
+                loss, norm = train_step(module, mbs, optimizer, scheduler, clip=clip, dtype=dtype)
             dt = time.perf_counter() - t0
             losses.append(loss)
             if show:
