@@ -46,6 +46,12 @@ def _ensure_dist() -> None:
                             timeout=datetime.timedelta(seconds=timeout_seconds()))
 
 
+def _group_timeout() -> datetime.timedelta:
+    """Timeout of the groups autoshard creates (new_group would take torch's default,
+    30 min for gloo, 10 for NCCL, whatever the default group has)."""
+    return datetime.timedelta(seconds=timeout_seconds())
+
+
 _GROUPS: dict = {}
 
 
@@ -71,7 +77,8 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
         if key not in _GROUPS:
             mine = None
             for ranks in mesh.all_groups(axes):
-                pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False)
+                pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
+                                    timeout=_group_timeout())
                 if rank in ranks:
                     mine = pg
             _GROUPS[key] = mine.group_name

@@ -745,6 +745,12 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
 _PGS: dict = {}
 
 
+def _group_timeout():
+    from .api import _group_timeout as t
+
+    return t()
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -765,7 +771,7 @@ def _group(sharded, axes: tuple[str, ...]):
     if key not in _PGS:
         mine = None
         for ranks in mesh.all_groups(axes):
-            pg = dist.new_group(list(ranks))
+            pg = dist.new_group(list(ranks), timeout=_group_timeout())
             if rank in ranks:
                 mine = pg
         _PGS[key] = mine

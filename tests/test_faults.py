@@ -121,3 +121,31 @@ def test_killed_rank_errors_others_then_resume(tmp_path):
     fwd5 = json.loads((root / "fwd5.json").read_text())["loss"]
     assert recs[0][1]["loss"] == pytest.approx(fwd5, rel=0, abs=1e-6)
     assert last_complete_state(root) == root / "step_0006"
+
+
+@pytest.mark.slow
+def test_stalled_rank_times_out_on_the_others(tmp_path):
+    """Rank 1 frozen (SIGSTOP, its sockets stay open) in step 5: rank 0 gets no
+    'connection closed', only the process group's timeout (AUTOSHARD_TIMEOUT=20 s)
+    ends its wait, with a CollectiveError, well within 60 s."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    procs = _launch(2, root, "--steps", "6", "--save-every", "2", "--stall-at", "5")
+    try:
+        deadline = time.monotonic() + 240
+        while not (root / "stalled").exists():
+            assert time.monotonic() < deadline, "rank 1 never reached step 5"
+            assert procs[0].poll() is None and procs[1].poll() is None, _finish(procs, 5)
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc0, out0, err0 = _finish(procs[:1], EXIT_LIMIT_S + 30)[0]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    print(f"rank 0 exited {elapsed:.1f}s after rank 1 froze (timeout {TIMEOUT_S}s)")
+    assert rc0 == 3, (rc0, err0[-3000:])
+    assert elapsed < EXIT_LIMIT_S, elapsed
+    assert "FAULT: rank 0: a collective failed during step 5: another rank died or stalled" in err0, err0[-3000:]
