@@ -265,25 +265,32 @@ class _Engine:
 
     # ------------------------------------------------------------------- run
     def run(self) -> ShardingPlan:
-        # each retry replicates one more Linear, so the number of Linears bounds it
+        # a pass collects every Linear whose output a later op cannot take split
+        # (e.g. q/k/v when the heads do not divide); the next pass replicates them
+        # all. Each retry replicates at least one more Linear: the number of Linears
+        # bounds the passes (in practice one or two).
         bound = 1 + sum(1 for a in self.ann.values() if a.kind == "linear")
         for _ in range(bound):
             try:
                 return self._run_once()
             except _Retry as r:
-                if r.linear in self.forced:
+                new = r.linears - self.forced
+                if not new:
                     break
-                self.forced.add(r.linear)
+                self.forced |= new
         raise ShardingError(f"planning did not settle after re-planning {len(self.forced)} Linears")
 
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
         self.st = _State({}, {}, {}, set(), {}, set(), {})
+        self.st_pending: set[str] = set()       # Linears to replicate in the next pass
         nodes: list[NodePlan] = []
         for node in self.gm.graph.nodes:
             np_ = self._visit(node)
             if np_ is not None:
                 nodes.append(np_)
+        if self.st_pending:
+            raise _Retry(self.st_pending)
         nodes = self._settle_param_grads(nodes)
         params = []
         groups: dict[int, list[str]] = {}
@@ -384,7 +391,13 @@ class _Engine:
             src = _get(node, nr.path)
             origin = self.st.origin.get(src.name) if isinstance(src, fx.Node) else None
             if origin and origin not in self.forced:
-                raise _Retry(origin)
+                # this pass goes on with the input gathered so that it finds every
+                # such Linear; its plan is discarded and the next replicates them
+                self.st_pending.add(origin)
+                try:
+                    return self._gathered_choice(node, ann, ctx, nr)
+                except ShardingError:
+                    raise _Retry(self.st_pending) from None
             # gather the offending input dim and try again with it replicated
             return self._gathered_choice(node, ann, ctx, nr)
 
@@ -562,8 +575,8 @@ class _Engine:
 
 
 class _Retry(Exception):
-    def __init__(self, linear: str):
-        self.linear = linear
+    def __init__(self, linears: set[str]):
+        self.linears = set(linears)
 
 
 def _spec_axes(out) -> set:
