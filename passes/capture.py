@@ -65,6 +65,21 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     return out
 
 
+def _dynamic(kwargs: dict, b: int, s: int, min_seq: int, config) -> dict:
+    """One batch and one sequence ``Dim`` shared by every ``[batch, seq, ...]`` input."""
+    batch = Dim("batch", min=1, max=1 << 16)
+    seq = Dim("seq", min=min_seq, max=_max_positions(config))
+    dynamic: dict = {}
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
+            dynamic[k] = {0: batch, 1: seq}
+        elif isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == b:
+            dynamic[k] = {0: batch}
+        else:
+            dynamic[k] = None
+    return dynamic
+
+
 def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch_size: int = 2,
             seq_len: int = 8) -> Captured:
     """Export ``model`` with dynamic batch and sequence dims.
@@ -93,26 +108,22 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         raise ConfigError(f"example_inputs must contain 'input_ids', got {sorted(kwargs)}")
     ids = kwargs["input_ids"]
     b, s = ids.shape[:2]
-    batch = Dim("batch", min=1, max=1 << 16)
-    seq = Dim("seq", min=2, max=_max_positions(model.config))
-    dynamic: dict = {}
     for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            if v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
-                dynamic[k] = {0: batch, 1: seq}
-            elif v.dim() >= 1 and v.shape[0] == b:
-                dynamic[k] = {0: batch}
-            else:
-                dynamic[k] = None
-        else:
+        if not isinstance(v, torch.Tensor):
             constants[k] = v
-            dynamic[k] = None
     name = type(model).__name__
-    try:
-        ep = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
-    except Exception as e:  # noqa: BLE001 - re-raised with the model named
-        raise CaptureError(f"torch.export could not capture {name}: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    # encoder-decoders shift the labels right (a slice of seq - 1): export then
+    # wants seq >= 3; try the wider range first
+    for min_seq in (2, 3):
+        try:
+            ep = torch.export.export(model, (), kwargs, dynamic_shapes=_dynamic(kwargs, b, s, min_seq, model.config),
+                                     strict=False)
+            break
+        except Exception as e:  # noqa: BLE001 - re-raised with the model named
+            if min_seq == 2 and "Constraints violated (seq)" in str(e) and s >= 3:
+                continue
+            raise CaptureError(f"torch.export could not capture {name}: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
     gm = ep.module()
     ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     val = ph["input_ids"].meta["val"]

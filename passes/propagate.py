@@ -153,7 +153,8 @@ class _Ctx:
             if not _is_tensor_val(t):
                 return None
             sh = self.e.shapes.probe(t.shape)
-            return ShardSpec(dims=tuple(self.batch_axes if (s == _PRIME_BATCH and self.batch_axes and i == 0) else ()
+            rows = sh and sh[0] % _PRIME_BATCH == 0 and sh[0] >= _PRIME_BATCH
+            return ShardSpec(dims=tuple(self.batch_axes if (rows and self.batch_axes and i == 0) else ()
                                         for i, s in enumerate(sh)))
 
         if isinstance(v, (list, tuple)):
@@ -404,6 +405,14 @@ class _Engine:
     def _gathered_choice(self, node, ann, ctx, nr: NeedReplicate) -> Choice:
         src = _get(node, nr.path)
         s = ctx.spec(src)
+        if not s.dims[nr.dim]:
+            raise ShardingError(f"no layout fits: input {nr.path} dim {nr.dim} is already whole and the rule "
+                                f"still refuses it ({nr.reason})", node=node)
+        size = ctx.pshape(src)[nr.dim]
+        if size % _PRIME_BATCH == 0 and size >= _PRIME_BATCH and set(s.dims[nr.dim]) & set(self.batch_axes):
+            # sizes later in the graph are read from the local batch: a gathered batch would not fit them
+            raise ShardingError(f"cannot gather the batch split of input {nr.path} dim {nr.dim} "
+                                f"({nr.reason}); the graph reads local batch sizes after it", node=node)
         saved = self.st.specs[src.name]
         self.st.specs[src.name] = s.with_dim(nr.dim, ())
         try:

@@ -101,6 +101,35 @@ def pointwise(ctx) -> Choice:
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=out_partial), inputs=inputs)
 
 
+def inplace(ctx) -> Choice:
+    """An op that writes into its first argument (``copy_``, ``masked_fill_``, ...):
+    the written tensor keeps its layout (a re-laid-out copy would take the write
+    and lose it), and every other tensor argument is brought to that layout."""
+    node = ctx.node
+    dst = node.args[0]
+    s = ctx.spec(dst)
+    if s.partial:
+        raise ShardingError("an in-place write into a partial sum cannot be made exact", node=node)
+    out_shape = ctx.pshape(dst)
+    n = len(out_shape)
+    inputs = {(0,): s}
+    for path, a in _tensor_args(ctx)[1:]:
+        sh = ctx.pshape(a)
+        off = n - len(sh)
+        inputs[path] = ShardSpec(dims=tuple(s.dims[d + off] if sh[d] == out_shape[d + off] else ()
+                                            for d in range(len(sh))),
+                                 segments=tuple(s.segments[d + off] if sh[d] == out_shape[d + off] else 1
+                                                for d in range(len(sh))))
+    return Choice(out=s, inputs=inputs)
+
+
+def _writes_first_arg(t) -> bool:
+    if not isinstance(t, torch._ops.OpOverload) or not t._schema.arguments:
+        return False
+    info = t._schema.arguments[0].alias_info
+    return bool(info is not None and info.is_write)
+
+
 def identity_like(ctx) -> Choice:
     a = ctx.node.args[0]
     s = ctx.spec(a)
@@ -161,6 +190,10 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         if not split:
             continue
         d = split[0]
+        if len(split) > 1 and d == gi[0]:
+            # only the outermost dim of a merge may stay split: gather the inner one
+            raise NeedReplicate((0,), split[1], f"reshape {ins}->{outs} merges dim {split[1]} (split) "
+                                                f"under split dim {d}")
         if len(split) > 1 or d != gi[0]:
             raise NeedReplicate((0,), d, f"reshape {ins}->{outs} would interleave the split of dim {d}")
         axes, m = in_spec.dims[d], in_spec.segments[d]
@@ -201,6 +234,14 @@ def reshape(ctx) -> Choice:
     s = ctx.spec(x)
     out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
     return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,)))
+
+
+def flatten(ctx) -> Choice:
+    """``flatten(x, start, end)``: a reshape whose sizes are implied (nothing to patch)."""
+    x = ctx.node.args[0]
+    s = ctx.spec(x)
+    out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
+    return Choice(out=out, inputs={(0,): s})
 
 
 def expand(ctx) -> Choice:
@@ -331,6 +372,8 @@ def split(ctx) -> Choice:
     sizes = [ctx.pshape_of_val(v)[d] for v in outs]
     if m == k and len(set(sizes)) == 1:
         each = s.with_dim(d, axes, 1)
+        if node.target == aten.chunk.default:       # a count of chunks, not a size: stays
+            return Choice(out=tuple(each for _ in outs), inputs={(0,): s})
         c = ctx.mesh.size(axes)
         arg = node.args[1]
         patch = arg // c if isinstance(arg, int) else {"at": [[j, v // c] for j, v in enumerate(arg)]}
@@ -382,35 +425,50 @@ def pad(ctx) -> Choice:
 
 
 def index_tensor(ctx) -> Choice:
-    """``x[i0, i1, ...]`` with index tensors for a prefix of dims.
+    """``x[..., i0, i1, ...]`` with index tensors (``None`` = the whole dim).
 
-    A dim split over the batch axes may be indexed only by a batch index
-    (``arange`` over the local batch, broadcast): its local values are local rows,
-    so the local gather equals the matching block of the dense one."""
+    Indexed dims must be whole, except a dim split over the batch axes indexed
+    by a batch index (``arange`` over the local batch, broadcast): its local
+    values are local rows, so the local gather equals the matching block of the
+    dense one. Dims not indexed keep their split. As in NumPy, the broadcast
+    index block sits where the indexed dims were when they are adjacent, and in
+    front otherwise."""
     node = ctx.node
     x, idx = node.args
     s = ctx.spec(x)
-    k = len(idx)
-    if any(i is None for i in idx):
-        raise NeedReplicate((0,), 0, "index with None entries")
-    ispecs = [ctx.spec(i) for i in idx]
-    for d in range(k):
+    taken = [d for d, i in enumerate(idx) if i is not None]
+    if not taken:
+        return identity_like(ctx)
+    for d in taken:
         if s.dims[d] and not (s.dims[d] == ctx.batch_axes and ctx.is_batch_index(idx[d])):
             raise NeedReplicate((0,), d, f"dim {d} is split and indexed by a value other than a batch index")
-    # the broadcast index block takes the splits of the index tensors
-    bshape = ctx.pshape(node)[: len(ctx.pshape(node)) - (s.ndim - k)]
-    nb = len(bshape)
+    kept = [d for d in range(s.ndim) if d not in taken]
+    out_shape = ctx.pshape(node)
+    nb = len(out_shape) - len(kept)
+    adjacent = taken == list(range(taken[0], taken[-1] + 1))
+    at = sum(1 for d in kept if d < taken[0]) if adjacent else 0
+    bshape = out_shape[at:at + nb]
     bd = [()] * nb
     inputs = {(0,): s.with_partial(())}
-    for j, (i, sp) in enumerate(zip(idx, ispecs)):
-        sh = ctx.pshape(i)
+    for j, i in enumerate(idx):
+        if i is None:
+            continue
+        sp, sh = ctx.spec(i), ctx.pshape(i)
         off = nb - len(sh)
         for d, axes in enumerate(sp.dims):
-            if axes and sh[d] == bshape[d + off]:
+            if axes and sh[d] == bshape[d + off] and not bd[d + off]:
                 bd[d + off] = axes
         inputs[(1, j)] = sp
-    out = ShardSpec(dims=tuple(bd) + s.dims[k:], segments=(1,) * nb + s.segments[k:])
-    return Choice(out=out, inputs=inputs)
+    used = {a for d in bd for a in d}
+    if used & set(s.axes) - set(ctx.batch_axes):
+        raise NeedReplicate((0,), next(d for d in kept if set(s.dims[d]) & used), "index block reuses a split axis")
+    rest = [(s.dims[d], s.segments[d]) for d in kept]
+    dims = [r[0] for r in rest[:at]] + bd + [r[0] for r in rest[at:]]
+    segs = [r[1] for r in rest[:at]] + [1] * nb + [r[1] for r in rest[at:]]
+    flat = [a for d in dims for a in d]
+    if len(flat) != len(set(flat)):          # the batch split arrives through both x and the index
+        raise NeedReplicate((0,), next(d for d in kept if s.dims[d]), "index block and a kept dim share a split")
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs)), inputs=inputs)
 
 
 def gather_op(ctx) -> Choice:
@@ -483,6 +541,42 @@ def matmul(ctx) -> Choice:
     rb = req(sb, ctx.pshape(b), (kk, sb.dims[-1] if not set(sb.dims[-1]) & set(ra.dims[-2]) else ()))
     out = ShardSpec(dims=tuple(bd) + (ra.dims[-2], rb.dims[-1]), partial=part)
     return Choice(out=out, inputs={(0,): ra, (1,): rb})
+
+
+def baddbmm(ctx) -> Choice:
+    """``beta·input + alpha·(b1 @ b2)``: the batched matmul's layout; ``input``
+    (broadcast) follows it. A partial product cannot take ``input`` once per rank."""
+    node = ctx.node
+    inp, b1, b2 = node.args[:3]
+    mm = matmul(_Shifted(ctx, (b1, b2)))
+    if mm.fallback or mm.out.partial:
+        return _fallback(ctx, "baddbmm with a contracted split")
+    out = mm.out
+    n = out.ndim
+    sh = ctx.pshape(inp)
+    off = n - len(sh)
+    oshape = ctx.pshape(node)
+    req = ShardSpec(dims=tuple(out.dims[d + off] if sh[d] == oshape[d + off] else () for d in range(len(sh))))
+    return Choice(out=out, inputs={(0,): req, (1,): mm.inputs[(0,)], (2,): mm.inputs[(1,)]})
+
+
+class _Shifted:
+    """A view of ``ctx`` whose node arguments are ``args`` (to reuse a rule on a sub-expression)."""
+
+    def __init__(self, ctx, args):
+        self._ctx = ctx
+        self.node = _ArgsView(ctx.node, args)
+
+    def __getattr__(self, k):
+        return getattr(self._ctx, k)
+
+
+class _ArgsView:
+    def __init__(self, node, args):
+        self._node, self.args, self.kwargs = node, tuple(args), {}
+
+    def __getattr__(self, k):
+        return getattr(self._node, k)
 
 
 # ------------------------------------------------------------------- attention
@@ -590,12 +684,17 @@ def all_replicated_or_fallback(ctx) -> Choice:
     return _fallback(ctx, f"no rule for {ctx.node.target}")
 
 
+def _is_rows(size: int, ctx) -> bool:
+    """A leading dim of batch·k rows (the batch, or batch and heads merged)."""
+    return size % ctx.BATCH == 0 and size >= ctx.BATCH
+
+
 def _fallback(ctx, reason: str) -> Choice:
     inputs = {}
     for path, a in _tensor_args(ctx):
         s = ctx.spec(a)
         keep = tuple(s.dims[d] if (d == 0 and s.dims[d] == ctx.batch_axes and ctx.batch_axes
-                                   and ctx.pshape(a)[0] == ctx.BATCH) else () for d in range(s.ndim))
+                                   and _is_rows(ctx.pshape(a)[0], ctx)) else () for d in range(s.ndim))
         inputs[path] = ShardSpec(dims=keep)
     return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True,
                   notes=(f"fallback: {reason}; inputs gathered to replicated",))
@@ -605,14 +704,17 @@ def no_spec(ctx) -> Choice:
     return Choice(out=None)
 
 
-_POINTWISE_EXTRA = {aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, aten.masked_fill.Scalar,
+_POINTWISE_EXTRA = {aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, aten.where.ScalarOther,
+                    aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
                     aten.masked_fill.Tensor, aten.pow.Tensor_Scalar, aten.gelu.default, aten.silu.default,
                     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.rsqrt.default,
                     aten.type_as.default, aten.lift_fresh_copy.default}
 
+_FUNCTIONAL_POINTWISE = {"aten::masked_fill", "aten::fill", "aten::zero", "aten::clamp"}
+
 RULES = {
     aten.view.default: reshape, aten.reshape.default: reshape, aten._unsafe_view.default: reshape,
-    aten.flatten.using_ints: None,
+    aten.flatten.using_ints: flatten,
     aten.expand.default: expand,
     aten.transpose.int: transpose, aten.t.default: transpose, aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze, aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze,
@@ -631,6 +733,7 @@ RULES = {
     aten.mean.dim: reduce_, aten.sum.dim_IntList: reduce_, aten.amax.default: reduce_,
     aten.mean.default: reduce_, aten.sum.default: reduce_,
     aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
+    aten.baddbmm.default: baddbmm,
     aten.scaled_dot_product_attention.default: sdpa,
     aten.layer_norm.default: layer_norm,
     aten.cross_entropy_loss.default: cross_entropy,
@@ -649,6 +752,9 @@ def rule_for(node: fx.Node):
         return RULES[t]
     if t == aten.dropout.default:
         return identity_like if (not node.args[2] or node.args[1] == 0) else None
+    if _writes_first_arg(t) and (t == aten.copy_.default or torch.Tag.pointwise in t.tags
+                                 or t._schema.name.rstrip("_") in _FUNCTIONAL_POINTWISE):
+        return inplace
     if t in _POINTWISE_EXTRA or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
         return pointwise
     return all_replicated_or_fallback

@@ -8,6 +8,8 @@ import copy
 
 import torch
 
+from arch_models import ARCHS
+
 TINY = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
                                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
@@ -18,6 +20,8 @@ TINY = {
                                                    num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
 }
+# the architecture matrix (tests/test_arch_matrix.py) adds its own tiny configs
+TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
 
 
 def build(name: str, seed: int = 0):
@@ -46,13 +50,15 @@ def batch(name: str, b: int = 4, s: int = 8, seed: int = 1) -> dict:
 
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
-          dp: int = 1) -> dict:
+          dp: int = 1, share_capture: bool = False) -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
     ``mutate="no_depth_sync"`` drops the depth all-reduce of gradients (a planted
     bug the comparison must catch). With ``dp > 1`` the dense model sees the
-    global batch and each data-parallel replica its own 4 rows of it."""
+    global batch and each data-parallel replica its own 4 rows of it.
+    ``share_capture`` reuses this worker's earlier export of the same model
+    (same seed, same input shapes), so several modes pay for one capture."""
     import autoshard
     from autoshard.collectives import CommLedger
 
@@ -66,7 +72,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)       # dp is the outermost mesh axis
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
-    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs)
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs,
+                              captured=_captured(name, model, inputs) if share_capture else None)
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
     with CommLedger() as led:
@@ -107,6 +114,19 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     if steps and dp == 1:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)
     return res
+
+
+def _captured(name: str, model, inputs: dict):
+    """One export per model and input shapes per worker: the rewrite copies the
+    captured module, so planning several modes from it leaves it untouched."""
+    from autoshard.passes.capture import capture
+    from dist_pool import worker_cache
+
+    key = ("captured", name, tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
+    cache = worker_cache()
+    if key not in cache:
+        cache[key] = capture(model, example_inputs=inputs)
+    return cache[key]
 
 
 def _drop_axis_from_grad_sync(sharded, axis: str) -> None:

@@ -1,0 +1,72 @@
+"""Tiny random configs of the architecture matrix (hidden 64, 2 layers, vocab 128,
+dropout off), and which patterns each one exercises.
+
+The names key nothing in autoshard: the policies see ATen ops and shapes only.
+``FEATURES`` is what the support report prints next to each architecture.
+"""
+
+from __future__ import annotations
+
+_H = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+
+ARCHS = {
+    # (model class, config class, config kwargs, features)
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+             dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0),
+             "fused QKV (Conv1D, contiguous), learned positions, pre-LayerNorm, tied head"),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(_H, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64),
+              "separate q/k/v, GQA, rotary, RMSNorm, gated MLP, untied head"),
+    "bert": ("BertForMaskedLM", "BertConfig",
+             dict(_H, intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0),
+             "encoder-only, post-LayerNorm, learned + token-type positions, tied head"),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
+                 dict(_H, intermediate_size=128, max_position_embeddings=64, use_parallel_residual=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False),
+                 "fused QKV interleaved per head, parallel attention+MLP, partial rotary, untied head"),
+    "bloom": ("BloomForCausalLM", "BloomConfig",
+              dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=128, hidden_dropout=0.0,
+                   attention_dropout=0.0),
+              "fused QKV interleaved per head, ALiBi, embedding LayerNorm, tied head"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
+              dict(_H, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                   tie_word_embeddings=False),
+              "separate q/k/v with bias, GQA, rotary, RMSNorm, gated MLP"),
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig",
+                    dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, multi_query=True,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                    "MQA with fused q + kv projection (unequal split), learned positions, tied head"),
+    "falcon": ("FalconForCausalLM", "FalconConfig",
+               dict(_H, multi_query=True, parallel_attn=True, new_decoder_architecture=False, alibi=False,
+                    bias=False, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+               "MQA fused QKV, parallel attention+MLP (one LayerNorm), rotary, no biases, tied head"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config",
+             dict(_H, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False),
+             "fused qkv_proj (sliced, GQA) and fused gate+up, RMSNorm, rotary"),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig",
+             dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, rotary_dim=8,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             "parallel attention+MLP, interleaved rotary (rotate every two), untied head with bias"),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig",
+              dict(_H, intermediate_size=128, num_key_value_heads=1, head_dim=16, max_position_embeddings=64),
+              "RMSNorm with offset (1+w), MQA, GeGLU, scaled embedding, tied head"),
+    "olmo": ("OlmoForCausalLM", "OlmoConfig",
+             dict(_H, intermediate_size=128, num_key_value_heads=4, max_position_embeddings=64),
+             "LayerNorm without weight or bias, rotary, gated MLP"),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig",
+                 dict(_H, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                      use_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0),
+                 "LayerNorm with bias, q/k/v bias, GQA, partial rotary"),
+    "bart": ("BartForConditionalGeneration", "BartConfig",
+             dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+             "encoder-decoder with cross-attention, post-LayerNorm, learned positions, tied head, logits bias"),
+    "t5": ("T5ForConditionalGeneration", "T5Config",
+           dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=128, dropout_rate=0.0,
+                relative_attention_num_buckets=8, decoder_start_token_id=0),
+           "encoder-decoder with cross-attention, relative position bias, RMSNorm, tied head (scaled)"),
+}
