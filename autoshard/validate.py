@@ -14,9 +14,9 @@ Example:
     >>> from transformers import LlamaConfig
     >>> from autoshard.mesh import Mesh
     >>> cfg = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1,
-    ...                   num_attention_heads=3, num_key_value_heads=3, vocab_size=128)
-    >>> [p.what for p in check_dims(cfg, "1d", Mesh(axes=("tp",), sizes=(2,)))]
-    ['num_attention_heads', 'num_key_value_heads']
+    ...                   num_attention_heads=3, num_key_value_heads=3, vocab_size=127)
+    >>> [(p.what, p.error) for p in check_dims(cfg, "1d", Mesh(axes=("tp",), sizes=(2,)))]
+    [('num_attention_heads', True), ('vocab_size', False)]
 """
 
 from __future__ import annotations
