@@ -103,7 +103,8 @@ def rank_task(rank, world, kind, path, out_dir=None):
         def run():
             built = _build_meta(_load_config(path))
             built.model.eval()
-            return autoshard.shard(built.model, mode="1d", example_inputs=inputs)
+            return autoshard.shard(built.model, mode="1d", example_inputs=inputs,
+                                   weights=lambda gm, plan, rank: None)   # meta stays meta: nothing read
         sharded, m = _phase(run)
     elif kind == "from_pretrained":
         sharded, m = _phase(lambda: autoshard.from_pretrained(path, mode="1d", example_inputs=inputs,
