@@ -168,6 +168,8 @@ class _Ctx:
         cur = node
         for _ in range(8):
             users = list(cur.users)
+            if len(users) > 1:
+                return self._slice_segments(cur, users)
             if len(users) != 1:
                 return 1
             u = users[0]
@@ -183,6 +185,27 @@ class _Ctx:
                 continue
             return 1
         return 1
+
+    def _slice_segments(self, value, users) -> int:
+        """Number of equal pieces when every user slices ``value``'s last dim into
+        equal, adjacent, step-1 pieces that cover it (Phi-3's sliced ``qkv_proj``)."""
+        shape = self.e.shapes.probe(value.meta["val"].shape)
+        last, n = len(shape) - 1, shape[-1]
+        pieces = set()
+        for u in users:
+            if u.target != aten.slice.Tensor:
+                return 1
+            a = list(u.args) + [None] * 5
+            if (a[1] or 0) % len(shape) != last or (a[4] or 1) != 1:
+                return 1
+            start, end = a[2] or 0, n if a[3] is None else min(a[3], n)
+            if not isinstance(start, int) or not isinstance(end, int):
+                return 1
+            pieces.add((start % n if start < 0 else start, end % n if end < 0 else end))
+        sizes = {e - b for b, e in pieces}
+        if len(sizes) != 1 or sorted(b for b, _ in pieces) != list(range(0, n, next(iter(sizes)))):
+            return 1
+        return len(pieces)
 
     def output_feeds_parallel_consumer(self, node) -> bool:
         """True when every path from this value reaches a Linear, the loss or the
@@ -218,7 +241,8 @@ class _Ctx:
 _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                  aten.scaled_dot_product_attention.default, aten.to.dtype, aten.to.dtype_layout,
                  aten._to_copy.default, aten.slice.Tensor, aten.cat.default, aten.matmul.default,
-                 aten.bmm.default, aten.softmax.int, aten._softmax.default}
+                 aten.bmm.default, aten.softmax.int, aten._softmax.default, aten.stack.default,
+                 aten.baddbmm.default, aten.flatten.using_ints}
 
 
 class _Engine:

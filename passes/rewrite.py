@@ -40,6 +40,7 @@ def _set(node: fx.Node, path, value) -> None:
         return
     args = list(node.args)
     if len(path) == 1:
+        args += [None] * (path[0] + 1 - len(args))      # an omitted optional argument (slice's end)
         args[path[0]] = value
     else:
         inner = list(args[path[0]])

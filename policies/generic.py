@@ -176,6 +176,23 @@ def view_groups(ins: tuple[int, ...], outs: tuple[int, ...]) -> list[tuple[list[
 _SYMBOLIC = 100000   # probe sizes at or above this come from the batch / sequence symbols
 
 
+def _shape_text(shape) -> str:
+    """A probe shape as people read it: symbolic sizes as multiples of ``b`` / ``s``."""
+    out = []
+    for v in shape:
+        if v < _SYMBOLIC:
+            out.append(str(v))
+            continue
+        for sym, prime in (("b", 100003), ("s", 100019)):
+            if v % prime == 0:
+                k = v // prime
+                out.append(sym if k == 1 else f"{k}·{sym}")
+                break
+        else:
+            out.append("?")
+    return "(" + ", ".join(out) + ")"
+
+
 def _divisible(size: int, count: int) -> bool:
     """Literal sizes must divide; symbolic ones (batch) are checked when the module runs."""
     return size >= _SYMBOLIC or size % count == 0
@@ -192,10 +209,12 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         d = split[0]
         if len(split) > 1 and d == gi[0]:
             # only the outermost dim of a merge may stay split: gather the inner one
-            raise NeedReplicate((0,), split[1], f"reshape {ins}->{outs} merges dim {split[1]} (split) "
+            raise NeedReplicate((0,), split[1], f"reshape {_shape_text(ins)}->{_shape_text(outs)} merges "
+                                                f"dim {split[1]} (split) "
                                                 f"under split dim {d}")
         if len(split) > 1 or d != gi[0]:
-            raise NeedReplicate((0,), d, f"reshape {ins}->{outs} would interleave the split of dim {d}")
+            raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)} would interleave "
+                                         f"the split of dim {d}")
         axes, m = in_spec.dims[d], in_spec.segments[d]
         c = ctx.mesh.size(axes)
         go = [o for o in go if outs[o] != 1]
@@ -204,7 +223,7 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         first = go[0]
         if len(gi) > 1 or len(go) == 1:
             if not _divisible(outs[first], c * m):
-                raise NeedReplicate((0,), d, f"reshape {ins}->{outs}: dim of size {outs[first]} "
+                raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)}: dim of size {outs[first]} "
                                              f"cannot hold {m} segment(s) × {c} shards")
             dims[first], segs[first] = axes, m
         elif m > 1 and outs[first] == m and len(go) > 1 and _divisible(outs[go[1]], c):
@@ -212,7 +231,7 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         elif _divisible(outs[first], c * m):
             dims[first], segs[first] = axes, m
         else:
-            raise NeedReplicate((0,), d, f"reshape {ins}->{outs}: leading dim {outs[first]} "
+            raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)}: leading dim {outs[first]} "
                                          f"is not divisible by {c} shards" + (f" × {m} segments" if m > 1 else ""))
     return ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=in_spec.partial), {}
 
@@ -339,6 +358,9 @@ def softmax(ctx) -> Choice:
 
 
 def slice_(ctx) -> Choice:
+    """A full slice keeps any split. On a split dim, a step-1 slice of whole
+    segments (a piece of a fused projection) keeps the split with local bounds;
+    any other slice of a split dim needs it whole."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     args = list(ctx.node.args) + [None] * 5
@@ -346,8 +368,21 @@ def slice_(ctx) -> Choice:
     start, end, step = args[2], args[3], args[4] or 1
     size = ctx.pshape(x)[d]
     full = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= size)) and step == 1
-    req = s if full else _need_unsplit(s, [d])
-    return Choice(out=req, inputs={(0,): req})
+    if full or not s.dims[d]:
+        return Choice(out=s, inputs={(0,): s})
+    m, axes = s.segments[d], s.dims[d]
+    seg = size // m
+    b = 0 if start is None else (start + size if isinstance(start, int) and start < 0 else start)
+    e = size if end is None else (end + size if isinstance(end, int) and end < 0 else end)
+    if isinstance(b, int) and isinstance(e, int):
+        e = min(e, size)
+        if step == 1 and m > 1 and b % seg == 0 and e % seg == 0 and e > b:
+            c = ctx.mesh.size(axes)
+            out = s.with_dim(d, axes, (e - b) // seg)
+            return Choice(out=out, inputs={(0,): s}, patches={(2,): b // c, (3,): e // c},
+                          notes=(f"segments {b // seg}..{e // seg - 1} of {m}",))
+    raise NeedReplicate((0,), d, f"slice [{start}:{end}:{step}] of split dim {d} "
+                                 f"({m} segment(s)) does not cover whole segments")
 
 
 def select(ctx) -> Choice:
