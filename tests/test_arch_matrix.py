@@ -90,3 +90,19 @@ def test_check_lists_fallback_nodes(tmp_path, cells):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     for name in cells[arch, mode].fallback_nodes:
         assert f"fallback node {name} " in r.stdout, name
+
+
+def test_refused_cell_is_reported_with_its_reason():
+    """A refusal is a documented result: the table says refused, the details name node and reason."""
+    from autoshard.errors import ShardingError
+
+    class _Node:
+        meta: dict = {}
+
+        def format_node(self):
+            return "%reshape_1 : call_function[target=aten.reshape](...)"
+
+    cell = M.refused(ShardingError("cannot gather the batch split", node=_Node()))
+    text = M.render({("bloom", "2d"): cell})
+    assert "**refused**" in text
+    assert "refused: ShardingError: cannot gather the batch split (node: %reshape_1" in text
