@@ -47,9 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = CPU autocast")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each transformer block in backward instead of keeping its activations")
-    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint + step here at the end")
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here (step_NNNNNN/ folders), at the end and every --save-every")
     p.add_argument("--save-every", type=int, default=0, help="also save to --checkpoint-dir every N steps")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -140,6 +140,11 @@ def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) ->
     return (num[0] / num[1]).item()
 
 
+def _step_dir(args, step: int) -> str:
+    """Each save gets its own folder, so a run killed mid-save keeps the previous one."""
+    return os.path.join(args.checkpoint_dir, f"step_{step:06d}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world = init_dist()
@@ -166,10 +171,11 @@ def main(argv=None):
     if args.resume:
         if not args.checkpoint_dir:
             raise SystemExit("--resume needs --checkpoint-dir")
-        sharded, opt, sched, start = T.load_state(args.checkpoint_dir, model, mode=args.mode, depth=args.depth,
+        src = T.last_complete_state(args.checkpoint_dir)      # newest step_* folder whose save completed
+        sharded, opt, sched, start = T.load_state(src, model, mode=args.mode, depth=args.depth,
                                                   dp=args.dp, example_inputs=example, lr=args.lr, steps=args.steps,
                                                   warmup=args.warmup)
-        log(f"resumed from {args.checkpoint_dir} at step {start}")
+        log(f"resumed from {src} at step {start}")
     else:
         sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example)
         opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup)
@@ -190,8 +196,8 @@ def main(argv=None):
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             log(f"step {step}: {metric} {evaluate(sharded, eval_data, per, n_dp, dp_index, args):.4f}")
         if args.checkpoint_dir and args.save_every and step % args.save_every == 0 and step < args.steps:
-            T.save_state(sharded, args.checkpoint_dir, opt, step=step)
-            log(f"step {step}: saved {args.checkpoint_dir}")
+            T.save_state(sharded, _step_dir(args, step), opt, step=step)
+            log(f"step {step}: saved {_step_dir(args, step)}")
 
     batches = T.replica_batches(train_data, args.batch_size, seed=args.seed, dp_index=dp_index, dp=n_dp)
     for _ in range(start * args.accum):         # skip what the resumed run has seen
@@ -204,8 +210,8 @@ def main(argv=None):
         log(f"trained {len(losses)} steps in {time.perf_counter() - t1:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     log(f"{metric}: {'resumed' if args.resume else 'untrained'} {before:.4f} -> trained {after:.4f}")
     if args.checkpoint_dir:
-        T.save_state(sharded, args.checkpoint_dir, opt, step=args.steps)
-        log(f"saved {args.checkpoint_dir} (step {args.steps})")
+        T.save_state(sharded, _step_dir(args, args.steps), opt, step=args.steps)
+        log(f"saved {_step_dir(args, args.steps)} (step {args.steps})")
     dist.destroy_process_group()
 
 
