@@ -60,6 +60,27 @@ def _records(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def _signal_rank1_when_stalled(procs, root, sig, settle_s: float = 0.0):
+    """Wait until rank 1 reports it stopped inside step 5, send it ``sig``, then wait
+    for rank 0 to exit: (rc, stdout, stderr, seconds from the signal to the exit).
+    Every process still running afterwards is killed."""
+    try:
+        deadline = time.monotonic() + 240
+        while not (root / "stalled").exists():
+            assert time.monotonic() < deadline, "rank 1 never reached step 5"
+            assert procs[0].poll() is None and procs[1].poll() is None, _finish(procs, 5)
+            time.sleep(0.1)
+        time.sleep(settle_s)                             # rank 0 is now inside the backward all-reduce
+        procs[1].send_signal(sig)
+        t0 = time.monotonic()
+        rc0, out0, err0 = _finish(procs[:1], EXIT_LIMIT_S + 30)[0]
+        return rc0, out0, err0, time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def test_killed_rank_errors_others_then_resume(tmp_path):
     """2 ranks, 1d. Steps 1-4 train and save step_0002, step_0004; in step 5 rank 1
     stops after its forward and is SIGKILLed; rank 0, waiting in the backward
@@ -72,22 +93,7 @@ def test_killed_rank_errors_others_then_resume(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
     procs = _launch(2, root, "--steps", "6", "--save-every", "2", "--stall-at", "5")
-    t_kill = None
-    try:
-        deadline = time.monotonic() + 240
-        while not (root / "stalled").exists():
-            assert time.monotonic() < deadline, "rank 1 never reached step 5"
-            assert procs[0].poll() is None and procs[1].poll() is None, _finish(procs, 5)
-            time.sleep(0.1)
-        time.sleep(0.5)                                  # rank 0 is now inside the backward all-reduce
-        procs[1].send_signal(signal.SIGKILL)
-        t_kill = time.monotonic()
-        rc0, out0, err0 = _finish(procs[:1], EXIT_LIMIT_S + 30)[0]
-        elapsed = time.monotonic() - t_kill
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    rc0, out0, err0, elapsed = _signal_rank1_when_stalled(procs, root, signal.SIGKILL, settle_s=0.5)
     print(f"rank 0 exited {elapsed:.1f}s after rank 1 was killed")
     assert rc0 == 3, (rc0, err0[-3000:])
     assert elapsed < EXIT_LIMIT_S, elapsed
@@ -131,20 +137,7 @@ def test_stalled_rank_times_out_on_the_others(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
     procs = _launch(2, root, "--steps", "6", "--save-every", "2", "--stall-at", "5")
-    try:
-        deadline = time.monotonic() + 240
-        while not (root / "stalled").exists():
-            assert time.monotonic() < deadline, "rank 1 never reached step 5"
-            assert procs[0].poll() is None and procs[1].poll() is None, _finish(procs, 5)
-            time.sleep(0.1)
-        procs[1].send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        rc0, out0, err0 = _finish(procs[:1], EXIT_LIMIT_S + 30)[0]
-        elapsed = time.monotonic() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    rc0, out0, err0, elapsed = _signal_rank1_when_stalled(procs, root, signal.SIGSTOP)
     print(f"rank 0 exited {elapsed:.1f}s after rank 1 froze (timeout {TIMEOUT_S}s)")
     assert rc0 == 3, (rc0, err0[-3000:])
     assert elapsed < EXIT_LIMIT_S, elapsed
