@@ -71,9 +71,7 @@ def _segments(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
         current = key
         if key is None:
             continue
-        if out and out[-1][0] == key and out[-1][1][-1].next is node:
-            out[-1][1].append(node)
-        elif out and out[-1][0] == key and _only_placeholders_or_attrs_between(out[-1][1][-1], node):
+        if out and out[-1][0] == key and _only_placeholders_or_attrs_between(out[-1][1][-1], node):
             out[-1][1].append(node)
         else:
             out.append((key, [node]))

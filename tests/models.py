@@ -73,7 +73,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs,
-                              captured=_captured(name, model, inputs) if share_capture else None)
+                              captured=shared_capture(name, model, inputs) if share_capture else None)
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
     with CommLedger() as led:
@@ -116,7 +116,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     return res
 
 
-def _captured(name: str, model, inputs: dict):
+def shared_capture(name: str, model, inputs: dict):
     """One export per model and input shapes per worker: the rewrite copies the
     captured module, so planning several modes from it leaves it untouched."""
     from autoshard.passes.capture import capture

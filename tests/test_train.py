@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import models
-from dist_pool import get_pool, worker_cache
+from dist_pool import get_pool
 
 STEPS, ACCUM, CLIP, LR = 20, 2, 0.5, 3e-3
 
@@ -43,17 +43,6 @@ def _dense_run(name: str, batches: list[dict], steps: int):
     return losses, norms
 
 
-def _captured(model, name: str, example: dict):
-    """One export per worker process and model (the weights are seeded: equal in every build)."""
-    from autoshard.passes.capture import capture
-
-    key = ("train-capture", name, tuple(example["input_ids"].shape))
-    cache = worker_cache()
-    if key not in cache:
-        cache[key] = capture(model, example_inputs=example)
-    return cache[key]
-
-
 def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
     import autoshard
     from autoshard import train as T
@@ -63,7 +52,7 @@ def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
     model = models.build(name)
     example = T.local_rows_for(dp, rank // (world // dp), batches[0])
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=example,
-                              captured=_captured(model, name, example))
+                              captured=models.shared_capture(name, model, example))
     opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3)
     local = [T.local_rows(sharded, b) for b in batches]
     losses, norms = [], []
