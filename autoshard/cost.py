@@ -193,19 +193,42 @@ def link_of(mesh: Mesh, axes: tuple[str, ...], ranks_per_node: int) -> tuple[str
     return ("inter", max(out_edges.values()))
 
 
+def _link(mesh: Mesh, axes, cluster: Cluster) -> tuple[str, float, float]:
+    """(link class, latency per step, effective bytes/s of one rank's stream) for
+    a group along ``axes``: NVLink inside a node; across nodes the ring is as slow
+    as its slowest edge, the node's network links shared by ``load`` streams."""
+    link, load = link_of(mesh, tuple(axes), cluster.ranks_per_node)
+    if link == "intra":
+        return link, cluster.intra_latency, cluster.intra_bw
+    return link, cluster.inter_latency, min(cluster.intra_bw, cluster.inter_bw / load)
+
+
 def collective_time(c: Comm, mesh: Mesh, cluster: Cluster) -> tuple[float, str]:
     """Seconds for one collective call and its link class (``intra`` / ``inter``)."""
     p = c.group_size
     if p <= 1 or c.buffer_bytes == 0:
         return 0.0, "none"
     steps = 2 * (p - 1) if c.kind == "all_reduce" else (p - 1)
-    link, load = link_of(mesh, tuple(c.axes), cluster.ranks_per_node)
-    b = c.bytes_per_rank
-    if link == "intra":
-        return steps * cluster.intra_latency + b / cluster.intra_bw, link
-    # the ring is as slow as its slowest edge: NVLink inside, the shared NIC across
-    t_bw = max(b / cluster.intra_bw, load * b / cluster.inter_bw)
-    return steps * cluster.inter_latency + t_bw, link
+    link, alpha, bw = _link(mesh, c.axes, cluster)
+    return steps * alpha + c.bytes_per_rank / bw, link
+
+
+def broadcast_time(nbytes: float, group_size: int, axes, mesh: Mesh, cluster: Cluster) -> float:
+    """Seconds for one pipelined (chain) broadcast or reduce of ``nbytes`` over a
+    group along ``axes``: ``(p-1)`` latency steps plus the message once over the
+    slowest link. Used to model implementations that move SUMMA operands with
+    one broadcast / reduce per step (the Tesseract paper's Algorithm 3) instead
+    of one all-gather / reduce-scatter.
+
+    >>> m = Mesh(axes=("row", "col"), sizes=(2, 2))
+    >>> c = CLUSTERS["dgx-a100"]
+    >>> round((broadcast_time(230e6, 2, ("col",), m, c) - c.intra_latency) * 1e3, 9)   # ms on NVLink
+    1.0
+    """
+    if group_size <= 1 or nbytes == 0:
+        return 0.0
+    _, alpha, bw = _link(mesh, axes, cluster)
+    return (group_size - 1) * alpha + nbytes / bw
 
 
 # --------------------------------------------------------------------------- flops
