@@ -14,7 +14,7 @@ import transformers
 from rich.console import Console
 
 import autoshard
-from autoshard.cost import CLUSTERS, Cluster, collective_time, estimate, link_of
+from autoshard.cost import CLUSTERS, Cluster, broadcast_time, collective_time, estimate, link_of
 from autoshard.errors import ConfigError
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm
@@ -98,6 +98,10 @@ def test_link_class_follows_rank_formula():
     assert link == "intra" and t_in == pytest.approx(6 * c.intra_latency + 1.5 * (1 << 20) / c.intra_bw)
     t_out, link = collective_time(Comm(**{**ar.__dict__, "axes": ("row",)}), m, c)
     assert link == "inter" and t_out == pytest.approx(6 * c.inter_latency + 4 * 1.5 * (1 << 20) / c.inter_bw)
+    # a pipelined broadcast / reduce: p-1 latency steps, the message once over the slowest link
+    assert broadcast_time(1 << 20, 4, ("col",), m, c) == pytest.approx(3 * c.intra_latency + (1 << 20) / c.intra_bw)
+    assert broadcast_time(1 << 20, 4, ("row",), m, c) == pytest.approx(3 * c.inter_latency + 4 * (1 << 20) / c.inter_bw)
+    assert broadcast_time(1 << 20, 1, ("row",), m, c) == 0.0
 
 
 def _dense_linear_flops(cfg: dict, tokens: int) -> int:
