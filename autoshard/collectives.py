@@ -19,7 +19,10 @@ op                     forward                  backward
 ``gather_partial``     all-gather on ``dim``    reduce-scatter on ``dim``
 =====================  =======================  ========================
 
-Groups are named by the string c10d gives them (``pg.group_name``). A
+Groups are named by the string c10d gives them (``pg.group_name``), or by
+:func:`sim_group` (``"autoshard-sim:4"``): a group of that size with this process
+as its rank 0 that exists only for shapes, so the kernels run on meta tensors
+with no process group (:mod:`autoshard.activations` traces a plan that way). A
 :class:`CommLedger` records every call made while it is active::
 
     with CommLedger() as ledger:
@@ -40,6 +43,7 @@ __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
+    "sim_group", "group_rank_size",
 ]
 
 
@@ -123,6 +127,23 @@ def _pg(group: str):
     return c10d._resolve_process_group(group)
 
 
+_SIM = "autoshard-sim:"
+
+
+def sim_group(size: int) -> str:
+    """Name of a shape-only group of ``size`` ranks (this process is its rank 0):
+    the fake kernels and :func:`group_rank_size` accept it, a real collective does not."""
+    return f"{_SIM}{int(size)}"
+
+
+def group_rank_size(group: str) -> tuple[int, int]:
+    """(this process's rank in ``group``, its size); ``(0, n)`` for :func:`sim_group` names."""
+    if group.startswith(_SIM):
+        return 0, int(group[len(_SIM):])
+    pg = _pg(group)
+    return dist.get_rank(pg), pg.size()
+
+
 # --------------------------------------------------------------- raw collectives
 @torch.library.custom_op("autoshard::all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
@@ -150,7 +171,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 @_all_gather.register_fake
 def _(x, dim, group):
-    p = _pg(group).size()
+    p = group_rank_size(group)[1]
     shape = list(x.shape)
     shape[dim] *= p
     return x.new_empty(shape)
@@ -169,7 +190,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 @_reduce_scatter.register_fake
 def _(x, dim, group):
-    p = _pg(group).size()
+    p = group_rank_size(group)[1]
     shape = list(x.shape)
     shape[dim] //= p
     return x.new_empty(shape)
@@ -215,7 +236,7 @@ def _def_pair(name, fwd, bwd, *, has_dim: bool):
 
 
 def _fake_like(name, x, dim, group):
-    p = _pg(group).size()
+    p = group_rank_size(group)[1]
     shape = list(x.shape)
     if name in ("gather_from", "gather_partial"):
         shape[dim] *= p

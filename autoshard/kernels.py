@@ -7,9 +7,7 @@ through :mod:`autoshard.collectives` so the ledger sees them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import distributed_c10d as c10d
 
 from . import collectives as C
 
@@ -17,8 +15,7 @@ __all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embe
 
 
 def _rank_in(group: str) -> tuple[int, int]:
-    pg = c10d._resolve_process_group(group)
-    return dist.get_rank(pg), pg.size()
+    return C.group_rank_size(group)
 
 
 # --------------------------------------------------------------- re-layout steps

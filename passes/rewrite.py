@@ -18,7 +18,7 @@ from autoshard.mesh import Mesh
 from autoshard.plan import ShardingPlan, Step
 from autoshard.policies.linear_ops import linear_operands
 
-__all__ = ["rewrite", "axes_label"]
+__all__ = ["rewrite", "axes_label", "kernel_call", "apply_patches"]
 
 
 def axes_label(axes) -> str:
@@ -66,37 +66,50 @@ def _slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int)
             setattr(gm.get_submodule(mod_path) if mod_path else gm, attr, local)
 
 
-def _kernel_call(graph: fx.Graph, node: fx.Node, np_, groups: dict) -> fx.Node:
+def kernel_call(node, np_, group, size) -> tuple:
+    """``(function, args, kwargs)`` that compute ``node`` with the plan's kernel.
+    ``node`` is an fx node or anything with its ``target`` / ``args`` / ``kwargs``;
+    ``group(axes)`` names the process group over ``axes`` and ``size(axes)`` gives
+    its size (the rewrite passes c10d names; :mod:`autoshard.activations` passes
+    shape-only groups)."""
     ka, k = np_.kernel_args, np_.kernel
-    G = lambda axes: groups[axes_label(axes)] if axes else None  # noqa: E731
+    G = lambda axes: group(axes) if axes else None  # noqa: E731
     if k in ("row_linear", "summa", "partial_head", "three_d"):
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = _get(node, xp), _get(node, wp)
         b = _get(node, bp) if bp else None
         if k == "row_linear":
-            return graph.call_function(K.row_linear, (x, w, b), {"group": G(ka["axes"]), "n_dim": nd})
+            return K.row_linear, (x, w, b), {"group": G(ka["axes"]), "n_dim": nd}
         if k == "summa":
-            return graph.call_function(K.summa, (x, w, b), {"row": G(ka["row_axes"]), "col": G(ka["col_axes"]),
-                                                            "n_dim": nd, "k_dim": kd})
+            return K.summa, (x, w, b), {"row": G(ka["row_axes"]), "col": G(ka["col_axes"]), "n_dim": nd, "k_dim": kd}
         if k == "three_d":
-            return graph.call_function(K.three_d, (x, w, b), {"a": G(ka["a"]), "b": G(ka["b"]), "c": G(ka["c"]),
-                                                              "row_dim": ka["row_dim"], "n_dim": nd,
-                                                              "segments": ka["segments"]})
-        return graph.call_function(K.partial_head, (x, w, b), {"col": G(ka["col_axes"])})
+            return K.three_d, (x, w, b), {"a": G(ka["a"]), "b": G(ka["b"]), "c": G(ka["c"]),
+                                          "row_dim": ka["row_dim"], "n_dim": nd, "segments": ka["segments"]}
+        return K.partial_head, (x, w, b), {"col": G(ka["col_axes"])}
     if k == "vocab_embedding":
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-        return graph.call_function(K.vocab_embedding, (node.args[0], node.args[1]),
-                                   {"group": G(ka["axes"]), "padding_idx": pad if pad is not None and pad >= 0 else None})
+        return K.vocab_embedding, (node.args[0], node.args[1]), \
+            {"group": G(ka["axes"]), "padding_idx": pad if pad is not None and pad >= 0 else None}
     if k == "dist_layer_norm":
         args = list(node.args) + [None] * 5
-        return graph.call_function(K.dist_layer_norm, (args[0], args[1], args[2], args[3],
-                                                       args[4] if args[4] is not None else 1e-5),
-                                   {"group": G(ka["axes"]), "count": _group_size(groups, ka["axes"])})
+        return K.dist_layer_norm, (args[0], args[1], args[2], args[3], args[4] if args[4] is not None else 1e-5), \
+            {"group": G(ka["axes"]), "count": size(ka["axes"])}
     if k == "cross_entropy":
-        return graph.call_function(K.cross_entropy, (node.args[0], node.args[1]),
-                                   {"vocab_group": G(ka["vocab_axes"]), "batch_group": G(ka["batch_axes"]),
-                                    "ignore_index": ka["ignore_index"], "reduction": ka["reduction"]})
-    raise ValueError(f"unknown kernel {k!r} for node {node.format_node()}")
+        return K.cross_entropy, (node.args[0], node.args[1]), \
+            {"vocab_group": G(ka["vocab_axes"]), "batch_group": G(ka["batch_axes"]),
+             "ignore_index": ka["ignore_index"], "reduction": ka["reduction"]}
+    raise ValueError(f"unknown kernel {k!r} for node {node}")
+
+
+def apply_patches(node, patches) -> None:
+    """Set the plan's literal patches (local sizes) in ``node``'s arguments."""
+    for path, value in patches:
+        if isinstance(value, dict):          # {"at": [[position, local size], ...]}
+            sizes = list(_get(node, path))
+            for j, v in value["at"]:
+                sizes[j] = v
+            value = sizes
+        _set(node, path, value)
 
 
 def _group_size(groups: dict, axes) -> int:
@@ -138,17 +151,13 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                         cur = _step_node(graph, cur, st, groups)
                 shared[key] = cur
             _set(node, path, shared[key])
-        for path, value in np_.patches:
-            if isinstance(value, dict):          # {"at": [[position, local size], ...]}
-                sizes = list(_get(node, path))
-                for j, v in value["at"]:
-                    sizes[j] = v
-                value = sizes
-            _set(node, path, value)
+        apply_patches(node, np_.patches)
         target = node
         if np_.kernel:
+            fn, args, kwargs = kernel_call(node, np_, lambda axes: groups[axes_label(axes)],
+                                           lambda axes: _group_size(groups, axes))
             with graph.inserting_before(node):
-                new = _kernel_call(graph, node, np_, groups)
+                new = graph.call_function(fn, args, kwargs)
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
