@@ -216,7 +216,8 @@ def print_summary(console, plan, cost, cluster) -> None:
     t.add_row("parameters", human_bytes(cost.param_bytes), f"{plan.param_bytes_per_rank:,} B")
     t.add_row("gradients", human_bytes(cost.grad_bytes), "same as parameters")
     t.add_row("optimizer state", human_bytes(cost.optimizer_bytes), "AdamW: 2 fp32 moments per parameter")
-    t.add_row("activations", human_bytes(cost.activation_bytes), "sum of local node outputs (rough)")
+    t.add_row("activations", human_bytes(cost.activation_bytes),
+              f"saved for backward (forward traced on meta, {cluster.device} attention)")
     t.add_row("memory total", human_bytes(cost.memory_bytes),
               ("fits in " if cost.fits else "DOES NOT FIT in ") + human_bytes(cluster.memory_bytes))
     t.add_row("comm bytes fwd / bwd", f"{human_bytes(plan.comm_bytes_per_rank('fwd'))} / "

@@ -21,9 +21,9 @@ Model (one training step on one rank, no overlap of compute and communication)::
   crossing edge of every group running at the same time, so ``load`` is the
   busiest node's number of outgoing crossing edges.
 * memory per rank: parameters + gradients (same size) + optimizer state
-  (AdamW: two fp32 moments per parameter) + activations (sum of the local output
-  bytes of every node that allocates, views excluded: a rough upper estimate of
-  what is held for backward).
+  (AdamW: two fp32 moments per parameter) + activations: the bytes autograd
+  saves for backward in one forward, traced on meta when the plan is made
+  (:mod:`autoshard.activations`; fused attention per the cluster's ``device``).
 
 Example:
     >>> c = Cluster.preset("dgx-a100")
@@ -43,6 +43,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .activations import saved_bytes
 from .errors import ConfigError
 from .mesh import Mesh
 from .plan import Comm, NodePlan, ShardingPlan
@@ -81,6 +82,8 @@ class Cluster:
         flops: sustained matmul FLOP/s of one rank.
         memory_bytes: memory of one rank (GPU memory, or host memory / ranks).
         name: preset name or ``"custom"`` / ``"measured"``.
+        device: ``"cuda"`` or ``"cpu"``: which fused attention kernel the
+            activation prediction assumes (:func:`autoshard.activations.attention_saved`).
     """
 
     ranks_per_node: int
@@ -91,6 +94,7 @@ class Cluster:
     flops: float
     memory_bytes: int
     name: str = "custom"
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
@@ -99,6 +103,8 @@ class Cluster:
         for f in ("intra_latency", "inter_latency"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"Cluster.device must be 'cuda' or 'cpu', got {self.device!r}")
 
     @classmethod
     def preset(cls, name: str) -> "Cluster":
@@ -137,7 +143,8 @@ CLUSTERS: dict[str, Cluster] = {
                         inter_bw=8 * 50e9, inter_latency=10e-6, flops=600e12, memory_bytes=80 * GiB),
     # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
     "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
-                        inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB),
+                        inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB,
+                        device="cpu"),
     # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
     # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
     # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
@@ -367,8 +374,13 @@ def _dp_grad_comms(plan: ShardingPlan) -> list[Comm]:
             for p in plan.params if not p.is_buffer and "dp" not in p.grad_sync]
 
 
-def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None) -> int:
-    """Sum of the local output bytes of every node that allocates (views excluded)."""
+def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device: str = "cuda") -> int:
+    """Bytes one rank saves for backward (:func:`autoshard.activations.saved_bytes`
+    on ``device``); for a plan without a trace (built by hand), the rough sum of the
+    local output bytes of every node that allocates (views excluded)."""
+    traced = saved_bytes(plan, device, dtype_bytes=dtype_bytes)
+    if traced is not None:
+        return traced
     if dtype_bytes is None:
         sizes = [p.dtype_bytes for p in plan.params if not p.is_buffer]
         dtype_bytes = max(set(sizes), key=sizes.count) if sizes else 4
@@ -430,7 +442,8 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
         inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
         collective_calls=len(timed), param_bytes=pbytes, grad_bytes=pbytes, optimizer_bytes=obytes,
-        activation_bytes=activation_bytes(plan, activation_dtype_bytes), memory_limit=cluster.memory_bytes,
+        activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
+        memory_limit=cluster.memory_bytes,
         notes=tuple(notes), comms=tuple(timed))
 
 
@@ -559,4 +572,5 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     v = vals.tolist()
     return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
-                   inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]))
+                   inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]),
+                   device="cuda" if cuda else "cpu")

@@ -14,7 +14,7 @@ from typing import Any
 from .mesh import Mesh
 from .spec import ShardSpec
 
-__all__ = ["Step", "Comm", "NodePlan", "ParamPlan", "ShardingPlan"]
+__all__ = ["Step", "Comm", "SavedTensor", "NodePlan", "ParamPlan", "ShardingPlan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +60,25 @@ class Comm:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SavedTensor:
+    """One tensor a node saves for backward on one rank (see :mod:`autoshard.activations`).
+
+    ``key`` names the storage (the node that allocated it, ``node#i`` for a
+    tensor made inside the op, ``value>step`` for a re-layout's result): views share
+    their base's key, so a storage saved by several nodes is counted once.
+    ``nbytes`` is the whole storage; ``shape`` the saved view's. ``role`` is empty,
+    or for an attention op, which operand the backend rule reads (``q``, ``k``,
+    ``v``, ``mask``, ``out``): those are decided per device at estimate time.
+    """
+
+    key: str
+    nbytes: int
+    dtype: str
+    shape: tuple = ()
+    role: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodePlan:
     name: str
     op: str
@@ -78,6 +97,7 @@ class NodePlan:
     param_bytes: int = 0
     notes: tuple = ()
     fallback: bool = False
+    saved: tuple | None = None    # (SavedTensor, ...); None: not traced
 
     @property
     def comm_bytes(self) -> float:
@@ -233,6 +253,8 @@ class ShardingPlan:
             d["arg_steps"] = [[list(p), [asdict(s) for s in steps]] for p, steps in n.arg_steps]
             d["post"] = [asdict(s) for s in n.post]
             d["patches"] = [[list(p), v] for p, v in n.patches]
+            d["saved"] = None if n.saved is None else [[s.key, s.nbytes, s.dtype, list(s.shape), s.role]
+                                                       for s in n.saved]
             return d
 
         return json.dumps({
@@ -265,7 +287,9 @@ class ShardingPlan:
                 comms=tuple(Comm(**{**c, "axes": tuple(c["axes"])}) for c in n["comms"]),
                 global_shape=tup(n["global_shape"]), local_shape=tup(n["local_shape"]),
                 weight=n["weight"], param_bytes=n["param_bytes"], notes=tuple(n["notes"]),
-                fallback=n["fallback"]))
+                fallback=n["fallback"],
+                saved=None if n.get("saved") is None else tuple(
+                    SavedTensor(key=k, nbytes=b, dtype=t, shape=tuple(sh), role=r) for k, b, t, sh, r in n["saved"])))
         params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],

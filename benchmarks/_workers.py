@@ -71,6 +71,7 @@ def comm_and_memory(rank: int, world: int, mode: str, depth, cfg_kw: dict, b: in
     import torch
 
     import autoshard
+    from autoshard.activations import SavedBytes
     from autoshard.collectives import CommLedger
 
     warnings.filterwarnings("ignore", category=FutureWarning)    # gloo's *_tensor deprecations
@@ -79,17 +80,8 @@ def comm_and_memory(rank: int, world: int, mode: str, depth, cfg_kw: dict, b: in
     inputs = _batch(cfg_kw["vocab_size"], b, s)
     sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=inputs)
     plan = sharded.plan
-    param_ptrs = {p.untyped_storage().data_ptr() for p in sharded.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
     with CommLedger() as led:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes(sharded.parameters()) as saved:
             out = sharded(**inputs)
         out.loss.backward()
     est = autoshard.estimate(plan, "cpu-gloo")
@@ -100,7 +92,7 @@ def comm_and_memory(rank: int, world: int, mode: str, depth, cfg_kw: dict, b: in
         "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
         "plan_param_bytes": plan.param_bytes_per_rank,
         "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in sharded.parameters() if p.grad is not None),
-        "saved_activation_bytes": sum(saved.values()), "est_activation_bytes": est.activation_bytes,
+        "saved_activation_bytes": saved.nbytes, "est_activation_bytes": est.activation_bytes,
         "est_grad_bytes": est.grad_bytes, "mesh": str(plan.mesh), "fallbacks": len(plan.fallbacks),
         **{f"formula_{k}": v for k, v in formula_bytes(plan).items()},
     }

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from autoshard.activations import trace
 from autoshard.errors import ShardingError
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
@@ -331,10 +332,27 @@ class _Engine:
             sync = tuple(a for a in self.mesh.axes if a in self.st.param_sync.get(name, set()))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
                                     dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name)))
-        return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
+        plan = ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
                             params=tuple(params), dp=self.mesh.size("dp") if "dp" in self.mesh.axes else 1)
+        return trace(plan, self.gm, self._local_shape)
+
+    def _local_shape(self, node: fx.Node):
+        """Local shape of a graph value under the specs just chosen (a tuple of
+        shapes for a multi-output node; the global shape where no spec splits it)."""
+        v, spec = node.meta.get("val"), self.st.specs.get(node.name)
+
+        def one(t, sp):
+            if not _is_tensor_val(t):
+                return None
+            g = self.shapes.concrete(t.shape)
+            return sp.local_shape(g, self.mesh) if isinstance(sp, ShardSpec) else g
+
+        if isinstance(v, (list, tuple)):
+            return tuple(one(t, spec[i] if isinstance(spec, tuple) and i < len(spec) else None)
+                         for i, t in enumerate(v))
+        return one(v, spec)
 
     def _settle_param_grads(self, nodes: list[NodePlan]) -> list[NodePlan]:
         """A parameter used several times may get partial gradients over different
