@@ -96,13 +96,6 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _get(obj, path):
-    if path[0] == "kw":
-        return obj.kwargs[path[1]]
-    a = obj.args[path[0]]
-    return a if len(path) == 1 else a[path[1]]
-
-
 class _Trace:
     def __init__(self, plan: ShardingPlan, gm: fx.GraphModule, local_shape):
         self.plan, self.gm, self.local_shape = plan, gm, local_shape
@@ -248,7 +241,7 @@ class _Trace:
         self.env[node.name] = out
 
     def _run(self, node: fx.Node, np_: NodePlan | None, call):
-        from autoshard.passes.rewrite import _set, apply_patches, kernel_call
+        from autoshard.passes.rewrite import _get, _set, apply_patches, kernel_call
 
         if np_ is not None:
             for path, steps in np_.arg_steps:

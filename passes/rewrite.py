@@ -13,6 +13,7 @@ import copy
 import torch
 from torch import fx, nn
 
+from autoshard import collectives as C
 from autoshard import kernels as K
 from autoshard.mesh import Mesh
 from autoshard.plan import ShardingPlan, Step
@@ -113,8 +114,7 @@ def apply_patches(node, patches) -> None:
 
 
 def _group_size(groups: dict, axes) -> int:
-    from torch.distributed import distributed_c10d as c10d
-    return c10d._resolve_process_group(groups[axes_label(axes)]).size()
+    return C.group_rank_size(groups[axes_label(axes)])[1]
 
 
 def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],

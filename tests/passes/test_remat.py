@@ -10,22 +10,17 @@ import pytest
 import torch
 
 import models
+from autoshard.activations import SavedBytes
 from dist_pool import get_pool
 
 
 def _run(gm, inputs):
     for p in gm.parameters():
         p.grad = None
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(gm.parameters()) as saved:
         out = gm(**inputs)
     out.loss.backward()
-    return out.loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}, saved[0]
+    return out.loss.detach(), {k: p.grad.clone() for k, p in gm.named_parameters()}, saved.nbytes
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
