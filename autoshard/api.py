@@ -46,13 +46,24 @@ def _ensure_dist() -> None:
                             timeout=datetime.timedelta(seconds=timeout_seconds()))
 
 
-def _group_timeout() -> datetime.timedelta:
-    """Timeout of the groups autoshard creates (new_group would take torch's default,
-    30 min for gloo, 10 for NCCL, whatever the default group has)."""
-    return datetime.timedelta(seconds=timeout_seconds())
-
-
 _GROUPS: dict = {}
+
+
+def mesh_group(mesh, axes: tuple[str, ...], rank: int):
+    """This rank's process group over ``axes`` of ``mesh``, created once per default
+    group, mesh and axes (collectively: every rank creates every group of that
+    axes in the same order), with the ``AUTOSHARD_TIMEOUT`` timeout (``new_group``
+    would take torch's default, 30 min for gloo, 10 for NCCL)."""
+    key = (id(dist.group.WORLD), mesh, axes)
+    if key not in _GROUPS:
+        mine = None
+        for ranks in mesh.all_groups(axes):
+            pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
+                                timeout=datetime.timedelta(seconds=timeout_seconds()))
+            if rank in ranks:
+                mine = pg
+        _GROUPS[key] = mine
+    return _GROUPS[key]
 
 
 def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
@@ -70,20 +81,8 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
             if k.endswith("axes") and v:
                 labels.add(tuple(v))
     labels.update(p.grad_sync for p in plan.params if p.grad_sync)
-    out = {}
-    default = id(dist.group.WORLD)
-    for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
-        key = (default, mesh, axes)
-        if key not in _GROUPS:
-            mine = None
-            for ranks in mesh.all_groups(axes):
-                pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
-                                    timeout=_group_timeout())
-                if rank in ranks:
-                    mine = pg
-            _GROUPS[key] = mine.group_name
-        out[axes_label(axes)] = _GROUPS[key]
-    return out
+    return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
+            for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
 
 
 def _batch_split(pol) -> tuple[int, str]:

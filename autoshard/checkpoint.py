@@ -742,15 +742,6 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
 # gathering dense tensors
 # =====================================================================================
 
-_PGS: dict = {}
-
-
-def _group_timeout():
-    from .api import _group_timeout as t
-
-    return t()
-
-
 def _dist():
     import torch.distributed as dist
 
@@ -760,22 +751,14 @@ def _dist():
 def _group(sharded, axes: tuple[str, ...]):
     """This rank's process group over ``axes`` (the plan's own when it has one;
     else created collectively, in the same order on every rank)."""
-    dist = _dist()
     from torch.distributed import distributed_c10d as c10d
+
+    from .api import mesh_group
 
     label = ",".join(axes)
     if label in sharded.groups:
         return c10d._resolve_process_group(sharded.groups[label])
-    mesh, rank = sharded.mesh, sharded.rank
-    key = (id(dist.group.WORLD), mesh, axes)
-    if key not in _PGS:
-        mine = None
-        for ranks in mesh.all_groups(axes):
-            pg = dist.new_group(list(ranks), timeout=_group_timeout())
-            if rank in ranks:
-                mine = pg
-        _PGS[key] = mine
-    return _PGS[key]
+    return mesh_group(sharded.mesh, axes, sharded.rank)
 
 
 def _gather_axes(spec: ShardSpec, mesh: Mesh) -> tuple[str, ...]:
