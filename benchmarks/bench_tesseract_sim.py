@@ -179,11 +179,12 @@ def _paper_code_comm_s(plan, cluster) -> tuple[float, float]:
 
 def _predict(cap, mode, shape, batch, seq, cluster, variant: str = "autoshard"):
     """(fwd s, bwd s, note, estimate) for one row; interpolates over the batch when it does not split."""
+    from autoshard.api import _batch_split
     from autoshard.cost import estimate
     from autoshard.passes.propagate import propagate
 
     pol = _policy(mode, shape)
-    split = pol.mesh.size(tuple(a for a in pol.batch_axes if a != "dp")) if pol.batch_axes else 1
+    split = _batch_split(pol)[0]
 
     def at(b):
         plan = propagate(cap, pol, batch_size=b, seq_len=seq)
