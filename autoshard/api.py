@@ -14,8 +14,10 @@ from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
 from .passes.propagate import propagate
-from .passes.rewrite import axes_label, rewrite
+from .passes.rewrite import rewrite
 from .policies import POLICIES
+from .builder import model_from
+from .groups import axes_label, mesh_group
 from .validate import (Problem, check_dims, check_environment, check_example_inputs, check_group,
                        check_model, raise_problems, timeout_seconds)
 
@@ -44,26 +46,6 @@ def _ensure_dist() -> None:
     raise_problems(check_environment(os.environ), "autoshard.shard")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_seconds()))
-
-
-_GROUPS: dict = {}
-
-
-def mesh_group(mesh, axes: tuple[str, ...], rank: int):
-    """This rank's process group over ``axes`` of ``mesh``, created once per default
-    group, mesh and axes (collectively: every rank creates every group of that
-    axes in the same order), with the ``AUTOSHARD_TIMEOUT`` timeout (``new_group``
-    would take torch's default, 30 min for gloo, 10 for NCCL)."""
-    key = (id(dist.group.WORLD), mesh, axes)
-    if key not in _GROUPS:
-        mine = None
-        for ranks in mesh.all_groups(axes):
-            pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
-                                timeout=datetime.timedelta(seconds=timeout_seconds()))
-            if rank in ranks:
-                mine = pg
-        _GROUPS[key] = mine
-    return _GROUPS[key]
 
 
 def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
@@ -214,29 +196,6 @@ def _input_limits(config) -> dict:
     return out
 
 
-def _model_from(obj, *, meta: bool = True):
-    """A model (on meta when built here) from a model, a config, or a local path."""
-    import transformers
-
-    if isinstance(obj, torch.nn.Module):
-        return obj
-    if isinstance(obj, (str, os.PathLike)):
-        obj = transformers.AutoConfig.from_pretrained(obj)
-    config = obj
-    archs = getattr(config, "architectures", None) or []
-    cls = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)), None)
-    ctx = torch.device("meta") if meta else torch.device("cpu")
-    with ctx:
-        if cls is not None:
-            return cls(config)
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
-            try:
-                return auto.from_config(config)
-            except ValueError:
-                continue
-    raise ConfigError(f"cannot build a model for config {type(config).__name__}")
-
-
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None) -> ShardingPlan:
@@ -261,7 +220,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
     pol = _policy(mode, world_size, depth, dp)
-    model = _model_from(model_or_config)
+    model = model_from(model_or_config)
     model.train()
     cap = capture(model, example_inputs=example_inputs)
     return propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)

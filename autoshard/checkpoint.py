@@ -753,7 +753,7 @@ def _group(sharded, axes: tuple[str, ...]):
     else created collectively, in the same order on every rank)."""
     from torch.distributed import distributed_c10d as c10d
 
-    from .api import mesh_group
+    from .groups import mesh_group
 
     label = ",".join(axes)
     if label in sharded.groups:

@@ -237,12 +237,13 @@ def print_summary(console, plan, cost, cluster) -> None:
 # --------------------------------------------------------------------------- commands
 
 def _plan_or_search(args, cluster):
-    from .api import _model_from, plan as make_plan
+    from .api import plan as make_plan
+    from .builder import model_from
     from .search import search
 
     cfg = resolve_model(args.model)
     if args.mode == "auto":
-        res = search(_model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
+        res = search(model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
                      dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True)
         return res.plan, res
     p = make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,

@@ -291,9 +291,9 @@ def _captured(model_or_config, example_inputs):
 
     if isinstance(model_or_config, Captured):
         return model_or_config
-    from .api import _model_from
+    from .builder import model_from
 
-    model = _model_from(model_or_config)
+    model = model_from(model_or_config)
     model.train()
     return capture(model, example_inputs=example_inputs)
 

@@ -117,13 +117,13 @@ TOLERANCE = 0.30
 def _capture(hidden: int, heads: int, layers: int, vocab: int, seq: int):
     import transformers
 
-    from autoshard.api import _model_from
+    from autoshard.builder import model_from
     from autoshard.passes.capture import capture
 
     cfg = transformers.GPT2Config(n_embd=hidden, n_head=heads, n_layer=layers, vocab_size=vocab,
                                   n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   architectures=["GPT2LMHeadModel"])
-    m = _model_from(cfg)
+    m = model_from(cfg)
     m.train()
     return capture(m)
 

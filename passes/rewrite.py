@@ -15,15 +15,12 @@ from torch import fx, nn
 
 from autoshard import collectives as C
 from autoshard import kernels as K
+from autoshard.groups import axes_label
 from autoshard.mesh import Mesh
 from autoshard.plan import ShardingPlan, Step
 from autoshard.policies.linear_ops import linear_operands
 
 __all__ = ["rewrite", "axes_label", "kernel_call", "apply_patches"]
-
-
-def axes_label(axes) -> str:
-    return ",".join(axes)
 
 
 def _get(node: fx.Node, path):

@@ -28,10 +28,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_atte
 
 @pytest.fixture(scope="module")
 def cap():
-    from autoshard.api import _model_from
+    from autoshard.builder import model_from
     from autoshard.passes.capture import capture
 
-    m = _model_from(transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
+    m = model_from(transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
     m.train()
     return capture(m)
 

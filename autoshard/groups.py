@@ -1,0 +1,39 @@
+"""Process groups over a mesh's axes, created once and cached."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from .mesh import Mesh
+from .validate import timeout_seconds
+
+__all__ = ["mesh_group", "axes_label"]
+
+
+def axes_label(axes) -> str:
+    """The key a plan's collectives use for the group over ``axes``: ``"dep,row"``."""
+    return ",".join(axes)
+
+
+_GROUPS: dict = {}
+
+
+def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int):
+    """This rank's process group over ``axes`` of ``mesh``, created once per default
+    group, mesh and axes (collectively: every rank creates every group of that
+    axes in the same order), with the ``AUTOSHARD_TIMEOUT`` timeout (``new_group``
+    would take torch's default, 30 min for gloo, 10 for NCCL)."""
+    key = (id(dist.group.WORLD), mesh, axes)
+    if key not in _GROUPS:
+        mine = None
+        for ranks in mesh.all_groups(axes):
+            pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
+                                timeout=datetime.timedelta(seconds=timeout_seconds()))
+            if rank in ranks:
+                mine = pg
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
