@@ -13,9 +13,9 @@ from .errors import AutoshardWarning, ConfigError
 from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
-from .passes.propagate import propagate
 from .passes.rewrite import rewrite
-from .policies import POLICIES
+from .passes.pipeline import plan_captured
+from .policies import POLICIES, make_policy
 from .builder import model_from
 from .groups import axes_label, mesh_group
 from .validate import (Problem, check_dims, check_environment, check_example_inputs, check_group,
@@ -24,16 +24,6 @@ from .validate import (Problem, check_dims, check_environment, check_example_inp
 __all__ = ["shard", "plan", "validate", "MODES"]
 
 MODES = tuple(POLICIES)
-
-
-def _policy(mode: str, world_size: int, depth, dp):
-    if mode == "auto":      # resolved by plan()/shard() through autoshard.search
-        raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "
-                          + ", ".join(repr(m) for m in MODES))
-    if mode not in POLICIES:
-        raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in MODES)}")
-    cls = POLICIES[mode]
-    return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
 
 
 def _ensure_dist() -> None:
@@ -59,21 +49,11 @@ def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
         for _, steps in n.arg_steps:
             labels.update(s.axes for s in steps if s.axes)
         labels.update(s.axes for s in n.post if s.axes)
-        for k, v in n.kernel_args.items():
-            if k.endswith("axes") and v:
-                labels.add(tuple(v))
+        if n.kernel is not None:
+            labels.update(a for a in n.kernel.groups() if a)
     labels.update(p.grad_sync for p in plan.params if p.grad_sync)
     return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
             for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
-
-
-def _batch_split(pol) -> tuple[int, str]:
-    """How many blocks one dp replica's batch is cut into, and over which axes."""
-    axes = tuple(a for a in pol.batch_axes if a != "dp")
-    if not axes:
-        return 1, ""
-    return pol.mesh.size(axes), f"{pol.name} splits the batch over " + "·".join(
-        f"{a}[{pol.mesh.size(a)}]" for a in axes)
 
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
@@ -89,14 +69,14 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     pol = None
     if mode != "auto":
         try:
-            pol = _policy(mode, world_size, depth, dp)
+            pol = make_policy(mode, world_size, depth, dp)
         except ConfigError as e:
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
     problems += check_model(model, weights_given=weights_given)
     config = getattr(model, "config", None)
     if pol is not None:
-        problems += check_dims(config, pol.name, pol.mesh)
-        split, label = _batch_split(pol)
+        problems += check_dims(config, pol)
+        split, label = pol.batch_split()
     else:
         split, label = 1, ""
     problems += check_example_inputs(example_inputs, config=config, batch_split=split, batch_label=label)
@@ -158,17 +138,16 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
                      batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
         # the search chose this layout knowing its fallbacks: report them, refuse nothing
-        split, label = _batch_split(pol)
-        auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None),
-                                                                              pol.name, pol.mesh)]
+        split, label = pol.batch_split()
+        auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None), pol)]
         raise_problems(auto + check_example_inputs(example_inputs, batch_split=split, batch_label=label),
                        f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
         cap = captured or capture(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
     # each dp replica holds its own rows: the plan reasons on the global batch
-    n_dp = pol.mesh.size("dp") if "dp" in pol.mesh.axes else 1
-    p = propagate(cap, pol, batch_size=int(ids.shape[0]) * n_dp, seq_len=int(ids.shape[1]), gather_outputs=gather_logits)
+    p = plan_captured(cap, pol, batch_size=int(ids.shape[0]) * pol.dp, seq_len=int(ids.shape[1]),
+                      gather_outputs=gather_logits)
     _warn_fallbacks(p)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
@@ -219,8 +198,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
-    pol = _policy(mode, world_size, depth, dp)
+    pol = make_policy(mode, world_size, depth, dp)
     model = model_from(model_or_config)
     model.train()
     cap = capture(model, example_inputs=example_inputs)
-    return propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)
+    return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)

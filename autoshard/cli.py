@@ -284,9 +284,9 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
     The mesh, the model's dimensions against the split and the batch are checked as
     :func:`autoshard.shard` checks them (:mod:`autoshard.validate`); then the model is
     planned, and planning errors, fallback nodes and (with a cluster) memory are added."""
-    from .api import _batch_split, _policy
     from .cost import estimate
     from .errors import ConfigError
+    from .policies import make_policy
     from .validate import check_dims
 
     problems, notes = [], []
@@ -294,16 +294,16 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
     pol = None
     if args.mode != "auto":
         try:
-            pol = _policy(args.mode, args.world_size, args.depth, args.dp or 1)
+            pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1)
         except ConfigError as e:
             problems.append(f"ConfigError: {e}")
     dp = args.dp or 1
     if args.batch_size % dp:
         problems.append(f"batch {args.batch_size} does not split over dp={dp} replicas; use a multiple of {dp}")
     if pol is not None:
-        for p in check_dims(cfg, pol.name, pol.mesh):
+        for p in check_dims(cfg, pol):
             (problems if p.error else notes).append(str(p))
-        split, label = _batch_split(pol)
+        split, label = pol.batch_split()
         per = args.batch_size // dp
         if split > 1 and per % split:
             problems.append(f"batch {per} per replica does not split over the batch axes ({label}); "

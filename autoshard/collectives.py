@@ -43,7 +43,7 @@ __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
-    "sim_group", "group_rank_size",
+    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter",
 ]
 
 
@@ -145,21 +145,24 @@ def group_rank_size(group: str) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------- raw collectives
+# Counted by the ledger, no autograd of their own: kernels with a hand-written
+# backward (parallel_ops) call these; everything else uses the autograd-aware
+# pairs below.
 @torch.library.custom_op("autoshard::all_reduce", mutates_args=())
-def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     out = x.contiguous().clone()
     _record("all_reduce", group, out.numel() * out.element_size())
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_pg(group))
     return out
 
 
-@_all_reduce.register_fake
+@all_reduce.register_fake
 def _(x, group, op):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("autoshard::all_gather", mutates_args=())
-def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
     p = pg.size()
     src = x.movedim(dim, 0).contiguous()
@@ -169,7 +172,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-@_all_gather.register_fake
+@all_gather.register_fake
 def _(x, dim, group):
     p = group_rank_size(group)[1]
     shape = list(x.shape)
@@ -178,7 +181,7 @@ def _(x, dim, group):
 
 
 @torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
     p = pg.size()
     src = x.movedim(dim, 0).contiguous()
@@ -188,7 +191,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-@_reduce_scatter.register_fake
+@reduce_scatter.register_fake
 def _(x, dim, group):
     p = group_rank_size(group)[1]
     shape = list(x.shape)
@@ -250,15 +253,15 @@ def _identity(x, dim, group):
 
 
 def _ar(x, dim, group):
-    return _all_reduce(x, group, "sum")
+    return all_reduce(x, group, "sum")
 
 
 def _ag(x, dim, group):
-    return _all_gather(x, dim, group)
+    return all_gather(x, dim, group)
 
 
 def _rs(x, dim, group):
-    return _reduce_scatter(x, dim, group)
+    return reduce_scatter(x, dim, group)
 
 
 def _keep(x, dim, group):
@@ -306,8 +309,8 @@ def gather_partial(x, dim: int, group: str):
 
 def all_reduce_nograd(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum over ``group`` outside autograd (token counts, statistics)."""
-    return _all_reduce(x.detach(), group, "sum")
+    return all_reduce(x.detach(), group, "sum")
 
 
 def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _all_reduce(x.detach(), group, "max")
+    return all_reduce(x.detach(), group, "max")

@@ -289,7 +289,7 @@ def node_flops(n: NodePlan, plan: ShardingPlan, params: dict | None = None) -> f
         n_feat = gshape[-1]
         work = _spec_axes(n.out_spec)
         if pp is not None and len(pp.global_shape) == 2:
-            nd = n.kernel_args.get("n_dim")
+            nd = getattr(n.kernel, "n_dim", None)
             if nd in (0, 1):
                 k = pp.global_shape[1 - nd]
             else:

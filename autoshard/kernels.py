@@ -1,212 +1,344 @@
-"""Parallel kernels the rewrite puts in place of heavy ops, plus the re-layout steps.
+"""Kernels as typed objects: how one heavy op runs on one mesh.
 
-Each is a plain function of local tensors and c10d group names; collectives go
-through :mod:`autoshard.collectives` so the ledger sees them.
+A kernel object is frozen, serialisable data, in the spirit of PyTorch's
+``ParallelStyle``. It declares
+
+* the specs it needs (:attr:`Kernel.in_specs`, by argument path) and the spec of
+  its output (:attr:`Kernel.out_spec`);
+* the mesh axes it needs process groups for (:meth:`Kernel.groups`);
+* the collectives it issues, computed from local shapes (:meth:`Kernel.comms`):
+  the one source for the plan, the cost model and the ledger test;
+* its runtime (:meth:`Kernel.bind`): the autograd-aware function in
+  :mod:`autoshard.parallel_ops` that the rewrite calls in place of the op.
+
+A policy returns one inside its :class:`~autoshard.policies.base.Choice`; the
+rewrite binds it without knowing which it is, ``shard()`` asks it for its groups.
+Nothing here imports ``torch.distributed``: :meth:`bind` loads the runtime only
+when the rewrite (or the activation trace) calls it.
+
+Example:
+    >>> from autoshard.mesh import Mesh
+    >>> from autoshard.spec import ShardSpec
+    >>> k = RowLinear(axes=("tp",), x=(0,), w=(1,), b=None, n_dim=0,
+    ...               in_specs=(((0,), ShardSpec(dims=((), ("tp",)))),), out_spec=ShardSpec(dims=((), ())))
+    >>> io = KernelIO(in_shapes={(0,): (8, 16)}, out_shape=(8, 32), mesh=Mesh(axes=("tp",), sizes=(2,)))
+    >>> [(c.phase, c.kind, c.axes, c.numel) for c in k.comms(io)]
+    [('fwd', 'all_reduce', ('tp',), 256)]
+    >>> Kernel.from_dict(k.to_dict()) == k, k.groups()
+    (True, (('tp',),))
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping
 
-from . import collectives as C
+from .mesh import Mesh
+from .spec import ShardSpec
 
-__all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm", "cross_entropy"]
+__all__ = ["KComm", "KernelIO", "Kernel", "KERNELS", "RowLinear", "Summa", "ThreeDLinear", "PartialHead",
+           "VocabEmbedding", "DistLayerNorm", "CrossEntropy"]
 
-
-def _rank_in(group: str) -> tuple[int, int]:
-    return C.group_rank_size(group)
-
-
-# --------------------------------------------------------------- re-layout steps
-def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments: int, factor: float | None):
-    """Apply one :class:`~autoshard.plan.Step` to a local tensor."""
-    if op == "scale":
-        return x * factor
-    if op == "reduce_from":
-        return C.reduce_from(x, group)
-    if op == "copy_to":
-        return C.copy_to(x, group)
-    if op == "all_reduce_both":
-        return C.all_reduce_both(x, group)
-    if op == "reduce_scatter":
-        return C.reduce_scatter_to(x, dim, group)
-    if op in ("gather", "scatter"):
-        return _on_segments(C.gather_from if op == "gather" else C.scatter_to, x, dim, group, segments)
-    raise ValueError(f"unknown step {op}")
+Path = tuple
 
 
-# ----------------------------------------------------------------------- linears
-def _matmul(x, w, n_dim: int):
-    """x @ W in math layout, for a weight stored [n, k] (n_dim 0) or [k, n] (n_dim 1)."""
-    return x @ (w.t() if n_dim == 0 else w)
+@dataclass(frozen=True)
+class KComm:
+    """A collective inside a kernel: ``numel`` elements of the full buffer.
+
+    A backward collective with ``needs_grad_of`` happens only if one of those
+    input paths needs a gradient; without it, whenever the node's output does."""
+
+    phase: str
+    kind: str
+    axes: tuple[str, ...]
+    numel: int
+    needs_grad_of: tuple = ()
 
 
-def row_linear(x, w, b, *, group: str, n_dim: int):
-    """Row-parallel: local partial product, all-reduce, then the (replicated) bias."""
-    y = C.reduce_from(_matmul(x, w, n_dim), group)
-    return y if b is None else y + b
+@dataclass(frozen=True)
+class KernelIO:
+    """Local shapes a kernel's collectives are computed from: each tensor input
+    under the spec the kernel requires, and the output."""
+
+    in_shapes: Mapping[Path, tuple]
+    out_shape: tuple
+    mesh: Mesh
+
+    def numel(self, path: Path) -> int:
+        return math.prod(self.in_shapes[path])
+
+    @property
+    def out_numel(self) -> int:
+        return math.prod(self.out_shape)
 
 
-class _Summa(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int):
-        ctx.save_for_backward(x, w)
-        ctx.cfg = (row, col, n_dim, k_dim)
-        xg = C._all_gather(x, x.dim() - 1, col)       # [N_loc, k]
-        wg = C._all_gather(w, k_dim, row)             # [k, n/q] in math layout
-        return _matmul(xg, wg, n_dim)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        row, col, n_dim, k_dim = ctx.cfg
-        dx = dw = None
-        # re-gather instead of saving the gathered copies (DESIGN §9)
-        wg = C._all_gather(w, k_dim, row)
-        xg = C._all_gather(x, x.dim() - 1, col)
-        if ctx.needs_input_grad[0]:
-            dxg = dy @ (wg if n_dim == 0 else wg.t())
-            dx = C._reduce_scatter(dxg, dxg.dim() - 1, col)
-        if ctx.needs_input_grad[1]:
-            x2 = xg.reshape(-1, xg.shape[-1])
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
-            dw = C._reduce_scatter(dwg, k_dim, row)
-        return dx, dw, None, None, None, None
+GroupOf = Callable[[tuple], Any]      # axes -> process group name (or a shape-only group)
+SizeOf = Callable[[tuple], int]       # axes -> group size
 
 
-def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int):
-    """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract)."""
-    y = _Summa.apply(x, w, row, col, n_dim, k_dim)
-    return y if b is None else y + b
+def _get(node, path):
+    from .argpath import get_arg
+
+    return get_arg(node, path)
 
 
-def _on_segments(fn, t, dim: int, group: str, m: int):
-    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
-    if m == 1:
-        return fn(t, dim, group)
-    shape = list(t.shape)
-    y = fn(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
-    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+def _enc(v):
+    if isinstance(v, ShardSpec):
+        return {"spec": v.to_dict()}
+    if isinstance(v, (tuple, list)):
+        return [_enc(x) for x in v]
+    return v
 
 
-def _ag_seg(t, dim: int, group: str, m: int):
-    return _on_segments(C._all_gather, t, dim, group, m)
+def _dec(v):
+    if isinstance(v, dict) and "spec" in v:
+        return ShardSpec.from_dict(v["spec"])
+    if isinstance(v, list):
+        return tuple(_dec(x) for x in v)
+    return v
 
 
-def _rs_seg(t, dim: int, group: str, m: int):
-    return _on_segments(C._reduce_scatter, t, dim, group, m)
+@dataclass(frozen=True, kw_only=True)
+class Kernel:
+    """Base of every kernel object (see the module docstring)."""
 
+    in_specs: tuple = ()              # ((arg path, ShardSpec), ...) the kernel needs
+    out_spec: Any = None              # ShardSpec of its output
 
-class _ThreeD(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int):
-        xg = C._all_gather(x, row_dim, b)          # X_il: rows (a)
-        wg = _ag_seg(w, n_dim, a, m)               # W_lj: n (b)
-        ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
-        ctx.cfg = (a, b, c, row_dim, n_dim, m)
-        return C._reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
+    name: ClassVar[str] = ""          # short label for tables
+
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        """Mesh axes this kernel needs a process group over, one tuple per group."""
+        raise NotImplementedError
+
+    def comms(self, io: KernelIO) -> tuple[KComm, ...]:
+        """The collectives one call issues, from local shapes (one training step)."""
+        return ()
+
+    def bind(self, node, group: GroupOf, size: SizeOf) -> tuple[Callable, tuple, dict]:
+        """``(function, args, kwargs)`` computing ``node`` with this kernel. ``node``
+        is an fx node or anything with its ``args`` / ``kwargs``."""
+        raise NotImplementedError
+
+    @property
+    def inputs(self) -> dict:
+        return dict(self.in_specs)
+
+    def to_dict(self) -> dict:
+        return {"type": type(self).__name__, **{f.name: _enc(getattr(self, f.name)) for f in dataclasses.fields(self)}}
 
     @staticmethod
-    def backward(ctx, dy):
-        xg, wg = ctx.saved_tensors
-        a, b, c, row_dim, n_dim, m = ctx.cfg
-        dyg = C._all_gather(dy.contiguous(), row_dim, c)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dxg = dyg @ (wg if n_dim == 0 else wg.t())
-            dx = C._reduce_scatter(dxg, row_dim, b)
-        if ctx.needs_input_grad[1]:
-            x2 = xg.reshape(-1, xg.shape[-1])
-            dy2 = dyg.reshape(-1, dyg.shape[-1])
-            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
-            dw = _rs_seg(dwg, n_dim, a, m)
-        return dx, dw, None, None, None, None, None, None
+    def from_dict(d: Mapping) -> "Kernel":
+        cls = KERNELS[d["type"]]
+        return cls(**{k: _dec(v) for k, v in d.items() if k != "type"})
+
+    def __str__(self) -> str:
+        return self.name
 
 
-def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1):
-    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``."""
-    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments)
-    return y if bias is None else y + bias
+def _ops():
+    from . import parallel_ops
+
+    return parallel_ops
 
 
-def partial_head(x, w, b, *, col: str):
-    """``x · Eᵀ`` for a table split on hidden over ``col``: partial sums, reduce-scattered on vocab."""
-    y = C.reduce_scatter_to(x @ w.t(), x.dim() - 1, col)
-    return y if b is None else y + b
+def _linear_args(k, node):
+    return _get(node, k.x), _get(node, k.w), (_get(node, k.b) if k.b else None)
 
 
-# --------------------------------------------------------------------- embedding
-def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
-    """Lookup in this rank's vocabulary range; other rows are zero; all-reduce."""
-    r, _ = _rank_in(group)
-    v_loc = w.shape[0]
-    lo = r * v_loc
-    inside = (ids >= lo) & (ids < lo + v_loc)
-    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
-    # the padding row gets no gradient, as in the dense lookup; it lives on one rank
-    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
-    out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
-    return C.reduce_from(out, group)
+@dataclass(frozen=True, kw_only=True)
+class RowLinear(Kernel):
+    """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias."""
+
+    axes: tuple[str, ...]
+    x: Path
+    w: Path
+    b: Path | None
+    n_dim: int
+    name: ClassVar[str] = "row_linear"
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        return (KComm("fwd", "all_reduce", self.axes, io.out_numel),)
+
+    def bind(self, node, group, size):
+        return _ops().row_linear, _linear_args(self, node), {"group": group(self.axes), "n_dim": self.n_dim}
 
 
-# ------------------------------------------------------------------------- norms
-def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
-    """LayerNorm over a hidden dim split over ``group``: Σx and Σ(x-μ)² all-reduced
-    both ways (the statistics are used with split data, so their grads are partial)."""
-    h = x.shape[-1] * count
-    mean = C.all_reduce_both(x.sum(-1, keepdim=True), group) / h
-    xc = x - mean
-    var = C.all_reduce_both((xc * xc).sum(-1, keepdim=True), group) / h
-    y = xc * torch.rsqrt(var + eps)
-    if w is not None:
-        y = y * w
-    if b is not None:
-        y = y + b
-    return y
+@dataclass(frozen=True, kw_only=True)
+class Summa(Kernel):
+    """SUMMA Linear on a ``row × col`` grid: all-gather X over ``col`` and W over
+    ``row``; backward reduce-scatters dX over ``col`` and dW over ``row``."""
+
+    row: tuple[str, ...]
+    col: tuple[str, ...]
+    x: Path
+    w: Path
+    b: Path | None
+    n_dim: int
+    k_dim: int
+    name: ClassVar[str] = "summa"
+
+    def groups(self):
+        return (self.row, self.col)
+
+    def comms(self, io):
+        q = io.mesh.size(self.col)
+        xg, wg = io.numel(self.x) * q, io.numel(self.w) * q      # gathered: N_loc·k and k·n/q
+        C, R, xp, wp = self.col, self.row, self.x, self.w
+        return (KComm("fwd", "all_gather", C, xg), KComm("fwd", "all_gather", R, wg),
+                KComm("bwd", "all_gather", R, wg, (xp,)), KComm("bwd", "all_gather", C, xg, (wp,)),
+                KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
+
+    def bind(self, node, group, size):
+        return _ops().summa, _linear_args(self, node), {"row": group(self.row), "col": group(self.col),
+                                                        "n_dim": self.n_dim, "k_dim": self.k_dim}
 
 
-# -------------------------------------------------------------------------- loss
-class _VocabParallelCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, group: str, ignore_index: int):
-        r, _ = _rank_in(group)
-        v_loc = logits.shape[-1]
-        lo = r * v_loc
-        lmax = C.all_reduce_max(logits.detach().max(dim=-1).values, group)
-        shifted = logits - lmax.unsqueeze(-1)
-        exp = shifted.exp()
-        sumexp = C._all_reduce(exp.sum(-1), group, "sum")
-        inside = (target >= lo) & (target < lo + v_loc)
-        idx = torch.where(inside, target - lo, torch.zeros_like(target))
-        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
-        picked = C._all_reduce(picked, group, "sum")
-        valid = (target != ignore_index).to(logits.dtype)
-        loss = (sumexp.log() - picked) * valid
-        ctx.save_for_backward(exp / sumexp.unsqueeze(-1), idx, inside, valid)
-        return loss
+@dataclass(frozen=True, kw_only=True)
+class ThreeDLinear(Kernel):
+    """3D Linear (seed 001): gather X over ``b_axes`` and W over ``a``,
+    reduce-scatter the product over ``c``; rows on ``row_dim``."""
 
-    @staticmethod
-    def backward(ctx, g):
-        soft, idx, inside, valid = ctx.saved_tensors
-        gv = (g * valid).unsqueeze(-1)
-        d = soft * gv
-        d.scatter_add_(-1, idx.unsqueeze(-1), -(inside.to(d.dtype).unsqueeze(-1) * gv))
-        return d, None, None, None
+    a: tuple[str, ...]
+    b_axes: tuple[str, ...]
+    c: tuple[str, ...]
+    x: Path
+    w: Path
+    b: Path | None
+    row_dim: int
+    n_dim: int
+    segments: int = 1
+    name: ClassVar[str] = "three_d"
+
+    def groups(self):
+        return (self.a, self.b_axes, self.c)
+
+    def comms(self, io):
+        q = io.mesh.size(self.c)
+        x_loc, w_loc, y_loc = io.numel(self.x), io.numel(self.w), io.out_numel
+        xp, wp = self.x, self.w
+        return (KComm("fwd", "all_gather", self.b_axes, x_loc * q), KComm("fwd", "all_gather", self.a, w_loc * q),
+                KComm("fwd", "reduce_scatter", self.c, y_loc * q),
+                KComm("bwd", "all_gather", self.c, y_loc * q, (xp, wp)),
+                KComm("bwd", "reduce_scatter", self.b_axes, x_loc * q, (xp,)),
+                KComm("bwd", "reduce_scatter", self.a, w_loc * q, (wp,)))
+
+    def bind(self, node, group, size):
+        return _ops().three_d, _linear_args(self, node), {
+            "a": group(self.a), "b": group(self.b_axes), "c": group(self.c), "row_dim": self.row_dim,
+            "n_dim": self.n_dim, "segments": self.segments}
 
 
-def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str | None,
-                  ignore_index: int = -100, reduction: int = 1):
-    """Global-mean (or sum) token cross-entropy of a batch split over ``batch_group``
-    with logits possibly split on vocab over ``vocab_group``: identical on every rank."""
-    if vocab_group is not None:
-        tok = _VocabParallelCE.apply(logits, target, vocab_group, ignore_index)
-    else:
-        tok = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index)
-    total = tok.sum()
-    count = (target != ignore_index).sum().to(logits.dtype)
-    if batch_group is not None:
-        total = C.reduce_from(total, batch_group)
-        count = C.all_reduce_nograd(count, batch_group)
-    return total / count if reduction == 1 else total
+@dataclass(frozen=True, kw_only=True)
+class PartialHead(Kernel):
+    """``x · Eᵀ`` for a table split on hidden over ``col`` (a tied head): partial
+    sums reduce-scattered on the vocabulary."""
+
+    col: tuple[str, ...]
+    x: Path
+    w: Path
+    b: Path | None
+    name: ClassVar[str] = "partial_head"
+
+    def groups(self):
+        return (self.col,)
+
+    def comms(self, io):
+        full = io.out_numel * io.mesh.size(self.col)
+        return (KComm("fwd", "reduce_scatter", self.col, full),
+                KComm("bwd", "all_gather", self.col, full, (self.x, self.w)))
+
+    def bind(self, node, group, size):
+        return _ops().partial_head, _linear_args(self, node), {"col": group(self.col)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabEmbedding(Kernel):
+    """Lookup in this rank's vocabulary range of a table split on rows over
+    ``axes``; other rows read zero; all-reduce."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "vocab_embedding"
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        return (KComm("fwd", "all_reduce", self.axes, io.out_numel),)
+
+    def bind(self, node, group, size):
+        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        return _ops().vocab_embedding, (node.args[0], node.args[1]), \
+            {"group": group(self.axes), "padding_idx": pad if pad is not None and pad >= 0 else None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistLayerNorm(Kernel):
+    """LayerNorm over a hidden dim split over ``axes``: Σx and Σ(x-μ)² all-reduced
+    both ways."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "dist_layer_norm"
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        shape = io.in_shapes[(0,)]
+        rows = math.prod(shape) // shape[-1]
+        needs = ((0,), (2,), (3,))
+        return (KComm("fwd", "all_reduce", self.axes, rows), KComm("fwd", "all_reduce", self.axes, rows),
+                KComm("bwd", "all_reduce", self.axes, rows, needs), KComm("bwd", "all_reduce", self.axes, rows, needs))
+
+    def bind(self, node, group, size):
+        a = list(node.args) + [None] * 5
+        return _ops().dist_layer_norm, (a[0], a[1], a[2], a[3], a[4] if a[4] is not None else 1e-5), \
+            {"group": group(self.axes), "count": size(self.axes)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossEntropy(Kernel):
+    """Token cross-entropy, global mean (or sum) over a batch split over
+    ``batch_axes``, vocab-parallel over ``vocab_axes`` when the logits are split."""
+
+    vocab_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...]
+    ignore_index: int = -100
+    reduction: int = 1
+    name: ClassVar[str] = "cross_entropy"
+
+    def groups(self):
+        return tuple(a for a in (self.vocab_axes, self.batch_axes) if a)
+
+    def comms(self, io):
+        n = io.numel((1,))
+        out = [KComm("fwd", "all_reduce", self.vocab_axes, n)] * 3 if self.vocab_axes else []
+        if self.batch_axes:
+            out += [KComm("fwd", "all_reduce", self.batch_axes, 1)] * 2
+        return tuple(out)
+
+    def bind(self, node, group, size):
+        G = lambda axes: group(axes) if axes else None  # noqa: E731
+        return _ops().cross_entropy, (node.args[0], node.args[1]), {
+            "vocab_group": G(self.vocab_axes), "batch_group": G(self.batch_axes),
+            "ignore_index": self.ignore_index, "reduction": self.reduction}
+
+
+KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (
+    RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy)}
+
+
+def register_kernel(cls: type[Kernel]) -> type[Kernel]:
+    """Make a kernel class known to plan deserialisation (use as a class decorator
+    in the module that defines a new mode's kernel)."""
+    KERNELS[cls.__name__] = cls
+    return cls
+
+
+__all__.append("register_kernel")

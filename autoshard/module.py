@@ -158,5 +158,5 @@ class ShardedModule(nn.Module):
 
 def _sync_hook(group: str):
     def hook(grad):
-        return C._all_reduce(grad, group, "sum")
+        return C.all_reduce(grad, group, "sum")
     return hook

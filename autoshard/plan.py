@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .kernels import Kernel
 from .mesh import Mesh
 from .spec import ShardSpec
 
@@ -30,6 +32,51 @@ class Step:
     dim: int | None = None
     segments: int = 1
     factor: float | None = None
+
+    def effect(self, spec: "ShardSpec", global_shape, mesh: Mesh, elem_bytes: int,
+               needs_grad: bool) -> tuple[list["Comm"], "ShardSpec"]:
+        """The collectives this step issues on a value laid out as ``spec`` (one
+        training step; backward ones only if the value ``needs_grad``), and the
+        value's layout after it.
+
+        >>> m = Mesh(axes=("tp",), sizes=(2,))
+        >>> cs, after = Step(op="gather", axes=("tp",), dim=1).effect(
+        ...     ShardSpec(dims=((), ("tp",))), (4, 8), m, 4, True)
+        >>> [(c.phase, c.kind, c.buffer_bytes) for c in cs], after.is_replicated
+        ([('fwd', 'all_gather', 128)], True)
+        """
+        loc = math.prod(spec.local_shape(global_shape, mesh))
+        p = mesh.size(self.axes) if self.axes else 1
+        out: list[Comm] = []
+
+        def c(phase, kind, numel):
+            out.append(Comm(phase=phase, kind=kind, axes=self.axes, group_size=p, buffer_bytes=numel * elem_bytes))
+
+        s = spec
+        if self.op == "reduce_from":
+            c("fwd", "all_reduce", loc)
+            s = s.with_partial(())
+        elif self.op == "copy_to":
+            if needs_grad:
+                c("bwd", "all_reduce", loc)
+        elif self.op == "all_reduce_both":
+            c("fwd", "all_reduce", loc)
+            if needs_grad:
+                c("bwd", "all_reduce", loc)
+        elif self.op == "gather":          # gathers the inner axes of the dim's split
+            c("fwd", "all_gather", loc * p)
+            have = s.dims[self.dim]
+            s = s.with_dim(self.dim, have[:len(have) - len(self.axes)], s.segments[self.dim])
+        elif self.op == "scatter":         # splits further over inner axes
+            if needs_grad:
+                c("bwd", "all_gather", loc)
+            s = s.with_dim(self.dim, s.dims[self.dim] + self.axes, self.segments)
+        elif self.op == "reduce_scatter":
+            c("fwd", "reduce_scatter", loc)
+            if needs_grad:
+                c("bwd", "all_gather", loc)
+            s = s.with_partial(()).with_dim(self.dim, self.axes)
+        return out, s
 
     def __str__(self) -> str:
         s = f"{self.op}({','.join(self.axes)}"
@@ -85,8 +132,7 @@ class NodePlan:
     kind: str                     # linear | norm | attention | embedding | loss | other
     module: str
     out_spec: Any                 # ShardSpec | tuple[ShardSpec|None, ...] | None
-    kernel: str | None = None
-    kernel_args: dict = field(default_factory=dict)
+    kernel: Kernel | None = None  # the kernel object the rewrite binds (autoshard.kernels)
     arg_steps: tuple = ()         # ((arg path, (Step, ...)), ...)
     post: tuple = ()              # steps applied to the output
     patches: tuple = ()           # ((arg path, new value), ...)
@@ -154,6 +200,10 @@ class ShardingPlan:
     nodes: tuple[NodePlan, ...]
     params: tuple[ParamPlan, ...]
     dp: int = 1
+    # local shape of every graph value by node name (a tuple of shapes for a
+    # multi-output node): what the activation-trace pass runs the rank's forward
+    # with. Made by propagation; not serialised, not compared.
+    local_shapes: Any = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------- summaries
     def node(self, name: str) -> NodePlan:
@@ -227,7 +277,7 @@ class ShardingPlan:
                 continue
             fwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "fwd") or "-"
             bwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "bwd") or "-"
-            row = (n.name, n.op, n.module, n.kernel or "-", _shape(n.global_shape), _shape(n.local_shape),
+            row = (n.name, n.op, n.module, n.kernel.name if n.kernel else "-", _shape(n.global_shape), _shape(n.local_shape),
                    n.weight or "-", f"{fwd} / {bwd}", f"{n.comm_bytes:,.0f}", f"{n.param_bytes:,}", "; ".join(n.notes))
             t.add_row(*(escape(str(c)) for c in row), style="yellow" if n.fallback else None)
         return t
@@ -249,6 +299,7 @@ class ShardingPlan:
     def to_json(self) -> str:
         def node_d(n: NodePlan):
             d = asdict(n)
+            d["kernel"] = n.kernel.to_dict() if n.kernel is not None else None
             d["out_spec"] = _spec_to_json(n.out_spec)
             d["arg_steps"] = [[list(p), [asdict(s) for s in steps]] for p, steps in n.arg_steps]
             d["post"] = [asdict(s) for s in n.post]
@@ -279,7 +330,7 @@ class ShardingPlan:
         for n in d["nodes"]:
             nodes.append(NodePlan(
                 name=n["name"], op=n["op"], kind=n["kind"], module=n["module"],
-                out_spec=_spec_from_json(n["out_spec"]), kernel=n["kernel"], kernel_args=n["kernel_args"],
+                out_spec=_spec_from_json(n["out_spec"]), kernel=Kernel.from_dict(n["kernel"]) if n["kernel"] else None,
                 arg_steps=tuple((tup(p), tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in steps))
                                 for p, steps in n["arg_steps"]),
                 post=tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in n["post"]),

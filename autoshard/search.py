@@ -55,9 +55,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        shape = {"1d": f"[{self.q}]", "2d": f"[{self.q},{self.q}]", "2.5d": f"[{self.q},{self.q},{self.d}]",
-                 "3d": f"[{self.q},{self.q},{self.q}]"}.get(self.mode, str(list(self.mesh.sizes)))
-        return f"{self.mode} {shape}" + (f" × dp{self.dp}" if self.dp > 1 else "")
+        from .policies import POLICIES
+
+        return POLICIES[self.mode].label(self.mesh)
 
     def policy(self):
         from .policies import POLICIES
@@ -89,11 +89,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _describe(mode: str, mesh: Mesh) -> tuple[int, int, int]:
-    dp = mesh.size("dp") if "dp" in mesh.axes else 1
-    d = mesh.size("dep") if "dep" in mesh.axes else 1
-    tp_sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "dep")]
-    q = max(tp_sizes) if len(tp_sizes) > 1 else (tp_sizes[0] if tp_sizes else 1)
-    return q, d, dp
+    from .policies import POLICIES
+
+    q, d = POLICIES[mode].grid(mesh)
+    return q, d, (mesh.size("dp") if "dp" in mesh.axes else 1)
 
 
 def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None) -> list[Candidate]:
@@ -247,7 +246,8 @@ def _static_bytes(captured, optimizer: str | None) -> int:
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
               static: int) -> Evaluated:
-    from .passes.propagate import propagate
+    from .passes.pipeline import plan_captured
+    from .validate import check_dims
 
     tp = cand.mesh.world_size // cand.dp
     if static / tp > cluster.memory_bytes:          # lower bound, no plan needed
@@ -257,12 +257,15 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         pol = cand.policy()
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    refused = [p for p in check_dims(cap.config, pol) if p.error]
+    if refused:      # the same verdict as `autoshard check` / shard(): one validity function
+        return Evaluated(candidate=cand, reason=str(refused[0]).split(". Valid")[0])
     axes = (("dp",) if cand.dp > 1 else ()) + tuple(a for a in pol.batch_axes if a != "dp")
     if batch_size % cand.mesh.size(axes):
         return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
                                                 f"{'·'.join(axes)}={cand.mesh.size(axes)}")
     try:
-        plan = propagate(cap, pol, batch_size=batch_size, seq_len=seq_len)
+        plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     cost = estimate(plan, cluster, optimizer=optimizer)

@@ -182,22 +182,6 @@ def dims_of(config) -> dict[str, int]:
     return out
 
 
-def _splits(mode: str, mesh: Mesh) -> tuple[dict[str, int], str]:
-    """How many shards each dimension is cut into by ``mode`` on ``mesh``, and the label."""
-    if mode == "1d":
-        p = mesh.size("tp")
-        return {"num_attention_heads": p, "num_key_value_heads": p, "intermediate_size": p,
-                "vocab_size": p}, f"tp={p}"
-    if mode in ("2d", "2.5d"):
-        q = mesh.size("row")
-        return dict.fromkeys(("num_attention_heads", "num_key_value_heads", "hidden_size",
-                              "intermediate_size", "vocab_size"), q), f"q={q}"
-    if mode == "3d":
-        q = mesh.size("x")
-        return dict.fromkeys(("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"), q), f"q={q}"
-    return {}, ""
-
-
 # What happens when a dimension does not divide: errors refuse; the others are exact
 # replicated fallbacks the plan shows as rows (weight "replicated") and a warning names.
 _SEVERE = {"num_attention_heads": "attention would be replicated or gathered on every rank",
@@ -208,42 +192,35 @@ _MILD = {"num_key_value_heads": "k/v projections stay replicated (exact; the usu
                        "pad the vocabulary (resize_token_embeddings) to a multiple to split it"}
 
 
-def _valid_worlds(mode: str, n: int, limit: int = 4096) -> list[int]:
-    """World sizes (dp = 1) of ``mode`` whose split divides ``n``."""
-    if mode == "1d":
-        return [p for p in range(1, min(n, limit) + 1) if n % p == 0]
-    if mode == "2d":
-        return [q * q for q in range(2, int(limit ** 0.5) + 1) if n % q == 0]
-    if mode == "2.5d":
-        return [q * q for q in range(2, int(limit ** 0.5) + 1) if n % q == 0]    # × any depth d
-    if mode == "3d":
-        return [q ** 3 for q in range(2, int(round(limit ** (1 / 3))) + 1) if n % q == 0]
-    return []
+def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True) -> list[Problem]:
+    """Heads / kv heads / hidden / intermediate / vocab against ``policy``'s split.
 
-
-def check_dims(config, mode: str, mesh: Mesh, *, strict: bool = True) -> list[Problem]:
-    """Heads / kv heads / hidden / intermediate / vocab against ``mode``'s split on ``mesh``.
-
-    A dimension the split does not divide is named with the world sizes that would
-    divide it. Heads and hidden are errors (``strict=False``: warnings, as for
-    ``mode='auto'``, which chose the layout knowing it); kv heads, intermediate and
-    vocab fall back to replicated weights, exactly, with a warning."""
+    ``policy`` is a :class:`~autoshard.policies.base.Policy` (on its mesh), or a
+    mode name with its ``mesh``. A dimension the split does not divide is named
+    with the world sizes that would divide it. Heads and hidden are errors
+    (``strict=False``: warnings, as for ``mode='auto'``, which chose the layout
+    knowing it); kv heads, intermediate and vocab fall back to replicated weights,
+    exactly, with a warning."""
     if config is None:
         return []
-    splits, label = _splits(mode, mesh)
+    if isinstance(policy, str):
+        from .policies import POLICIES
+
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown mode {policy!r}; valid modes: {', '.join(repr(m) for m in POLICIES)}")
+        policy = POLICIES[policy](mesh)
+    splits, label = policy.dim_splits()
     out = []
     for what, n in dims_of(config).items():
         c = splits.get(what, 1)
         if c <= 1 or n % c == 0:
             continue
-        worlds = _valid_worlds(mode, n)
-        unit = {"1d": "tp sizes", "2d": "world sizes q²", "2.5d": "q² per depth layer (world d·q²)",
-                "3d": "world sizes q³"}[mode]
+        worlds = policy.valid_world_sizes(n)
         valid = ", ".join(map(str, worlds[:8])) + (" …" if len(worlds) > 8 else "") or "none"
         severe = what in _SEVERE
         why = _SEVERE.get(what) or _MILD[what]
-        out.append(Problem(what, f"{what}={n} is not divisible by the {mode} split {c} ({label}); {why}. "
-                           f"Valid {unit} for {n}: {valid}", error=severe and strict))
+        out.append(Problem(what, f"{what}={n} is not divisible by the {policy.name} split {c} ({label}); {why}. "
+                           f"Valid {policy.size_unit} for {n}: {valid}", error=severe and strict))
     return out
 
 

@@ -46,11 +46,11 @@ def formula_bytes(plan) -> dict:
         planned = sum(n.comm_bytes for n in plan.nodes if ".layers." in n.module)
         return {"formula": formula, "plan_same_nodes": planned, "covers": f"{len(layers)} transformer layers"}
     kern = {"2d": "summa", "2.5d": "summa", "3d": "three_d"}[mode]
-    nodes = [n for n in plan.nodes if n.kernel == kern]
+    nodes = [n for n in plan.nodes if n.kernel is not None and n.kernel.name == kern]
     for n in nodes:
         N, nf = math.prod(n.global_shape[:-1]), n.global_shape[-1]
         w = params.get(f"{n.module}.weight")
-        nd = n.kernel_args.get("n_dim", 0)
+        nd = getattr(n.kernel, "n_dim", 0)
         k = w.global_shape[1 - nd]
         if mode == "3d":
             q = mesh.size("x")

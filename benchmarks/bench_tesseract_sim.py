@@ -179,15 +179,14 @@ def _paper_code_comm_s(plan, cluster) -> tuple[float, float]:
 
 def _predict(cap, mode, shape, batch, seq, cluster, variant: str = "autoshard"):
     """(fwd s, bwd s, note, estimate) for one row; interpolates over the batch when it does not split."""
-    from autoshard.api import _batch_split
     from autoshard.cost import estimate
-    from autoshard.passes.propagate import propagate
+    from autoshard.passes.pipeline import plan_captured
 
     pol = _policy(mode, shape)
-    split = _batch_split(pol)[0]
+    split = pol.batch_split()[0]
 
     def at(b):
-        plan = propagate(cap, pol, batch_size=b, seq_len=seq)
+        plan = plan_captured(cap, pol, batch_size=b, seq_len=seq)
         e = estimate(plan, cluster)
         f = e.flops_fwd / cluster.flops
         if variant == "paper's code" and mode in ("2d", "2.5d"):

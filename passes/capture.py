@@ -34,6 +34,7 @@ class Captured:
     seq_symbol: Any
     example_inputs: dict
     training: bool
+    config: Any = None              # the model's Hugging Face config (None for a plain module)
 
 
 def _max_positions(config) -> int:
@@ -130,4 +131,5 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
     ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
-                    batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training)
+                    batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
+                    config=getattr(model, "config", None))

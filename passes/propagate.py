@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.activations import trace
+from autoshard.argpath import get_arg
 from autoshard.errors import ShardingError
+from autoshard.kernels import KernelIO
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
-from autoshard.policies.base import Choice, NeedReplicate, Policy
+from autoshard.policies.base import Choice, NeedReplicate, Policy, SymbolicSizes
 from autoshard.policies.generic import rule_for
 from autoshard.spec import ShardSpec, replicated
 
@@ -38,16 +39,9 @@ from .annotate import Annotation, annotate, param_names
 __all__ = ["propagate"]
 
 aten = torch.ops.aten
-_PRIME_BATCH = 100003
-_PRIME_SEQ = 100019
-_OTHER_PRIMES = [100043, 100049, 100057, 100069, 100103, 100109, 100129, 100151]
-
-
-def _get(node: fx.Node, path):
-    if path[0] == "kw":
-        return node.kwargs[path[1]]
-    a = node.args[path[0]]
-    return a if len(path) == 1 else a[path[1]]
+_PRIME_BATCH = SymbolicSizes.BATCH
+_PRIME_SEQ = SymbolicSizes.SEQ
+_get = get_arg
 
 
 def _is_tensor_val(v) -> bool:
@@ -67,7 +61,7 @@ class _Shapes:
         if ssym is not None:
             self.probe_map[ssym] = _PRIME_SEQ
             self.conc_map[ssym] = seq_len
-        self._extra = iter(_OTHER_PRIMES)
+        self._extra = SymbolicSizes.others()
 
     def _ev(self, s, mp, probe: bool):
         if isinstance(s, int):
@@ -101,7 +95,8 @@ class _State:
 
 
 class _Ctx:
-    """What a rule may see of the graph."""
+    """What a rule may see of the graph: implements
+    :class:`~autoshard.policies.base.RuleContext` for the node being visited."""
 
     def __init__(self, engine: "_Engine", node: fx.Node):
         self.e, self.node = engine, node
@@ -154,7 +149,7 @@ class _Ctx:
             if not _is_tensor_val(t):
                 return None
             sh = self.e.shapes.probe(t.shape)
-            rows = sh and sh[0] % _PRIME_BATCH == 0 and sh[0] >= _PRIME_BATCH
+            rows = sh and SymbolicSizes.is_rows(sh[0])
             return ShardSpec(dims=tuple(self.batch_axes if (rows and self.batch_axes and i == 0) else ()
                                         for i, s in enumerate(sh)))
 
@@ -332,11 +327,11 @@ class _Engine:
             sync = tuple(a for a in self.mesh.axes if a in self.st.param_sync.get(name, set()))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
                                     dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name)))
-        plan = ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
+        local = {n.name: self._local_shape(n) for n in self.gm.graph.nodes}
+        return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
-                            params=tuple(params), dp=self.mesh.size("dp") if "dp" in self.mesh.axes else 1)
-        return trace(plan, self.gm, self._local_shape)
+                            params=tuple(params), dp=self.policy.dp, local_shapes=local)
 
     def _local_shape(self, node: fx.Node):
         """Local shape of a graph value under the specs just chosen (a tuple of
@@ -418,18 +413,31 @@ class _Engine:
         self.st.specs[node.name] = replicated(len(sh))
         return None
 
-    def _choose(self, node, ann: Annotation, ctx) -> Choice:
-        try:
-            if ann.kind == "linear":
-                return self.policy.linear(ctx)
-            if ann.kind == "embedding":
-                return self.policy.embedding(ctx)
+    def _rule(self, node, ann: Annotation, ctx) -> Choice:
+        """The policy's or the generic rule's choice; a rule that fails for any reason
+        but :class:`NeedReplicate` is re-raised naming the node, its module and its input specs."""
+        if ann.kind == "linear":
+            rule = self.policy.linear
+        elif ann.kind == "embedding":
+            rule = self.policy.embedding
+        else:
             rule = rule_for(node)
             if rule is None:
                 raise ShardingError(
                     f"dropout p={node.args[1]} in train mode needs per-rank RNG streams, which autoshard does "
                     "not have yet; set the model's dropout probabilities to 0 or shard it in eval mode", node=node)
+        try:
             return rule(ctx)
+        except (NeedReplicate, ShardingError, _Retry):
+            raise
+        except Exception as e:  # noqa: BLE001 - a rule's bug, reported where it happened
+            specs = {a.name: ctx.spec(a) for a in node.all_input_nodes}
+            raise ShardingError(f"the {getattr(rule, '__qualname__', rule)} rule failed: {type(e).__name__}: {e}",
+                                node=node, specs=specs) from e
+
+    def _choose(self, node, ann: Annotation, ctx) -> Choice:
+        try:
+            return self._rule(node, ann, ctx)
         except NeedReplicate as nr:
             src = _get(node, nr.path)
             origin = self.st.origin.get(src.name) if isinstance(src, fx.Node) else None
@@ -451,7 +459,7 @@ class _Engine:
             raise ShardingError(f"no layout fits: input {nr.path} dim {nr.dim} is already whole and the rule "
                                 f"still refuses it ({nr.reason})", node=node)
         size = ctx.pshape(src)[nr.dim]
-        if size % _PRIME_BATCH == 0 and size >= _PRIME_BATCH and set(s.dims[nr.dim]) & set(self.batch_axes):
+        if SymbolicSizes.is_rows(size) and set(s.dims[nr.dim]) & set(self.batch_axes):
             # sizes later in the graph are read from the local batch: a gathered batch would not fit them
             raise ShardingError(f"cannot gather the batch split of input {nr.path} dim {nr.dim} "
                                 f"({nr.reason}); the graph reads local batch sizes after it", node=node)
@@ -461,12 +469,12 @@ class _Engine:
             choice = self._choose(node, ann, ctx)
         finally:
             self.st.specs[src.name] = saved
-        req = choice.inputs.get(nr.path)
+        inputs = dict(choice.inputs)
+        req = inputs.get(nr.path)
         if req is None or req.dims[nr.dim]:
-            choice.inputs[nr.path] = s.with_dim(nr.dim, ())
-        choice.fallback = True
-        choice.notes = choice.notes + (f"fallback: gathered input dim {nr.dim}: {nr.reason}",)
-        return choice
+            inputs[nr.path] = s.with_dim(nr.dim, ())
+        return choice.replace(inputs=inputs, fallback=True,
+                              notes=choice.notes + (f"fallback: gathered input dim {nr.dim}: {nr.reason}",))
 
     def _apply(self, node, ann, ctx, choice: Choice) -> NodePlan | None:
         arg_steps = []
@@ -519,7 +527,7 @@ class _Engine:
                 continue
             self.st.relayouts.add(key)
             comms += self._step_comms(a, ctx.spec(a), steps, a.name in self.needs_grad)
-        for kc in choice.comms:
+        for kc in self._kernel_comms(node, choice, in_specs):
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad
                            for p in kc.needs_grad_of):
@@ -549,7 +557,7 @@ class _Engine:
                     a.meta["val"].element_size()
         return NodePlan(name=node.name, op=_op_name(node), kind=ann.kind if ann.kind in (
             "linear", "norm", "attention", "embedding", "loss") else "other", module=ann.module, out_spec=out,
-            kernel=choice.kernel, kernel_args=choice.kernel_args, arg_steps=tuple(arg_steps),
+            kernel=choice.kernel, arg_steps=tuple(arg_steps),
             post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
             global_shape=gshape, local_shape=lshape, weight=weight, param_bytes=pbytes,
             notes=tuple(n for n in choice.notes if n), fallback=choice.fallback)
@@ -567,39 +575,27 @@ class _Engine:
     def _step_comms(self, a: fx.Node, cur: ShardSpec, steps, needs_grad: bool) -> list[Comm]:
         shape = self.shapes.concrete(a.meta["val"].shape)
         eb = a.meta["val"].element_size()
-        out = []
+        out: list[Comm] = []
         s = cur
         for st in steps:
-            loc = math.prod(s.local_shape(shape, self.mesh))
-            p = self.mesh.size(st.axes) if st.axes else 1
-
-            def c(phase, kind, numel):
-                out.append(Comm(phase=phase, kind=kind, axes=st.axes, group_size=p, buffer_bytes=numel * eb))
-
-            if st.op == "reduce_from":
-                c("fwd", "all_reduce", loc)
-                s = s.with_partial(())
-            elif st.op == "copy_to":
-                if needs_grad:
-                    c("bwd", "all_reduce", loc)
-            elif st.op == "all_reduce_both":
-                c("fwd", "all_reduce", loc)
-                if needs_grad:
-                    c("bwd", "all_reduce", loc)
-            elif st.op == "gather":          # gathers the inner axes of the dim's split
-                c("fwd", "all_gather", loc * p)
-                have = s.dims[st.dim]
-                s = s.with_dim(st.dim, have[:len(have) - len(st.axes)], s.segments[st.dim])
-            elif st.op == "scatter":         # splits further over inner axes
-                if needs_grad:
-                    c("bwd", "all_gather", loc)
-                s = s.with_dim(st.dim, s.dims[st.dim] + st.axes, st.segments)
-            elif st.op == "reduce_scatter":
-                c("fwd", "reduce_scatter", loc)
-                if needs_grad:
-                    c("bwd", "all_gather", loc)
-                s = s.with_partial(()).with_dim(st.dim, st.axes)
+            comms, s = st.effect(s, shape, self.mesh, eb, needs_grad)
+            out += comms
         return out
+
+    def _kernel_comms(self, node, choice: Choice, in_specs: dict):
+        """The kernel's collectives for the local shapes of this plan (none without a kernel)."""
+        if choice.kernel is None:
+            return ()
+        shapes = {}
+        for path, req in in_specs.items():
+            a = _get(node, path)
+            if isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val")):
+                shapes[path] = req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)
+        v = node.meta.get("val")
+        out = choice.out
+        oshape = out.local_shape(self.shapes.concrete(v.shape), self.mesh) \
+            if isinstance(out, ShardSpec) and _is_tensor_val(v) else ()
+        return choice.kernel.comms(KernelIO(in_shapes=shapes, out_shape=oshape, mesh=self.mesh))
 
     def _output(self, node) -> NodePlan | None:
         arg_steps = []

@@ -14,42 +14,18 @@ import torch
 from torch import fx, nn
 
 from autoshard import collectives as C
-from autoshard import kernels as K
+from autoshard import parallel_ops
+from autoshard.argpath import apply_patches, get_arg, set_arg
 from autoshard.groups import axes_label
 from autoshard.mesh import Mesh
 from autoshard.plan import ShardingPlan, Step
-from autoshard.policies.linear_ops import linear_operands
 
-__all__ = ["rewrite", "axes_label", "kernel_call", "apply_patches"]
-
-
-def _get(node: fx.Node, path):
-    if path[0] == "kw":
-        return node.kwargs[path[1]]
-    a = node.args[path[0]]
-    return a if len(path) == 1 else a[path[1]]
-
-
-def _set(node: fx.Node, path, value) -> None:
-    if path[0] == "kw":
-        kw = dict(node.kwargs)
-        kw[path[1]] = value
-        node.kwargs = kw
-        return
-    args = list(node.args)
-    if len(path) == 1:
-        args += [None] * (path[0] + 1 - len(args))      # an omitted optional argument (slice's end)
-        args[path[0]] = value
-    else:
-        inner = list(args[path[0]])
-        inner[path[1]] = value
-        args[path[0]] = inner
-    node.args = tuple(args)
+__all__ = ["rewrite"]
 
 
 def _step_node(graph: fx.Graph, x: fx.Node, st: Step, groups: dict) -> fx.Node:
     group = groups[axes_label(st.axes)] if st.axes else None
-    return graph.call_function(K.step, (x, st.op, group, st.dim, st.segments, st.factor))
+    return graph.call_function(parallel_ops.step, (x, st.op, group, st.dim, st.segments, st.factor))
 
 
 def _slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) -> None:
@@ -62,56 +38,6 @@ def _slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int)
         for name in (pp.name,) + pp.aliases:
             mod_path, _, attr = name.rpartition(".")
             setattr(gm.get_submodule(mod_path) if mod_path else gm, attr, local)
-
-
-def kernel_call(node, np_, group, size) -> tuple:
-    """``(function, args, kwargs)`` that compute ``node`` with the plan's kernel.
-    ``node`` is an fx node or anything with its ``target`` / ``args`` / ``kwargs``;
-    ``group(axes)`` names the process group over ``axes`` and ``size(axes)`` gives
-    its size (the rewrite passes c10d names; :mod:`autoshard.activations` passes
-    shape-only groups)."""
-    ka, k = np_.kernel_args, np_.kernel
-    G = lambda axes: group(axes) if axes else None  # noqa: E731
-    if k in ("row_linear", "summa", "partial_head", "three_d"):
-        xp, wp, bp, nd, kd = linear_operands(node)
-        x, w = _get(node, xp), _get(node, wp)
-        b = _get(node, bp) if bp else None
-        if k == "row_linear":
-            return K.row_linear, (x, w, b), {"group": G(ka["axes"]), "n_dim": nd}
-        if k == "summa":
-            return K.summa, (x, w, b), {"row": G(ka["row_axes"]), "col": G(ka["col_axes"]), "n_dim": nd, "k_dim": kd}
-        if k == "three_d":
-            return K.three_d, (x, w, b), {"a": G(ka["a"]), "b": G(ka["b"]), "c": G(ka["c"]),
-                                          "row_dim": ka["row_dim"], "n_dim": nd, "segments": ka["segments"]}
-        return K.partial_head, (x, w, b), {"col": G(ka["col_axes"])}
-    if k == "vocab_embedding":
-        pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-        return K.vocab_embedding, (node.args[0], node.args[1]), \
-            {"group": G(ka["axes"]), "padding_idx": pad if pad is not None and pad >= 0 else None}
-    if k == "dist_layer_norm":
-        args = list(node.args) + [None] * 5
-        return K.dist_layer_norm, (args[0], args[1], args[2], args[3], args[4] if args[4] is not None else 1e-5), \
-            {"group": G(ka["axes"]), "count": size(ka["axes"])}
-    if k == "cross_entropy":
-        return K.cross_entropy, (node.args[0], node.args[1]), \
-            {"vocab_group": G(ka["vocab_axes"]), "batch_group": G(ka["batch_axes"]),
-             "ignore_index": ka["ignore_index"], "reduction": ka["reduction"]}
-    raise ValueError(f"unknown kernel {k!r} for node {node}")
-
-
-def apply_patches(node, patches) -> None:
-    """Set the plan's literal patches (local sizes) in ``node``'s arguments."""
-    for path, value in patches:
-        if isinstance(value, dict):          # {"at": [[position, local size], ...]}
-            sizes = list(_get(node, path))
-            for j, v in value["at"]:
-                sizes[j] = v
-            value = sizes
-        _set(node, path, value)
-
-
-def _group_size(groups: dict, axes) -> int:
-    return C.group_rank_size(groups[axes_label(axes)])[1]
 
 
 def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
@@ -140,19 +66,19 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                 outs[path[1]] = cur
                 node.args = (type(node.args[0])(outs) if not isinstance(node.args[0], list) else outs,)
                 continue
-            cur = _get(node, path)
+            cur = get_arg(node, path)
             key = (cur.name, tuple(steps))
             if key not in shared:
                 with graph.inserting_before(node):
                     for st in steps:
                         cur = _step_node(graph, cur, st, groups)
                 shared[key] = cur
-            _set(node, path, shared[key])
+            set_arg(node, path, shared[key])
         apply_patches(node, np_.patches)
         target = node
         if np_.kernel:
-            fn, args, kwargs = kernel_call(node, np_, lambda axes: groups[axes_label(axes)],
-                                           lambda axes: _group_size(groups, axes))
+            fn, args, kwargs = np_.kernel.bind(node, lambda axes: groups[axes_label(axes)],
+                                               lambda axes: C.group_rank_size(groups[axes_label(axes)])[1])
             with graph.inserting_before(node):
                 new = graph.call_function(fn, args, kwargs)
             new.meta = dict(node.meta)

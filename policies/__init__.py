@@ -1,10 +1,63 @@
-"""Sharding policies, one module per mode, found through :data:`POLICIES`."""
+"""Sharding policies, one module per mode, found through :data:`POLICIES`.
 
-from .base import Choice, Policy
-from .one_d import OneD
-from .tesseract import Tesseract, TwoD
-from .three_d import ThreeD
+Every module of this package is imported once and each :class:`Policy`
+subclass with a ``name`` becomes a mode, in ``order``: adding a mode is adding a
+module here (or calling :func:`register_policy` for one defined elsewhere).
+"""
 
-POLICIES: dict[str, type[Policy]] = {"1d": OneD, "2d": TwoD, "2.5d": Tesseract, "3d": ThreeD}
+from __future__ import annotations
 
-__all__ = ["POLICIES", "Choice", "Policy"]
+import importlib
+import pkgutil
+
+from .base import Choice, Policy, RuleContext
+
+__all__ = ["POLICIES", "Choice", "Policy", "RuleContext", "register_policy"]
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Add a mode to :data:`POLICIES` (keeps the registry sorted by ``order``)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name: a mode needs one (e.g. name = '1d')")
+    entries = dict(POLICIES)
+    entries[cls.name] = cls
+    POLICIES.clear()
+    POLICIES.update(sorted(entries.items(), key=lambda kv: (kv[1].order, kv[0])))
+    return cls
+
+
+def _discover() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, Policy) and obj.__module__ == mod.__name__ and obj.name:
+                register_policy(obj)
+
+
+_discover()
+
+
+def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1) -> Policy:
+    """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas).
+
+    >>> make_policy("2.5d", 8, depth=2).mesh
+    Mesh(axes=('dep', 'row', 'col'), sizes=(2, 2, 2))
+    >>> make_policy("4d", 8)
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '2d', '2.5d', '3d'
+    """
+    from autoshard.errors import ConfigError
+
+    if mode == "auto":
+        raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "
+                          + ", ".join(repr(m) for m in POLICIES))
+    if mode not in POLICIES:
+        raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in POLICIES)}")
+    cls = POLICIES[mode]
+    return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
+
+
+__all__.append("make_policy")

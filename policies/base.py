@@ -1,50 +1,140 @@
-"""What a policy returns, and the small interface every mode implements.
+"""The policy ↔ pass contract: what a rule sees, what it returns, what a mode implements.
 
-A rule looks at one node through a read-only context (``ctx``) given by the
-propagate pass and returns a :class:`Choice`: the spec each tensor input must
-have (the pass inserts the re-layout), the spec of the output, and for heavy
-ops the kernel to run and its collectives. Policies import no pass and nothing
-that touches ``torch.distributed``.
+A rule looks at one node through a :class:`RuleContext` (given by the propagate
+pass; rules use nothing else of it) and returns an immutable :class:`Choice`: the
+spec each tensor input must have (the pass inserts the re-layout), the spec of the
+output, and for heavy ops the :class:`~autoshard.kernels.Kernel` object to run. A
+rule that cannot take an input's split raises :class:`NeedReplicate`; any other
+exception is re-raised by the pass with the node, its module path and its input
+specs. Policies import no pass and nothing that touches ``torch.distributed``.
+
+A mode is one module in this package defining a :class:`Policy` subclass with a
+``name``; :data:`autoshard.policies.POLICIES` finds it. Besides its rules
+(:meth:`Policy.linear`, :meth:`Policy.embedding`) it answers the questions the
+face asks about it: its mesh for a world size (:meth:`Policy.make_mesh`), how far
+it splits each model dimension (:meth:`Policy.dim_splits`), which world sizes
+divide a dimension (:meth:`Policy.valid_world_sizes`) and how a mesh is labelled
+(:meth:`Policy.label`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from autoshard.errors import ConfigError
+from autoshard.kernels import KComm, Kernel, PartialHead
 from autoshard.mesh import Mesh
 from autoshard.plan import Step
 from autoshard.spec import ShardSpec
 
-__all__ = ["Choice", "KComm", "Policy", "NeedReplicate"]
+__all__ = ["Choice", "KComm", "Policy", "NeedReplicate", "RuleContext", "SymbolicSizes", "spec_of"]
+
+
+class SymbolicSizes:
+    """How propagation writes symbolic sizes as integers: each free symbol (batch,
+    sequence, others) is a distinct prime far above any literal dimension, so a
+    product matches only when it truly matches and a size is symbolic exactly when
+    one of these primes divides it.
+
+    >>> SymbolicSizes.is_symbolic(128256), SymbolicSizes.is_symbolic(3 * SymbolicSizes.BATCH)
+    (False, True)
+    >>> SymbolicSizes.text((SymbolicSizes.BATCH, 2 * SymbolicSizes.SEQ, 64))
+    '(b, 2·s, 64)'
+    """
+
+    BATCH = 1_000_000_007
+    SEQ = 1_000_000_009
+    _FIRST_OTHER = 1_000_000_021
+
+    @classmethod
+    def others(cls):
+        """Primes for further free symbols, as many as needed."""
+        p = cls._FIRST_OTHER
+        while True:
+            if all(p % d for d in range(3, int(p ** 0.5) + 1, 2)):
+                yield p
+            p += 2
+
+    @classmethod
+    def is_symbolic(cls, size: int) -> bool:
+        return size >= cls.BATCH
+
+    @classmethod
+    def is_rows(cls, size: int) -> bool:
+        """A leading dim of batch·k rows (the batch, or batch and heads merged)."""
+        return size % cls.BATCH == 0 and size >= cls.BATCH
+
+    @classmethod
+    def text(cls, shape) -> str:
+        """A probe shape as people read it: symbolic sizes as multiples of ``b`` / ``s``."""
+        out = []
+        for v in shape:
+            if not cls.is_symbolic(v):
+                out.append(str(v))
+                continue
+            for sym, prime in (("b", cls.BATCH), ("s", cls.SEQ)):
+                if v % prime == 0:
+                    k = v // prime
+                    out.append(sym if k == 1 else f"{k}·{sym}")
+                    break
+            else:
+                out.append("?")
+        return "(" + ", ".join(out) + ")"
+
+
+class RuleContext(Protocol):
+    """What a rule may see of the graph while the propagate pass visits ``node``.
+
+    Shapes come in two forms: *probe* shapes (:meth:`pshape`; symbolic sizes as the
+    primes of :class:`SymbolicSizes`, for matching dims) and *local* numbers for
+    the plan's batch size and sequence length (:meth:`local_numel`, :meth:`local_size`)."""
+
+    node: Any                       # the fx node being planned
+    mesh: Mesh
+    batch_axes: tuple[str, ...]     # axes the batch rows are split over (dp first)
+    training: bool
+    BATCH: int                      # the batch symbol's probe prime
+
+    def is_tensor(self, a) -> bool: ...
+    def spec(self, a) -> Any: ...                           # the ShardSpec (or tuple / None) of a value
+    def is_free_param(self, a) -> bool: ...                 # a parameter no earlier use has split yet
+    def fixed_param_spec(self, a) -> ShardSpec | None: ...  # the split an earlier use gave a parameter
+    def pshape(self, a) -> tuple[int, ...]: ...
+    def pshape_of_val(self, v) -> tuple[int, ...]: ...
+    def local_numel(self, a, spec: ShardSpec) -> int: ...
+    def local_size(self, a, spec: ShardSpec, d: int) -> int: ...
+    def is_batch_index(self, a) -> bool: ...                # an arange over the (split) batch rows
+    def forced_replicate(self, node) -> bool: ...           # a re-plan asked this Linear to stay whole
+    def default_out_spec(self, node) -> Any: ...            # replicated, batch rows kept split
+    def output_segments(self, node) -> int: ...             # fused blocks a later split cuts the output in
+    def output_feeds_parallel_consumer(self, node) -> bool: ...
+    def is_largest_embedding(self, w) -> bool: ...
 
 
 @dataclass(frozen=True)
-class KComm:
-    """A collective inside a kernel: ``numel`` elements of the full buffer."""
-
-    phase: str
-    kind: str
-    axes: tuple[str, ...]
-    numel: int
-    needs_grad_of: tuple = ()   # bwd comm happens only if one of these input paths needs grad
-
-
-@dataclass
 class Choice:
+    """A rule's decision for one node (immutable; derive variants with :meth:`replace`)."""
+
     out: Any                                              # ShardSpec | tuple | None
-    inputs: dict = field(default_factory=dict)            # arg path -> required ShardSpec
-    kernel: str | None = None
-    kernel_args: dict = field(default_factory=dict)
+    inputs: Mapping = field(default_factory=dict)         # arg path -> required ShardSpec
+    kernel: Kernel | None = None
     post: tuple[Step, ...] = ()
-    patches: dict = field(default_factory=dict)           # arg path -> new literal
-    comms: tuple[KComm, ...] = ()
+    patches: Mapping = field(default_factory=dict)        # arg path -> new literal
     grad_complete: frozenset = frozenset()                # input paths whose grads the kernel completes
-    param_sync: dict = field(default_factory=dict)        # arg path -> axes (explicit; overrides generic rule)
+    param_sync: Mapping = field(default_factory=dict)     # arg path -> axes (explicit; overrides generic rule)
     notes: tuple[str, ...] = ()
     fallback: bool = False
     weight: str = ""
+
+    @classmethod
+    def run(cls, kernel: Kernel, **rest) -> "Choice":
+        """Run ``kernel``: its declared input and output specs are the choice's."""
+        return cls(out=kernel.out_spec, inputs=kernel.inputs, kernel=kernel, **rest)
+
+    def replace(self, **changes) -> "Choice":
+        return dataclasses.replace(self, **changes)
 
 
 class NeedReplicate(Exception):
@@ -57,15 +147,22 @@ class NeedReplicate(Exception):
 
 class Policy:
     """Interface of a mode. Subclasses set ``name`` and implement ``make_mesh``,
-    ``linear`` and ``embedding``; norms, attention and the loss follow the specs."""
+    ``linear``, ``embedding``, ``dim_splits`` and ``valid_world_sizes``; norms,
+    attention and the loss follow the specs (:mod:`autoshard.policies.generic`).
+
+    ``order`` places the mode in the registry (the auto search breaks ties by it)."""
 
     name: str = ""
+    order: int = 100
     tp_axes: tuple[str, ...] = ()
     batch_axes: tuple[str, ...] = ()
+    #: how :meth:`valid_world_sizes` counts, for messages ("tp sizes", "world sizes q²")
+    size_unit: str = "world sizes"
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
 
+    # ------------------------------------------------------------ the mesh
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
         raise NotImplementedError
@@ -77,10 +174,51 @@ class Policy:
                               f"valid dp: {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
         return world_size // dp
 
-    def linear(self, ctx) -> Choice:
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of this mesh (1 without a ``dp`` axis)."""
+        return self.mesh.size("dp") if "dp" in self.mesh.axes else 1
+
+    def batch_split(self) -> tuple[int, str]:
+        """How many blocks one dp replica's batch is cut into, and a label naming the axes."""
+        axes = tuple(a for a in self.batch_axes if a != "dp")
+        if not axes:
+            return 1, ""
+        return self.mesh.size(axes), f"{self.name} splits the batch over " + "·".join(
+            f"{a}[{self.mesh.size(a)}]" for a in axes)
+
+    @classmethod
+    def grid(cls, mesh: Mesh) -> tuple[int, int]:
+        """``(q, d)``: the side of the tensor-parallel grid (the TP size for a 1-axis
+        mode) and its depth (1 unless the mode has a ``dep`` axis)."""
+        d = mesh.size("dep") if "dep" in mesh.axes else 1
+        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "dep")]
+        return (max(sizes) if sizes else 1), d
+
+    @classmethod
+    def label(cls, mesh: Mesh) -> str:
+        """``'2.5d [2,2,2] × dp2'``: the mode and its TP grid, then the dp replicas."""
+        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a != "dp"]
+        dp = mesh.size("dp") if "dp" in mesh.axes else 1
+        return f"{cls.name} [{','.join(map(str, sizes))}]" + (f" × dp{dp}" if dp > 1 else "")
+
+    # ---------------------------------------------------- what it splits
+    def dim_splits(self) -> tuple[dict[str, int], str]:
+        """How many shards each model dimension (``num_attention_heads``,
+        ``num_key_value_heads``, ``hidden_size``, ``intermediate_size``,
+        ``vocab_size``) is cut into on this mesh, and a label (``"q=2"``)."""
         raise NotImplementedError
 
-    def embedding(self, ctx) -> Choice:
+    @classmethod
+    def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        """TP world sizes (dp = 1) of this mode whose split divides ``n``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ rules
+    def linear(self, ctx: RuleContext) -> Choice:
+        raise NotImplementedError
+
+    def embedding(self, ctx: RuleContext) -> Choice:
         raise NotImplementedError
 
 
@@ -91,21 +229,19 @@ def spec_of(ndim: int, **dims) -> ShardSpec:
     return ShardSpec(dims=tuple(d))
 
 
-def tied_head_choice(ctx, xp, wp, bp, rows, rseg, col: tuple[str, ...], ws: ShardSpec, q: int) -> Choice:
+def tied_head_choice(ctx: RuleContext, xp, wp, bp, rows, rseg, col: tuple[str, ...], ws: ShardSpec,
+                     q: int) -> Choice:
     """A Linear that reuses an embedding table split on hidden over ``col``
     (tied LM head): ``x·Eᵀ`` is partial over ``col`` and reduce-scattered on vocab.
 
     ``rows``/``rseg`` give the token dims' layout of ``x``; the output keeps them
     and splits the vocabulary over ``col``."""
     xreq = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
-    ins = {xp: xreq, wp: ws}
+    ins = [(xp, xreq), (wp, ws)]
     if bp:
-        ins[bp] = ShardSpec(dims=(col,))
+        ins.append((bp, ShardSpec(dims=(col,))))
     out = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
-    full = ctx.local_numel(ctx.node, out) * q
     label = ",".join(col)
-    return Choice(out=out, inputs=ins, kernel="partial_head",
-                  kernel_args={"col_axes": list(col), "n_dim": 0, "bias": list(bp) if bp else None},
-                  comms=(KComm("fwd", "reduce_scatter", col, full), KComm("bwd", "all_gather", col, full, (xp, wp))),
-                  weight=f"tied table [vocab, hidden/{q} over {label}]",
-                  notes=(f"x·Eᵀ partial over {label}, reduce-scattered on vocab",))
+    return Choice.run(PartialHead(col=col, x=xp, w=wp, b=bp, in_specs=tuple(ins), out_spec=out),
+                      weight=f"tied table [vocab, hidden/{q} over {label}]",
+                      notes=(f"x·Eᵀ partial over {label}, reduce-scattered on vocab",))

@@ -19,7 +19,9 @@ from autoshard.errors import ShardingError
 from autoshard.plan import Step
 from autoshard.spec import ShardSpec, replicated
 
-from .base import Choice, KComm, NeedReplicate
+from autoshard.kernels import CrossEntropy, DistLayerNorm
+
+from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
@@ -60,7 +62,7 @@ def _partial_passes(target, part_paths, targs) -> bool:
     return False
 
 
-def pointwise(ctx) -> Choice:
+def pointwise(ctx: RuleContext) -> Choice:
     node = ctx.node
     out_shape = ctx.pshape(node)
     n = len(out_shape)
@@ -101,7 +103,7 @@ def pointwise(ctx) -> Choice:
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=out_partial), inputs=inputs)
 
 
-def inplace(ctx) -> Choice:
+def inplace(ctx: RuleContext) -> Choice:
     """An op that writes into its first argument (``copy_``, ``masked_fill_``, ...):
     the written tensor keeps its layout (a re-laid-out copy would take the write
     and lose it), and every other tensor argument is brought to that layout."""
@@ -130,7 +132,7 @@ def _writes_first_arg(t) -> bool:
     return bool(info is not None and info.is_write)
 
 
-def identity_like(ctx) -> Choice:
+def identity_like(ctx: RuleContext) -> Choice:
     a = ctx.node.args[0]
     s = ctx.spec(a)
     return Choice(out=s, inputs={(0,): s})
@@ -173,29 +175,9 @@ def view_groups(ins: tuple[int, ...], outs: tuple[int, ...]) -> list[tuple[list[
     return groups
 
 
-_SYMBOLIC = 100000   # probe sizes at or above this come from the batch / sequence symbols
-
-
-def _shape_text(shape) -> str:
-    """A probe shape as people read it: symbolic sizes as multiples of ``b`` / ``s``."""
-    out = []
-    for v in shape:
-        if v < _SYMBOLIC:
-            out.append(str(v))
-            continue
-        for sym, prime in (("b", 100003), ("s", 100019)):
-            if v % prime == 0:
-                k = v // prime
-                out.append(sym if k == 1 else f"{k}·{sym}")
-                break
-        else:
-            out.append("?")
-    return "(" + ", ".join(out) + ")"
-
-
 def _divisible(size: int, count: int) -> bool:
     """Literal sizes must divide; symbolic ones (batch) are checked when the module runs."""
-    return size >= _SYMBOLIC or size % count == 0
+    return SymbolicSizes.is_symbolic(size) or size % count == 0
 
 
 def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]:
@@ -209,11 +191,11 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         d = split[0]
         if len(split) > 1 and d == gi[0]:
             # only the outermost dim of a merge may stay split: gather the inner one
-            raise NeedReplicate((0,), split[1], f"reshape {_shape_text(ins)}->{_shape_text(outs)} merges "
+            raise NeedReplicate((0,), split[1], f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)} merges "
                                                 f"dim {split[1]} (split) "
                                                 f"under split dim {d}")
         if len(split) > 1 or d != gi[0]:
-            raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)} would interleave "
+            raise NeedReplicate((0,), d, f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)} would interleave "
                                          f"the split of dim {d}")
         axes, m = in_spec.dims[d], in_spec.segments[d]
         c = ctx.mesh.size(axes)
@@ -223,7 +205,7 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         first = go[0]
         if len(gi) > 1 or len(go) == 1:
             if not _divisible(outs[first], c * m):
-                raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)}: dim of size {outs[first]} "
+                raise NeedReplicate((0,), d, f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)}: dim of size {outs[first]} "
                                              f"cannot hold {m} segment(s) × {c} shards")
             dims[first], segs[first] = axes, m
         elif m > 1 and outs[first] == m and len(go) > 1 and _divisible(outs[go[1]], c):
@@ -231,7 +213,7 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
         elif _divisible(outs[first], c * m):
             dims[first], segs[first] = axes, m
         else:
-            raise NeedReplicate((0,), d, f"reshape {_shape_text(ins)}->{_shape_text(outs)}: leading dim {outs[first]} "
+            raise NeedReplicate((0,), d, f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)}: leading dim {outs[first]} "
                                          f"is not divisible by {c} shards" + (f" × {m} segments" if m > 1 else ""))
     return ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=in_spec.partial), {}
 
@@ -248,14 +230,14 @@ def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
     return {path: {"at": at}} if at else {}
 
 
-def reshape(ctx) -> Choice:
+def reshape(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
     return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,)))
 
 
-def flatten(ctx) -> Choice:
+def flatten(ctx: RuleContext) -> Choice:
     """``flatten(x, start, end)``: a reshape whose sizes are implied (nothing to patch)."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
@@ -263,7 +245,7 @@ def flatten(ctx) -> Choice:
     return Choice(out=out, inputs={(0,): s})
 
 
-def expand(ctx) -> Choice:
+def expand(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     ins, outs = ctx.pshape(x), ctx.pshape(ctx.node)
@@ -287,7 +269,7 @@ def _permuted(s: ShardSpec, perm) -> ShardSpec:
                      partial=s.partial)
 
 
-def transpose(ctx) -> Choice:
+def transpose(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     n = s.ndim
@@ -300,14 +282,14 @@ def transpose(ctx) -> Choice:
     return Choice(out=_permuted(s, perm), inputs={(0,): s})
 
 
-def permute(ctx) -> Choice:
+def permute(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     perm = [d % s.ndim for d in ctx.node.args[1]]
     return Choice(out=_permuted(s, perm), inputs={(0,): s})
 
 
-def unsqueeze(ctx) -> Choice:
+def unsqueeze(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     d = ctx.node.args[1] % (s.ndim + 1)
@@ -317,7 +299,7 @@ def unsqueeze(ctx) -> Choice:
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial), inputs={(0,): s})
 
 
-def squeeze(ctx) -> Choice:
+def squeeze(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     ins = ctx.pshape(x)
@@ -353,11 +335,11 @@ def dimwise(ctx, dim_arg: int = 1, default_dim: int = -1) -> Choice:
     return Choice(out=req, inputs=inputs)
 
 
-def softmax(ctx) -> Choice:
+def softmax(ctx: RuleContext) -> Choice:
     return dimwise(ctx, 1)
 
 
-def slice_(ctx) -> Choice:
+def slice_(ctx: RuleContext) -> Choice:
     """A full slice keeps any split. On a split dim, a step-1 slice of whole
     segments (a piece of a fused projection) keeps the split with local bounds;
     any other slice of a split dim needs it whole."""
@@ -385,7 +367,7 @@ def slice_(ctx) -> Choice:
                                  f"({m} segment(s)) does not cover whole segments")
 
 
-def select(ctx) -> Choice:
+def select(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     d = ctx.node.args[1] % s.ndim
@@ -394,7 +376,7 @@ def select(ctx) -> Choice:
                                 partial=req.partial), inputs={(0,): req})
 
 
-def split(ctx) -> Choice:
+def split(ctx: RuleContext) -> Choice:
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x)
@@ -416,7 +398,7 @@ def split(ctx) -> Choice:
     raise NeedReplicate((0,), d, f"split of dim {d} into {k} parts does not match its {m} segment(s)")
 
 
-def getitem(ctx) -> Choice:
+def getitem(ctx: RuleContext) -> Choice:
     src, i = ctx.node.args
     specs = ctx.spec(src)
     if not isinstance(specs, tuple):
@@ -424,7 +406,7 @@ def getitem(ctx) -> Choice:
     return Choice(out=specs[i])
 
 
-def cat(ctx) -> Choice:
+def cat(ctx: RuleContext) -> Choice:
     node = ctx.node
     tensors = node.args[0]
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -436,7 +418,7 @@ def cat(ctx) -> Choice:
     return Choice(out=req, inputs={(0, j): req for j in range(len(tensors))})
 
 
-def stack(ctx) -> Choice:
+def stack(ctx: RuleContext) -> Choice:
     node = ctx.node
     tensors = node.args[0]
     d = node.args[1] if len(node.args) > 1 else 0
@@ -451,7 +433,7 @@ def stack(ctx) -> Choice:
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs)), inputs={(0, j): base for j in range(len(tensors))})
 
 
-def pad(ctx) -> Choice:
+def pad(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     npad = len(ctx.node.args[1]) // 2
@@ -459,7 +441,7 @@ def pad(ctx) -> Choice:
     return Choice(out=req, inputs={(0,): req})
 
 
-def index_tensor(ctx) -> Choice:
+def index_tensor(ctx: RuleContext) -> Choice:
     """``x[..., i0, i1, ...]`` with index tensors (``None`` = the whole dim).
 
     Indexed dims must be whole, except a dim split over the batch axes indexed
@@ -506,7 +488,7 @@ def index_tensor(ctx) -> Choice:
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs)), inputs=inputs)
 
 
-def gather_op(ctx) -> Choice:
+def gather_op(ctx: RuleContext) -> Choice:
     x, d, idx = ctx.node.args[:3]
     s = ctx.spec(x)
     d = d % s.ndim
@@ -516,7 +498,7 @@ def gather_op(ctx) -> Choice:
 
 
 # ------------------------------------------------------------------ reductions
-def reduce_(ctx) -> Choice:
+def reduce_(ctx: RuleContext) -> Choice:
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x)
@@ -547,7 +529,7 @@ def reduce_(ctx) -> Choice:
 
 
 # -------------------------------------------------------------------- matmuls
-def matmul(ctx) -> Choice:
+def matmul(ctx: RuleContext) -> Choice:
     a, b = ctx.node.args[:2]
     sa, sb = ctx.spec(a), ctx.spec(b)
     if sa.ndim < 2 or sb.ndim < 2:
@@ -578,7 +560,7 @@ def matmul(ctx) -> Choice:
     return Choice(out=out, inputs={(0,): ra, (1,): rb})
 
 
-def baddbmm(ctx) -> Choice:
+def baddbmm(ctx: RuleContext) -> Choice:
     """``beta·input + alpha·(b1 @ b2)``: the batched matmul's layout; ``input``
     (broadcast) follows it. A partial product cannot take ``input`` once per rank."""
     node = ctx.node
@@ -615,7 +597,7 @@ class _ArgsView:
 
 
 # ------------------------------------------------------------------- attention
-def sdpa(ctx) -> Choice:
+def sdpa(ctx: RuleContext) -> Choice:
     node = ctx.node
     q, k, v = node.args[:3]
     sq = ctx.spec(q)
@@ -645,7 +627,7 @@ def sdpa(ctx) -> Choice:
 
 
 # ------------------------------------------------------------------ norms/loss
-def layer_norm(ctx) -> Choice:
+def layer_norm(ctx: RuleContext) -> Choice:
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x).with_partial(())
@@ -661,18 +643,13 @@ def layer_norm(ctx) -> Choice:
     for i in (2, 3):
         if len(node.args) > i and isinstance(node.args[i], fx.Node):
             inputs[(i,)] = pspec
-    out = s
     if not axes:
-        return Choice(out=out, inputs=inputs, kernel=None)
-    numel_rows = ctx.local_numel(x, s) // ctx.local_size(x, s, ndim - 1)
-    comms = (KComm("fwd", "all_reduce", axes, numel_rows), KComm("fwd", "all_reduce", axes, numel_rows),
-             KComm("bwd", "all_reduce", axes, numel_rows, ((0,), (2,), (3,))),
-             KComm("bwd", "all_reduce", axes, numel_rows, ((0,), (2,), (3,))))
-    return Choice(out=out, inputs=inputs, kernel="dist_layer_norm", kernel_args={"axes": list(axes)},
-                  comms=comms, grad_complete=frozenset({(0,)}), notes=(f"statistics reduced over {','.join(axes)}",))
+        return Choice(out=s, inputs=inputs)
+    return Choice.run(DistLayerNorm(axes=axes, in_specs=tuple(inputs.items()), out_spec=s),
+                      grad_complete=frozenset({(0,)}), notes=(f"statistics reduced over {','.join(axes)}",))
 
 
-def cross_entropy(ctx) -> Choice:
+def cross_entropy(ctx: RuleContext) -> Choice:
     node = ctx.node
     logits, target = node.args[:2]
     args = list(node.args) + [None] * 6
@@ -688,28 +665,21 @@ def cross_entropy(ctx) -> Choice:
     rows = sl.dims[0]
     req_l = ShardSpec(dims=(rows, vocab_axes))
     req_t = ShardSpec(dims=(rows,))
-    n_loc = ctx.local_numel(target, req_t)
-    comms = []
-    if vocab_axes:
-        comms += [KComm("fwd", "all_reduce", vocab_axes, n_loc)] * 3
-    if rows:
-        comms += [KComm("fwd", "all_reduce", rows, 1), KComm("fwd", "all_reduce", rows, 1)]
-    return Choice(out=replicated(0), inputs={(0,): req_l, (1,): req_t}, kernel="cross_entropy",
-                  kernel_args={"vocab_axes": list(vocab_axes), "batch_axes": list(rows),
-                               "ignore_index": int(ignore_index), "reduction": int(reduction)},
-                  comms=tuple(comms), grad_complete=frozenset({(0,)}),
-                  notes=(("vocab-parallel" if vocab_axes else "local") + " cross-entropy"
-                         + (f", token sum over {','.join(rows)}" if rows else ""),))
+    k = CrossEntropy(vocab_axes=vocab_axes, batch_axes=rows, ignore_index=int(ignore_index), reduction=int(reduction),
+                     in_specs=(((0,), req_l), ((1,), req_t)), out_spec=replicated(0))
+    return Choice.run(k, grad_complete=frozenset({(0,)}),
+                      notes=(("vocab-parallel" if vocab_axes else "local") + " cross-entropy"
+                             + (f", token sum over {','.join(rows)}" if rows else ""),))
 
 
 # ------------------------------------------------------------ creation / misc
-def creation(ctx) -> Choice:
+def creation(ctx: RuleContext) -> Choice:
     shape = ctx.pshape(ctx.node)
     dims = tuple(ctx.batch_axes if (v == ctx.BATCH and ctx.batch_axes) else () for v in shape)
     return Choice(out=ShardSpec(dims=dims), inputs={p: ctx.spec(a) for p, a in _tensor_args(ctx)})
 
 
-def all_replicated_or_fallback(ctx) -> Choice:
+def all_replicated_or_fallback(ctx: RuleContext) -> Choice:
     """Unknown op: local when every input is replicated; otherwise gather what is
     split (except the batch dim, which ops without a rule are assumed to treat row by row)."""
     targs = _tensor_args(ctx)
@@ -719,23 +689,18 @@ def all_replicated_or_fallback(ctx) -> Choice:
     return _fallback(ctx, f"no rule for {ctx.node.target}")
 
 
-def _is_rows(size: int, ctx) -> bool:
-    """A leading dim of batch·k rows (the batch, or batch and heads merged)."""
-    return size % ctx.BATCH == 0 and size >= ctx.BATCH
-
-
 def _fallback(ctx, reason: str) -> Choice:
     inputs = {}
     for path, a in _tensor_args(ctx):
         s = ctx.spec(a)
         keep = tuple(s.dims[d] if (d == 0 and s.dims[d] == ctx.batch_axes and ctx.batch_axes
-                                   and _is_rows(ctx.pshape(a)[0], ctx)) else () for d in range(s.ndim))
+                                   and SymbolicSizes.is_rows(ctx.pshape(a)[0])) else () for d in range(s.ndim))
         inputs[path] = ShardSpec(dims=keep)
     return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True,
                   notes=(f"fallback: {reason}; inputs gathered to replicated",))
 
 
-def no_spec(ctx) -> Choice:
+def no_spec(ctx: RuleContext) -> Choice:
     return Choice(out=None)
 
 

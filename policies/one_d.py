@@ -10,25 +10,24 @@ column-parallel and the loss vocab-parallel).
 
 from __future__ import annotations
 
+from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
+from autoshard.kernels import RowLinear, VocabEmbedding
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
-from .base import Choice, KComm, Policy
+from .base import Choice, Policy, RuleContext
 from .linear_ops import linear_operands
 
 __all__ = ["OneD"]
 
 
-def _at(node, path):
-    a = node.args[path[0]] if path[0] != "kw" else node.kwargs[path[1]]
-    return a if len(path) == 1 or path[0] == "kw" else a[path[1]]
-
-
 class OneD(Policy):
     name = "1d"
+    order = 0
     tp_axes = ("tp",)
     batch_axes = ()
+    size_unit = "tp sizes"
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
@@ -39,11 +38,20 @@ class OneD(Policy):
             return Mesh(axes=("dp", "tp"), sizes=(dp, tp))
         return Mesh(axes=("tp",), sizes=(tp,))
 
+    def dim_splits(self) -> tuple[dict[str, int], str]:
+        p = self.mesh.size("tp")
+        return {"num_attention_heads": p, "num_key_value_heads": p, "intermediate_size": p,
+                "vocab_size": p}, f"tp={p}"
+
+    @classmethod
+    def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        return [p for p in range(1, min(n, limit) + 1) if n % p == 0]
+
     # ------------------------------------------------------------------ linear
-    def linear(self, ctx) -> Choice:
+    def linear(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
-        x, w = _at(node, xp), _at(node, wp)
+        x, w = get_arg(node, xp), get_arg(node, wp)
         sx = ctx.spec(x).with_partial(())
         wshape = ctx.pshape(w)
         n, k = wshape[nd], wshape[kd]
@@ -95,18 +103,16 @@ class OneD(Policy):
 
     def _row(self, ctx, xp, wp, bp, sx, ws):
         tp = self.tp_axes
-        ins = {xp: sx, wp: ws}
+        ins = [(xp, sx), (wp, ws)]
         if bp:
-            ins[bp] = ShardSpec(dims=((),))
+            ins.append((bp, ShardSpec(dims=((),))))
         out = ShardSpec(dims=sx.dims[:-1] + ((),), segments=sx.segments[:-1] + (1,))
-        numel = ctx.local_numel(ctx.node, out)
-        return Choice(out=out, inputs=ins, kernel="row_linear",
-                      kernel_args={"axes": list(tp), "bias": list(bp) if bp else None},
-                      comms=(KComm("fwd", "all_reduce", tp, numel),),
-                      weight=f"row: in features / {self.mesh.size(tp)}")
+        nd = linear_operands(ctx.node)[3]
+        return Choice.run(RowLinear(axes=tp, x=xp, w=wp, b=bp, n_dim=nd, in_specs=tuple(ins), out_spec=out),
+                          weight=f"row: in features / {self.mesh.size(tp)}")
 
     # --------------------------------------------------------------- embedding
-    def embedding(self, ctx) -> Choice:
+    def embedding(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)
@@ -118,8 +124,6 @@ class OneD(Policy):
             fixed is None and c > 1 and V % c == 0 and ctx.is_largest_embedding(w))
         out = ShardSpec(dims=si.dims + ((),))
         if vocab:
-            numel = ctx.local_numel(node, out)
-            return Choice(out=out, inputs={(0,): ShardSpec(dims=(tp, ())), (1,): si}, kernel="vocab_embedding",
-                          kernel_args={"axes": list(tp), "padding_idx": node.args[2] if len(node.args) > 2 else -1},
-                          comms=(KComm("fwd", "all_reduce", tp, numel),), weight=f"vocab / {c}")
+            k = VocabEmbedding(axes=tp, in_specs=(((0,), ShardSpec(dims=(tp, ()))), ((1,), si)), out_spec=out)
+            return Choice.run(k, weight=f"vocab / {c}")
         return Choice(out=out, inputs={(0,): ShardSpec(dims=((), ())), (1,): si}, weight="replicated")

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 
+from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
+from autoshard.kernels import Summa
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
-from .base import Choice, KComm, Policy, tied_head_choice
+from .base import Choice, Policy, RuleContext, tied_head_choice
 from .linear_ops import linear_operands
-from .one_d import _at
 
 __all__ = ["Tesseract", "TwoD"]
 
@@ -39,6 +40,8 @@ def _valid_25d(world: int) -> list[tuple[int, int]]:
 
 class Tesseract(Policy):
     name = "2.5d"
+    order = 2
+    size_unit = "q² per depth layer (world d·q²)"
 
     def __init__(self, mesh: Mesh):
         super().__init__(mesh)
@@ -65,11 +68,27 @@ class Tesseract(Policy):
             axes, sizes = ["dp"] + axes, [dp] + sizes
         return Mesh(axes=tuple(axes), sizes=tuple(sizes))
 
+    def dim_splits(self) -> tuple[dict[str, int], str]:
+        return dict.fromkeys(("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
+                              "vocab_size"), self.q), f"q={self.q}"
+
+    @classmethod
+    def label(cls, mesh: Mesh) -> str:
+        """Tesseract's own notation ``[q,q,d]`` (``[q,q]`` for 2d)."""
+        q, d = cls.grid(mesh)
+        dp = mesh.size("dp") if "dp" in mesh.axes else 1
+        grid = [q, q] + ([d] if cls.name == "2.5d" else [])
+        return f"{cls.name} [{','.join(map(str, grid))}]" + (f" × dp{dp}" if dp > 1 else "")
+
+    @classmethod
+    def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        return [q * q for q in range(2, int(limit ** 0.5) + 1) if n % q == 0]
+
     # ------------------------------------------------------------------ linear
-    def linear(self, ctx) -> Choice:
+    def linear(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
-        x, w = _at(node, xp), _at(node, wp)
+        x, w = get_arg(node, xp), get_arg(node, wp)
         sx = ctx.spec(x)
         n, k = ctx.pshape(w)[nd], ctx.pshape(w)[kd]
         q, C, R = self.q, self.col, self.row
@@ -97,21 +116,13 @@ class Tesseract(Policy):
         if n % q:
             return self._tied_like_fallback(ctx, xp, wp, bp, rows, rseg, wspec)
         xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
-        ins = {xp: xreq, wp: wspec(C, R, m)}
+        ins = [(xp, xreq), (wp, wspec(C, R, m))]
         if bp:
-            ins[bp] = ShardSpec(dims=(C,), segments=(m,))
+            ins.append((bp, ShardSpec(dims=(C,), segments=(m,))))
         out = ShardSpec(dims=rows + (C,), segments=rseg + (m,))
-        x_loc = ctx.local_numel(x, xreq)          # N_loc · k/q
-        w_loc = n * k // (q * q)
-        xg, wg = x_loc * q, w_loc * q               # gathered buffers: N_loc·k and k·n/q
-        comms = (KComm("fwd", "all_gather", C, xg), KComm("fwd", "all_gather", R, wg),
-                 KComm("bwd", "all_gather", C, xg, (wp,)), KComm("bwd", "all_gather", R, wg, (wp,)),
-                 KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
-        return Choice(out=out, inputs=ins, kernel="summa",
-                      kernel_args={"row_axes": list(R), "col_axes": list(C), "n_dim": nd, "k_dim": kd,
-                                   "bias": list(bp) if bp else None, "segments": m},
-                      comms=comms, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
-                      + (", replicated over dep" if self.d > 1 else ""))
+        k = Summa(row=R, col=C, x=xp, w=wp, b=bp, n_dim=nd, k_dim=kd, in_specs=tuple(ins), out_spec=out)
+        return Choice.run(k, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
+                          + (", replicated over dep" if self.d > 1 else ""))
 
     def _tied_head(self, ctx, xp, wp, bp, rows, rseg, ws, n):
         return tied_head_choice(ctx, xp, wp, bp, rows, rseg, self.col, ws, self.q)
@@ -124,7 +135,7 @@ class Tesseract(Policy):
         return Choice(out=req, inputs=ins, weight="replicated", notes=("out features not divisible by q",))
 
     # --------------------------------------------------------------- embedding
-    def embedding(self, ctx) -> Choice:
+    def embedding(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)
@@ -140,6 +151,8 @@ class Tesseract(Policy):
 
 class TwoD(Tesseract):
     name = "2d"
+    order = 1
+    size_unit = "world sizes q²"
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:

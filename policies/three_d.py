@@ -16,13 +16,14 @@ on the residual stream's layout. Nothing here is named after a layer.
 
 from __future__ import annotations
 
+from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
+from autoshard.kernels import ThreeDLinear
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
-from .base import Choice, KComm, Policy, tied_head_choice
+from .base import Choice, Policy, RuleContext, tied_head_choice
 from .linear_ops import linear_operands
-from .one_d import _at
 
 __all__ = ["ThreeD"]
 
@@ -31,6 +32,8 @@ _AXES = ("x", "y", "z")
 
 class ThreeD(Policy):
     name = "3d"
+    order = 3
+    size_unit = "world sizes q³"
     tp_axes = _AXES
     batch_axes = ("x", "y")
 
@@ -54,6 +57,14 @@ class ThreeD(Policy):
             axes, sizes = ["dp"] + axes, [dp] + sizes
         return Mesh(axes=tuple(axes), sizes=tuple(sizes))
 
+    def dim_splits(self) -> tuple[dict[str, int], str]:
+        return dict.fromkeys(("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"),
+                             self.q), f"q={self.q}"
+
+    @classmethod
+    def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        return [q ** 3 for q in range(2, int(round(limit ** (1 / 3))) + 1) if n % q == 0]
+
     # ------------------------------------------------------------------ linear
     def _roles(self, sx: ShardSpec):
         """(row dim, outer axes, A, B, C) of an input in a 3D layout, or the canonical
@@ -68,10 +79,10 @@ class ThreeD(Policy):
                 return d, outer, A, B, C
         return 0, outer, "x", "y", "z"
 
-    def linear(self, ctx) -> Choice:
+    def linear(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
-        x, w = _at(node, xp), _at(node, wp)
+        x, w = get_arg(node, xp), get_arg(node, wp)
         sx = ctx.spec(x).with_partial(())
         n, k = ctx.pshape(w)[nd], ctx.pshape(w)[kd]
         q = self.q
@@ -101,31 +112,22 @@ class ThreeD(Policy):
         rows_in = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
         rows_out = tuple(outer + (A, C) if i == rd else () for i in range(nrow))
         xreq = ShardSpec(dims=rows_in + ((C,),))
-        ins = {xp: xreq, wp: wspec((B, A), (C,), m)}
+        ins = [(xp, xreq), (wp, wspec((B, A), (C,), m))]
         if bp:
-            ins[bp] = ShardSpec(dims=((B,),), segments=(m,))
+            ins.append((bp, ShardSpec(dims=((B,),), segments=(m,))))
         out = ShardSpec(dims=rows_out + ((B,),), segments=(1,) * nrow + (m,))
-        x_loc = ctx.local_numel(x, xreq)
-        w_loc = n * k // q ** 3
-        y_loc = ctx.local_numel(node, out)
-        comms = (KComm("fwd", "all_gather", (B,), x_loc * q), KComm("fwd", "all_gather", (A,), w_loc * q),
-                 KComm("fwd", "reduce_scatter", (C,), y_loc * q),
-                 KComm("bwd", "all_gather", (C,), y_loc * q, (xp, wp)),
-                 KComm("bwd", "reduce_scatter", (B,), x_loc * q, (xp,)),
-                 KComm("bwd", "reduce_scatter", (A,), w_loc * q, (wp,)))
-        return Choice(out=out, inputs=ins, kernel="three_d",
-                      kernel_args={"a": [A], "b": [B], "c": [C], "row_dim": rd, "n_dim": nd, "k_dim": kd,
-                                   "segments": m, "bias": list(bp) if bp else None},
-                      comms=comms,
-                      weight=f"[k/{q} over {C}, n/{q * q} over ({B},{A})]" + (f", {m} fused blocks" if m > 1 else ""),
-                      notes=(f"rows ({A},{B})→({A},{C}), features {C}→{B}",))
+        k = ThreeDLinear(a=(A,), b_axes=(B,), c=(C,), x=xp, w=wp, b=bp, row_dim=rd, n_dim=nd, segments=m,
+                         in_specs=tuple(ins), out_spec=out)
+        return Choice.run(k, weight=f"[k/{q} over {C}, n/{q * q} over ({B},{A})]"
+                          + (f", {m} fused blocks" if m > 1 else ""),
+                          notes=(f"rows ({A},{B})→({A},{C}), features {C}→{B}",))
 
     def _tied_head(self, ctx, xp, wp, bp, sx, ws, C):
         rows = tuple(tuple(a for a in d if a != C) for d in sx.dims[:-1])
         return tied_head_choice(ctx, xp, wp, bp, rows, (1,) * len(rows), (C,), ws, self.q)
 
     # --------------------------------------------------------------- embedding
-    def embedding(self, ctx) -> Choice:
+    def embedding(self, ctx: RuleContext) -> Choice:
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)

@@ -90,12 +90,12 @@ def capture_arch(arch: str):
 
 
 def plan_cell(captured, mode: str):
-    from autoshard.api import _policy
+    from autoshard.policies import make_policy
     from autoshard.passes.propagate import propagate
 
     _, world, depth = next(m for m in MODES if m[0] == mode)
     ids = captured.example_inputs["input_ids"]
-    return propagate(captured, _policy(mode, world, depth, 1), batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]))
+    return propagate(captured, make_policy(mode, world, depth, 1), batch_size=int(ids.shape[0]), seq_len=int(ids.shape[1]))
 
 
 def collect(archs=None) -> dict:

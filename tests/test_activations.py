@@ -10,10 +10,10 @@ import torch
 import autoshard
 import models
 from autoshard.activations import SavedBytes, attention_saved, saved_bytes
-from autoshard.api import _policy
+from autoshard.passes.pipeline import plan_captured
+from autoshard.policies import make_policy
 from autoshard.cost import estimate
 from autoshard.passes.capture import capture
-from autoshard.passes.propagate import propagate
 from autoshard.plan import ShardingPlan
 from dist_pool import get_pool
 
@@ -36,7 +36,7 @@ def dense_plan(request):
     inputs = models.batch(name, b=B, s=S)
     cap = capture(model, example_inputs=inputs)
     measured = measure_saved(model, {**inputs, **cap.constants})      # use_cache=False, as captured
-    plan = propagate(cap, _policy("1d", 1, None, 1), batch_size=B, seq_len=S)
+    plan = plan_captured(cap, make_policy("1d", 1, None, 1), batch_size=B, seq_len=S)
     return name, plan, measured
 
 

@@ -114,10 +114,10 @@ def _dense_linear_flops(cfg: dict, tokens: int) -> int:
 @pytest.mark.parametrize("mode,world,depth", [("1d", 2, None), ("2d", 4, None), ("2.5d", 8, 2)],
                          ids=["1d-p2", "2d-q2", "2.5d-q2d2"])
 def test_estimate_flops_memory_and_time(cap, mode, world, depth):
-    from autoshard.api import _policy
-    from autoshard.passes.propagate import propagate
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
 
-    plan = propagate(cap, _policy(mode, world, depth, 1), batch_size=B, seq_len=S)
+    plan = plan_captured(cap, make_policy(mode, world, depth, 1), batch_size=B, seq_len=S)
     e = estimate(plan, "dgx-a100")
     h, heads = TINY["hidden_size"], TINY["num_attention_heads"]
     attn = TINY["num_hidden_layers"] * 4 * B * heads * S * S * (h // heads)
@@ -133,10 +133,10 @@ def test_estimate_flops_memory_and_time(cap, mode, world, depth):
 
 
 def test_dp_gradient_sync_is_counted(cap):
-    from autoshard.api import _policy
-    from autoshard.passes.propagate import propagate
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
 
-    plan = propagate(cap, _policy("1d", 4, None, 2), batch_size=B, seq_len=S)
+    plan = plan_captured(cap, make_policy("1d", 4, None, 2), batch_size=B, seq_len=S)
     e = estimate(plan, "dgx-a100")
     # added by the cost model only where the plan does not sync over dp itself
     extra = sum(p.local_bytes(plan.mesh) for p in plan.params if not p.is_buffer and "dp" not in p.grad_sync)
@@ -144,7 +144,7 @@ def test_dp_gradient_sync_is_counted(cap):
     dp_bytes = sum(t.comm.bytes_per_rank for t in e.comms if "dp" in t.comm.axes and t.node.endswith("grad sync"))
     params = sum(p.local_bytes(plan.mesh) for p in plan.params if not p.is_buffer)
     assert dp_bytes == pytest.approx(params)                          # every gradient once over dp
-    assert e.activation_bytes < estimate(propagate(cap, _policy("1d", 2, None, 1), batch_size=B, seq_len=S),
+    assert e.activation_bytes < estimate(plan_captured(cap, make_policy("1d", 2, None, 1), batch_size=B, seq_len=S),
                                          "dgx-a100").activation_bytes   # dp halves the rows per rank
 
 

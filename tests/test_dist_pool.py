@@ -9,7 +9,7 @@ from dist_pool import RankPool, get_pool, worker_cache
 
 # Task functions must be module-level so they pickle by reference.
 
-def _all_reduce(rank, world_size, base):
+def all_reduce(rank, world_size, base):
     import torch
     import torch.distributed as dist
 
@@ -42,7 +42,7 @@ def _rank_and_kwargs(rank, world_size, *, tag):
 
 def test_all_reduce_two_ranks():
     pool = get_pool(2)
-    out = pool.run(_all_reduce, 10)
+    out = pool.run(all_reduce, 10)
     expected = [float(10 + 11)] * 3  # (0 + 10) + (1 + 10)
     assert out == [expected, expected]
     assert get_pool(2) is pool  # cached and still healthy
@@ -64,7 +64,7 @@ def test_raising_rank_reports_traceback_and_pool_recovers():
 
     fresh = get_pool(2)
     assert fresh is not pool
-    assert fresh.run(_all_reduce, 0) == [[1.0] * 3, [1.0] * 3]
+    assert fresh.run(all_reduce, 0) == [[1.0] * 3, [1.0] * 3]
 
 
 def test_timeout_raises_within_bounded_time():
@@ -89,7 +89,7 @@ def test_unpicklable_fn_fails_fast_and_keeps_pool():
 
 
 def test_four_ranks():
-    out = get_pool(4).run(_all_reduce, 1)
+    out = get_pool(4).run(all_reduce, 1)
     expected = [float(sum(r + 1 for r in range(4)))] * 3
     assert out == [expected] * 4
 

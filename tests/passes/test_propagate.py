@@ -3,6 +3,8 @@ errors. Plans come from tiny_plans (the same plans test_plan.py checks)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -10,6 +12,7 @@ import transformers
 import models
 import tiny_plans as tp
 from autoshard import Mesh, ShardingError, ShardSpec
+from autoshard.passes.pipeline import plan_captured
 from autoshard.passes.propagate import _redistribute, propagate
 from autoshard.plan import Comm, Step
 from autoshard.policies import POLICIES
@@ -91,8 +94,13 @@ def test_redistribute_moves_the_data(cur, req):
 def test_propagate_is_what_plan_returns():
     cap = tp.cached_capture(tp.meta_model("llama"))
     pol = POLICIES["2d"](POLICIES["2d"].make_mesh(4))
-    direct = propagate(cap, pol, batch_size=tp.BATCH, seq_len=tp.SEQ)
+    direct = plan_captured(cap, pol, batch_size=tp.BATCH, seq_len=tp.SEQ)
     assert direct.to_json() == tp.plan_for("llama", "2d", 4).to_json()
+    # propagation alone decides everything but what the trace pass adds (saved tensors)
+    untraced = propagate(cap, pol, batch_size=tp.BATCH, seq_len=tp.SEQ)
+    assert all(n.saved is None for n in untraced.nodes)
+    strip = dataclasses.replace(direct, nodes=tuple(dataclasses.replace(n, saved=None) for n in direct.nodes))
+    assert untraced.to_json() == strip.to_json()
 
 
 def test_gather_outputs_false_leaves_outputs_split():
@@ -118,7 +126,7 @@ def test_1d_megatron_pattern(name, world):
     plan = tp.plan_for(name, "1d", world)
     L = tp.config(name).num_hidden_layers
     linears = [n for n in plan.nodes if n.kind == "linear"]
-    rows = [n for n in linears if n.kernel == "row_linear"]
+    rows = [n for n in linears if n.kernel is not None and n.kernel.name == "row_linear"]
     assert len(rows) == 2 * L
     assert all(n.module.endswith(ROW_MODULES[name]) for n in rows)
     # forward: exactly one all-reduce per row-parallel Linear
@@ -210,3 +218,22 @@ def test_train_mode_dropout_is_refused():
     pol = POLICIES["1d"](POLICIES["1d"].make_mesh(2))
     with pytest.raises(ShardingError, match="dropout p=0.1"):
         propagate(cap, pol)
+
+
+def test_a_failing_rule_is_reraised_with_its_node_module_and_specs():
+    """A rule's own bug (here a KeyError) surfaces as a ShardingError that names the
+    node (``format_node``), its module path and its input specs, as fx passes do."""
+    cls = POLICIES["1d"]
+
+    class Broken(cls):
+        def linear(self, ctx):
+            raise KeyError("no such weight")
+
+    cap = tp.cached_capture(tp.meta_model("llama"))
+    with pytest.raises(ShardingError) as ei:
+        propagate(cap, Broken(cls.make_mesh(2)), batch_size=tp.BATCH, seq_len=tp.SEQ)
+    msg = str(ei.value)
+    assert "Broken.linear rule failed: KeyError" in msg and "no such weight" in msg
+    assert "node: %linear" in msg and "= call_function[target=torch.ops.aten.linear.default]" in msg
+    assert "module: model.layers.0.self_attn.q_proj" in msg
+    assert "input specs:" in msg and "'layer_norm" not in msg

@@ -1,0 +1,213 @@
+"""The runtime of the kernel objects (:mod:`autoshard.kernels`) and the re-layout steps.
+
+Each is a plain function of local tensors and c10d group names (or shape-only
+groups on meta); collectives go through :mod:`autoshard.collectives` so the
+ledger sees them. Which collectives each issues is declared by its kernel
+object's ``comms``; the ledger tests hold the two together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+
+__all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
+           "cross_entropy"]
+
+
+# --------------------------------------------------------------- re-layout steps
+_STEPS = {
+    "reduce_from": lambda x, g, dim, m, f: C.reduce_from(x, g),
+    "copy_to": lambda x, g, dim, m, f: C.copy_to(x, g),
+    "all_reduce_both": lambda x, g, dim, m, f: C.all_reduce_both(x, g),
+    "reduce_scatter": lambda x, g, dim, m, f: C.reduce_scatter_to(x, dim, g),
+    "gather": lambda x, g, dim, m, f: _on_segments(C.gather_from, x, dim, g, m),
+    "scatter": lambda x, g, dim, m, f: _on_segments(C.scatter_to, x, dim, g, m),
+    "scale": lambda x, g, dim, m, f: x * f,
+}
+
+
+def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments: int, factor: float | None):
+    """Apply one :class:`~autoshard.plan.Step` to a local tensor."""
+    if op not in _STEPS:
+        raise ValueError(f"unknown step {op!r}; valid: {', '.join(_STEPS)}")
+    return _STEPS[op](x, group, dim, segments, factor)
+
+
+# ----------------------------------------------------------------------- linears
+def _matmul(x, w, n_dim: int):
+    """x @ W in math layout, for a weight stored [n, k] (n_dim 0) or [k, n] (n_dim 1)."""
+    return x @ (w.t() if n_dim == 0 else w)
+
+
+def row_linear(x, w, b, *, group: str, n_dim: int):
+    """Row-parallel: local partial product, all-reduce, then the (replicated) bias."""
+    y = C.reduce_from(_matmul(x, w, n_dim), group)
+    return y if b is None else y + b
+
+
+class _Summa(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int):
+        ctx.save_for_backward(x, w)
+        ctx.cfg = (row, col, n_dim, k_dim)
+        xg = C.all_gather(x, x.dim() - 1, col)       # [N_loc, k]
+        wg = C.all_gather(w, k_dim, row)             # [k, n/q] in math layout
+        return _matmul(xg, wg, n_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        row, col, n_dim, k_dim = ctx.cfg
+        dx = dw = None
+        # re-gather instead of saving the gathered copies (DESIGN §9); each operand
+        # only for the gradient that reads it (kernels.Summa.comms says the same)
+        if ctx.needs_input_grad[0]:
+            wg = C.all_gather(w, k_dim, row)
+            dxg = dy @ (wg if n_dim == 0 else wg.t())
+            dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
+        if ctx.needs_input_grad[1]:
+            xg = C.all_gather(x, x.dim() - 1, col)
+            x2 = xg.reshape(-1, xg.shape[-1])
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
+            dw = C.reduce_scatter(dwg, k_dim, row)
+        return dx, dw, None, None, None, None
+
+
+def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int):
+    """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract)."""
+    y = _Summa.apply(x, w, row, col, n_dim, k_dim)
+    return y if b is None else y + b
+
+
+def _on_segments(fn, t, dim: int, group: str, m: int):
+    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
+    if m == 1:
+        return fn(t, dim, group)
+    shape = list(t.shape)
+    y = fn(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
+    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+
+
+def _ag_seg(t, dim: int, group: str, m: int):
+    return _on_segments(C.all_gather, t, dim, group, m)
+
+
+def _rs_seg(t, dim: int, group: str, m: int):
+    return _on_segments(C.reduce_scatter, t, dim, group, m)
+
+
+class _ThreeD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int):
+        xg = C.all_gather(x, row_dim, b)          # X_il: rows (a)
+        wg = _ag_seg(w, n_dim, a, m)               # W_lj: n (b)
+        ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
+        ctx.cfg = (a, b, c, row_dim, n_dim, m)
+        return C.reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, wg = ctx.saved_tensors
+        a, b, c, row_dim, n_dim, m = ctx.cfg
+        dyg = C.all_gather(dy.contiguous(), row_dim, c)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dxg = dyg @ (wg if n_dim == 0 else wg.t())
+            dx = C.reduce_scatter(dxg, row_dim, b)
+        if ctx.needs_input_grad[1]:
+            x2 = xg.reshape(-1, xg.shape[-1])
+            dy2 = dyg.reshape(-1, dyg.shape[-1])
+            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
+            dw = _rs_seg(dwg, n_dim, a, m)
+        return dx, dw, None, None, None, None, None, None
+
+
+def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1):
+    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``."""
+    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments)
+    return y if bias is None else y + bias
+
+
+def partial_head(x, w, b, *, col: str):
+    """``x · Eᵀ`` for a table split on hidden over ``col``: partial sums, reduce-scattered on vocab."""
+    y = C.reduce_scatter_to(x @ w.t(), x.dim() - 1, col)
+    return y if b is None else y + b
+
+
+# --------------------------------------------------------------------- embedding
+def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
+    """Lookup in this rank's vocabulary range; other rows are zero; all-reduce."""
+    r, _ = C.group_rank_size(group)
+    v_loc = w.shape[0]
+    lo = r * v_loc
+    inside = (ids >= lo) & (ids < lo + v_loc)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    # the padding row gets no gradient, as in the dense lookup; it lives on one rank
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
+    out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
+    return C.reduce_from(out, group)
+
+
+# ------------------------------------------------------------------------- norms
+def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
+    """LayerNorm over a hidden dim split over ``group``: Σx and Σ(x-μ)² all-reduced
+    both ways (the statistics are used with split data, so their grads are partial)."""
+    h = x.shape[-1] * count
+    mean = C.all_reduce_both(x.sum(-1, keepdim=True), group) / h
+    xc = x - mean
+    var = C.all_reduce_both((xc * xc).sum(-1, keepdim=True), group) / h
+    y = xc * torch.rsqrt(var + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+
+
+# -------------------------------------------------------------------------- loss
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group: str, ignore_index: int):
+        r, _ = C.group_rank_size(group)
+        v_loc = logits.shape[-1]
+        lo = r * v_loc
+        lmax = C.all_reduce_max(logits.detach().max(dim=-1).values, group)
+        shifted = logits - lmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sumexp = C.all_reduce(exp.sum(-1), group, "sum")
+        inside = (target >= lo) & (target < lo + v_loc)
+        idx = torch.where(inside, target - lo, torch.zeros_like(target))
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        picked = C.all_reduce(picked, group, "sum")
+        valid = (target != ignore_index).to(logits.dtype)
+        loss = (sumexp.log() - picked) * valid
+        ctx.save_for_backward(exp / sumexp.unsqueeze(-1), idx, inside, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        soft, idx, inside, valid = ctx.saved_tensors
+        gv = (g * valid).unsqueeze(-1)
+        d = soft * gv
+        d.scatter_add_(-1, idx.unsqueeze(-1), -(inside.to(d.dtype).unsqueeze(-1) * gv))
+        return d, None, None, None
+
+
+def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str | None,
+                  ignore_index: int = -100, reduction: int = 1):
+    """Global-mean (or sum) token cross-entropy of a batch split over ``batch_group``
+    with logits possibly split on vocab over ``vocab_group``: identical on every rank."""
+    if vocab_group is not None:
+        tok = _VocabParallelCE.apply(logits, target, vocab_group, ignore_index)
+    else:
+        tok = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index)
+    total = tok.sum()
+    count = (target != ignore_index).sum().to(logits.dtype)
+    if batch_group is not None:
+        total = C.reduce_from(total, batch_group)
+        count = C.all_reduce_nograd(count, batch_group)
+    return total / count if reduction == 1 else total

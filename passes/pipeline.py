@@ -1,0 +1,26 @@
+"""The planning pipeline after capture: propagate, then the activation trace.
+
+``capture → annotate → propagate → trace → rewrite``: annotation runs inside
+propagation (the rules read it); the trace is its own pass over the finished
+plan; the rewrite is per rank (:func:`autoshard.passes.rewrite.rewrite`).
+"""
+
+from __future__ import annotations
+
+from autoshard.plan import ShardingPlan
+from autoshard.policies.base import Policy
+
+from .capture import Captured
+from .propagate import propagate
+from .trace import trace
+
+__all__ = ["plan_captured"]
+
+
+def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
+                  gather_outputs: bool = True) -> ShardingPlan:
+    """The finished plan of ``captured`` under ``policy``: specs, kernels and
+    collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
+    node saves for backward (:func:`~autoshard.passes.trace.trace`)."""
+    p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs)
+    return trace(p, captured.module)

@@ -1,0 +1,282 @@
+"""The activation-trace pass: what each node saves for backward on one rank.
+
+Runs after propagation, on the finished plan: executes this rank's forward on
+the **meta** device — every ATen op of the captured graph with the plan's local
+shapes and patched size arguments, the plan's kernel objects and re-layout steps
+as they run (their collectives on shape-only groups,
+:func:`autoshard.collectives.sim_group`, so no process group and no memory) —
+and records on each node the tensors autograd saves (:attr:`NodePlan.saved`).
+:mod:`autoshard.activations` turns those records into bytes per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+from torch import fx
+
+from autoshard import parallel_ops
+from autoshard.argpath import apply_patches, get_arg, set_arg
+from autoshard.collectives import sim_group
+from autoshard.plan import NodePlan, SavedTensor, ShardingPlan
+
+__all__ = ["trace"]
+
+aten = torch.ops.aten
+_SDPA = aten.scaled_dot_product_attention.default
+_SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+         aten.sym_constrain_range_for_size.default}
+_ROLES = ("q", "k", "v", "mask")
+_NO_GRAD_BLOCK = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class _Trace:
+    def __init__(self, plan: ShardingPlan, gm: fx.GraphModule, local_shape):
+        self.plan, self.gm, self.local_shape = plan, gm, local_shape
+        self.mesh = plan.mesh
+        self.by_name = {n.name: n for n in plan.nodes}
+        self.params = {}
+        for p in plan.params:
+            for n in (p.name, *p.aliases):
+                self.params[n] = p
+        self.env: dict = {}
+        self.keys: dict[int, str] = {}        # storage id -> key
+        self.param_storages: set[int] = set()
+        self.alive: list = []                 # every traced tensor stays alive: storage ids stay unique
+        self.pending: list = []
+        self.muted = False
+        self.shared: dict = {}                # (value, steps) -> re-layout result
+        self.saved: dict[str, list[SavedTensor]] = {}
+        self.failed: dict[str, str] = {}
+
+    # ---- helpers
+    def _group(self, axes) -> str:
+        return sim_group(self.mesh.size(tuple(axes)))
+
+    def _register(self, t: torch.Tensor, key: str) -> str:
+        sid = _sid(t)
+        if sid not in self.keys:
+            self.keys[sid] = key
+            self.alive.append(t)
+        return self.keys[sid]
+
+    def _register_out(self, name: str, out) -> None:
+        ts = _tensors(out)
+        for i, t in enumerate(ts):
+            self._register(t, name if len(ts) == 1 or i == 0 else f"{name}:{i}")
+
+    def _steps(self, x, steps, key: str):
+        for st in steps:
+            x = parallel_ops.step(x, st.op, self._group(st.axes) if st.axes else None, st.dim, st.segments, st.factor)
+            key = f"{key}>{st}"
+            self._register(x, key)
+        return x
+
+    def _pack(self, t):
+        if not self.muted:
+            self.pending.append(t)
+        return t
+
+    def _fresh(self, node: fx.Node, inputs):
+        """A stand-in output for a node that did not run on meta: the plan's local
+        shape, differentiable if an input is; it saves nothing."""
+        shapes = self.local_shape(node)
+        v = node.meta.get("val")
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+        def one(t, shape):
+            if not isinstance(t, torch.Tensor):
+                return t
+            x = torch.empty(shape if shape is not None else (), dtype=t.dtype, device="meta")
+            return x.requires_grad_() if grad and x.is_floating_point() else x
+
+        if isinstance(v, (list, tuple)):
+            shapes = shapes if isinstance(shapes, tuple) else (None,) * len(v)
+            return type(v)(one(t, s) for t, s in zip(v, shapes))
+        return one(v, shapes)
+
+    def _meta(self, a):
+        if isinstance(a, fx.Node):
+            return self.env[a.name]
+        if isinstance(a, torch.device):
+            return torch.device("meta")
+        return a
+
+    # ---- nodes
+    def placeholder(self, node: fx.Node) -> None:
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            self.env[node.name] = v
+            return
+        np_ = self.by_name.get(node.name)
+        shape = list(self.local_shape(node))
+        post = np_.post if np_ is not None else ()
+        for st in post:                       # the batch input arrives whole over the axes it is scattered on
+            if st.op == "scatter":
+                shape[st.dim] *= self.mesh.size(st.axes)
+        x = torch.empty(shape, dtype=v.dtype, device="meta")
+        self._register(x, node.name)
+        self.env[node.name] = self._steps(x, post, node.name) if post else x
+
+    def get_attr(self, node: fx.Node) -> None:
+        obj = self.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        pp = self.params.get(node.target)
+        if pp is not None:
+            t = torch.empty(pp.local_shape(self.mesh), dtype=obj.dtype, device="meta")
+            t.requires_grad_(bool(obj.requires_grad) and t.is_floating_point())
+            self.param_storages.add(_sid(t))
+            self.alive.append(t)
+            self.env[node.name] = t
+        elif isinstance(obj, torch.Tensor):
+            t = torch.empty(self.local_shape(node) or tuple(obj.shape), dtype=obj.dtype, device="meta")
+            self._register(t, node.name)
+            self.env[node.name] = t
+        else:
+            self.env[node.name] = obj
+
+    def call(self, node: fx.Node) -> None:
+        if node.target in _SKIP:
+            self.env[node.name] = None
+            return
+        np_ = self.by_name.get(node.name)
+        call = types.SimpleNamespace(target=node.target, args=fx.node.map_aggregate(node.args, self._meta),
+                                     kwargs=dict(fx.node.map_aggregate(node.kwargs, self._meta)))
+        self.pending = []
+        inputs = _tensors(list(call.args) + list(call.kwargs.values()))
+        grad = torch.is_grad_enabled()
+        try:
+            if node.target is _NO_GRAD_BLOCK and call.args and call.args[0] is False:
+                out = self._fresh(node, ())           # a no-grad region saves nothing
+            else:
+                out = self._run(node, np_, call)
+        except Exception as e:  # noqa: BLE001 - an op meta cannot run: count nothing for it, go on
+            self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.muted = False
+            out = self._fresh(node, inputs)
+            self.pending = []
+        finally:
+            torch.set_grad_enabled(grad)
+        self._register_out(node.name, out)
+        if np_ is not None and np_.post:
+            out = self._steps(out, np_.post, node.name)
+        rec = []
+        for j, t in enumerate(self.pending):
+            sid = _sid(t)
+            if sid in self.param_storages:
+                continue
+            key = self._register(t, f"{node.name}#{j}")
+            rec.append(SavedTensor(key=key, nbytes=t.untyped_storage().nbytes(), dtype=_dtype(t),
+                                   shape=tuple(t.shape)))
+        if rec:
+            self.saved.setdefault(node.name, []).extend(rec)
+        self.pending = []
+        self.env[node.name] = out
+
+    def _run(self, node: fx.Node, np_: NodePlan | None, call):
+        if np_ is not None:
+            for path, steps in np_.arg_steps:
+                src = get_arg(node, path)
+                k = (src.name, tuple(steps))
+                if k not in self.shared:
+                    self.shared[k] = self._steps(self.env[src.name], steps, src.name)
+                set_arg(call, path, self.shared[k])
+            apply_patches(call, np_.patches)
+            if np_.kernel:
+                fn, args, kwargs = np_.kernel.bind(call, self._group, lambda axes: self.mesh.size(tuple(axes)))
+                return fn(*args, **kwargs)
+        if node.target is _SDPA:
+            return self._attention(node, call)
+        return node.target(*call.args, **call.kwargs)
+
+    def _attention(self, node: fx.Node, call):
+        """Run the op unrecorded (meta has only its math path); record the operands
+        the backend rule reads (:func:`attention_saved`)."""
+        a = list(call.args) + [None] * 4
+        ops = dict(zip(_ROLES, a[:4]))
+        if ops["mask"] is None:
+            ops["mask"] = call.kwargs.get("attn_mask")
+        self.muted = True
+        try:
+            out = node.target(*call.args, **call.kwargs)
+            if out.dim() == 4:       # the fused kernels return [b, h, s, d] laid out as [b, s, h, d]
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        finally:
+            self.muted = False
+        if not out.requires_grad:
+            return out
+        self._register_out(node.name, out)
+        rec = []
+        for role, t in list(ops.items()) + [("out", out)]:
+            if isinstance(t, torch.Tensor):
+                key = self._register(t, f"{node.name}#{role}")
+                rec.append(SavedTensor(key=key, nbytes=t.untyped_storage().nbytes(), dtype=_dtype(t),
+                                       shape=tuple(t.shape), role=role))
+        self.saved.setdefault(node.name, []).extend(rec)
+        return out
+
+    def run(self) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        with torch.enable_grad(), hooks:
+            for node in self.gm.graph.nodes:
+                if node.op == "placeholder":
+                    self.placeholder(node)
+                elif node.op == "get_attr":
+                    self.get_attr(node)
+                elif node.op == "call_function":
+                    self.call(node)
+                elif node.op == "call_module":
+                    self.env[node.name] = None
+
+
+def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
+    """``plan`` with :attr:`NodePlan.saved` filled in by running this rank's forward
+    on meta (see the module docstring). ``gm`` is the captured graph the plan was
+    made from; the plan's ``local_shapes`` (made by propagation) give the local
+    shape of inputs, constants and ops that cannot run on meta (those save nothing
+    here and get a note). Tensors saved by a graph node without a row in the plan
+    are recorded on the next row. A plan without ``local_shapes`` (read back from
+    JSON) is returned as it is.
+    """
+    if plan.local_shapes is None:
+        return plan
+    shapes = plan.local_shapes
+    t = _Trace(plan, gm, lambda node: shapes.get(node.name))
+    t.run()
+    nodes = list(plan.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    carry: list[SavedTensor] = []
+    saved: dict[int, list[SavedTensor]] = {}
+    for node in gm.graph.nodes:
+        carry += t.saved.get(node.name, [])
+        if node.name in index and (carry or node.name in t.failed):
+            saved.setdefault(index[node.name], []).extend(carry)
+            carry = []
+    if carry and nodes:
+        saved.setdefault(len(nodes) - 1, []).extend(carry)
+    for i, n in enumerate(nodes):
+        note = (f"activation trace: did not run on meta ({t.failed[n.name]}); its saved tensors are not counted",) \
+            if n.name in t.failed else ()
+        nodes[i] = dataclasses.replace(n, saved=tuple(saved.get(i, ())), notes=n.notes + note)
+    return dataclasses.replace(plan, nodes=tuple(nodes))
+
+

@@ -1,0 +1,158 @@
+"""The shape of the code: no import cycle and no private name used across modules
+in ``autoshard/``, ``passes/`` and ``policies/``, read from the source with ``ast``.
+
+Every import counts, the ones inside functions too (a function-level import that
+dodges a cycle is still a back edge). An import of an ancestor package from inside
+it (``from . import x`` in ``autoshard.policies.one_d``) is not an edge: the package
+is already being imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "passes",
+            "autoshard.policies": ROOT / "policies"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg, folder in PACKAGES.items():
+        for f in sorted(folder.glob("*.py")):
+            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return mods
+
+
+MODS = _modules()
+
+
+def _source_of(mod: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod if MODS[mod].stem == "__init__" else mod.rsplit(".", 1)[0]
+    for _ in range(node.level - 1):
+        base = base.rsplit(".", 1)[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _owner(name: str) -> str | None:
+    """The project module ``name`` lives in (``autoshard.x.y`` → ``autoshard.x``), if any."""
+    while name and name not in MODS and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in MODS else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODS}
+    for m, f in MODS.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                src = _source_of(m, node)
+                targets = [src] + [f"{src}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                o = _owner(t)
+                if o and o != m and not m.startswith(o + "."):
+                    edges[m].add(o)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_uses() -> list[str]:
+    """``from x import _name`` and ``alias._name`` where ``x`` / ``alias`` is another project module."""
+    bad = []
+    for m, f in MODS.items():
+        tree = ast.parse(f.read_text())
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                src = _source_of(m, node)
+                for a in node.names:
+                    full = f"{src}.{a.name}"
+                    if full in MODS:
+                        aliases[a.asname or a.name] = full
+                    elif src in MODS and src != m and a.name.startswith("_") and not a.name.startswith("__"):
+                        bad.append(f"{m}: from {src} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODS and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                owner = aliases[node.value.id]
+                if owner != m and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    bad.append(f"{m}: {node.value.id}.{node.attr} ({owner})")
+    return sorted(set(bad))
+
+
+def test_the_scan_sees_every_module():
+    assert {"autoshard.api", "autoshard.passes.propagate", "autoshard.policies.one_d"} <= set(MODS)
+    edges = import_graph()
+    assert "autoshard.policies.base" in edges["autoshard.passes.propagate"]
+    assert "autoshard.kernels" in edges["autoshard.policies.one_d"]
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_across_modules():
+    found = private_uses()
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    ("autoshard.policies", ("autoshard.passes", "autoshard.parallel_ops", "autoshard.collectives", "autoshard.api")),
+    ("autoshard.passes", ("autoshard.api", "autoshard.cli", "autoshard.search")),
+])
+def test_layers_import_downwards(layer, forbidden):
+    """Policies import no pass and no runtime; passes never import the face (DESIGN §2)."""
+    edges = import_graph()
+    bad = sorted(f"{m} → {t}" for m, ts in edges.items() if m == layer or m.startswith(layer + ".")
+                 for t in ts if any(t == f or t.startswith(f + ".") for f in forbidden))
+    assert not bad, bad
