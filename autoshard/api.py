@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import warnings
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import AutoshardWarning, ConfigError
+from .kernels import DROPOUT_MODES, Dropout
 from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
@@ -96,7 +98,7 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
 def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
-          activation_checkpointing: bool = False) -> ShardedModule:
+          activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -118,6 +120,14 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     keeping its activations (:mod:`autoshard.passes.remat`); the block's forward
     collectives then run a second time in backward.
 
+    Dropout runs as the model has it (train mode, its own probabilities), with masks
+    drawn from the default generator, which must be in the same state on every rank
+    (``seed=s`` calls ``torch.manual_seed(s)`` on every rank; otherwise ``shard()``
+    checks it and raises if the ranks differ). ``dropout="sharded"`` (default):
+    replicas of a value draw one mask, different slices independent ones.
+    ``dropout="dense"``: every dropout draws the mask of the whole tensor and keeps
+    its slice, so the run equals a dense run seeded alike (on CPU; a check, slower).
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -126,6 +136,10 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     """
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
+    if dropout not in DROPOUT_MODES:
+        raise ConfigError(f"dropout={dropout!r}; valid: {', '.join(repr(m) for m in DROPOUT_MODES)}")
+    if seed is not None:
+        torch.manual_seed(seed)
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
                              weights_given=weights is not None, environ=os.environ)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
@@ -147,7 +161,9 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     ids = cap.example_inputs["input_ids"]
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=int(ids.shape[0]) * pol.dp, seq_len=int(ids.shape[1]),
-                      gather_outputs=gather_logits)
+                      gather_outputs=gather_logits, dropout=dropout)
+    if any(isinstance(n.kernel, Dropout) for n in p.nodes):
+        _check_same_rng(world)
     _warn_fallbacks(p)
     groups = _groups_for(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
@@ -161,6 +177,28 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
                        example_inputs=cap.example_inputs, debug=debug)
     sm._limits = _input_limits(getattr(model, "config", None))
     return sm
+
+
+def _check_same_rng(world: int) -> None:
+    """Dropout masks come from the default generator: every rank must be in the same
+    state, or replicas of one value would drop different elements. One small
+    all-gather; every rank reaches the same verdict."""
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    on_gpu = dist.get_backend() == "nccl"
+    if on_gpu:
+        h.update(torch.cuda.get_rng_state().numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
+                        device="cuda" if on_gpu else "cpu")
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine)
+    groups: dict[int, list[int]] = {}
+    for r, t in enumerate(table):
+        groups.setdefault(int(t), []).append(r)
+    if len(groups) > 1:
+        raise ConfigError("the model has dropout and the ranks' random generators differ (ranks "
+                          + " | ".join(str(rs) for rs in groups.values()) + " agree among themselves): replicas "
+                          "would drop different elements. Seed every rank alike: torch.manual_seed(s) on each rank "
+                          "before shard(), or shard(..., seed=s)")
 
 
 def _input_limits(config) -> dict:
@@ -177,7 +215,7 @@ def _input_limits(config) -> dict:
 
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
-         cluster=None) -> ShardingPlan:
+         cluster=None, dropout: str = "sharded") -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -202,4 +240,4 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     model = model_from(model_or_config)
     model.train()
     cap = capture(model, example_inputs=example_inputs)
-    return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
+    return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)

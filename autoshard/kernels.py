@@ -39,7 +39,7 @@ from .mesh import Mesh
 from .spec import ShardSpec
 
 __all__ = ["KComm", "KernelIO", "Kernel", "KERNELS", "RowLinear", "Summa", "ThreeDLinear", "PartialHead",
-           "VocabEmbedding", "DistLayerNorm", "CrossEntropy"]
+           "VocabEmbedding", "DistLayerNorm", "CrossEntropy", "Dropout", "AttentionDropout", "DROPOUT_MODES"]
 
 Path = tuple
 
@@ -330,8 +330,73 @@ class CrossEntropy(Kernel):
             "ignore_index": self.ignore_index, "reduction": self.reduction}
 
 
+DROPOUT_MODES = ("sharded", "dense")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dropout(Kernel):
+    """Dropout in train mode on a value laid out as its input spec, with masks that
+    stay consistent across ranks (no collective).
+
+    ``mode="sharded"``: each call takes one draw from the default generator (the
+    same on every rank) and seeds a generator per block with it and the block's
+    coordinates: ranks that hold the same block (replicas) draw the same mask,
+    different blocks independent ones. ``mode="dense"``: the mask of the whole
+    (global) tensor is drawn from the default generator, as the dense model draws
+    it, and each rank keeps its block: a sharded run equals a dense run seeded alike.
+    """
+
+    p: float
+    mode: str = "sharded"
+    name: ClassVar[str] = "dropout"
+
+    @property
+    def layout(self) -> ShardSpec:
+        return self.in_specs[0][1]
+
+    def groups(self):
+        return tuple(a for a in self.layout.dims if a)
+
+    def _blocks(self, group):
+        return tuple(group(a) if a else None for a in self.layout.dims)
+
+    def bind(self, node, group, size):
+        return _ops().dropout, (node.args[0],), {"p": self.p, "dense": self.mode == "dense", **self._where(group)}
+
+    def _where(self, group) -> dict:
+        """The layout as plain data (fx writes call arguments as code): per dim the
+        group whose rank is the block index, and the segment counts."""
+        return {"blocks": self._blocks(group), "segments": self.layout.segments}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionDropout(Dropout):
+    """``scaled_dot_product_attention`` with ``dropout_p > 0`` in train mode: the
+    attention probabilities ``[batch, heads, q, k]`` are computed (the math path,
+    as the dense op runs on CPU) and dropped out as :class:`Dropout` does, laid out
+    on batch and heads as the query."""
+
+    name: ClassVar[str] = "attention_dropout"
+
+    @property
+    def layout(self) -> ShardSpec:
+        q = self.in_specs[0][1]
+        return ShardSpec(dims=(q.dims[0], q.dims[1], (), ()))
+
+    def bind(self, node, group, size):
+        a = list(node.args) + [None] * 8
+        kw = dict(node.kwargs)
+        mask = a[3] if a[3] is not None else kw.get("attn_mask")
+        return _ops().attention_dropout, (a[0], a[1], a[2], mask), {
+            "is_causal": bool(a[5] if a[5] is not None else kw.get("is_causal", False)),
+            "scale": a[6] if a[6] is not None else kw.get("scale"),
+            "enable_gqa": bool(a[7] if a[7] is not None else kw.get("enable_gqa", False)),
+            "p": self.p, "dense": self.mode == "dense", **self._where(group)}
+
+
 KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (
-    RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy)}
+    RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy, Dropout,
+    AttentionDropout)}
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:

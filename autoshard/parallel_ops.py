@@ -8,13 +8,16 @@ object's ``comms``; the ledger tests hold the two together.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from . import collectives as C
+from .spec import ShardSpec
 
 __all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
-           "cross_entropy"]
+           "cross_entropy", "dropout", "attention_dropout"]
 
 
 # --------------------------------------------------------------- re-layout steps
@@ -211,3 +214,53 @@ def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str |
         total = C.reduce_from(total, batch_group)
         count = C.all_reduce_nograd(count, batch_group)
     return total / count if reduction == 1 else total
+
+
+# ----------------------------------------------------------------------- dropout
+def _dropout_mask(x: torch.Tensor, p: float, dense: bool, blocks, segments) -> torch.Tensor:
+    """The scaled keep-mask (``bernoulli(1-p) / (1-p)``) of this rank's block of ``x``.
+
+    ``blocks`` has per dim the group over the axes splitting it (None: whole);
+    the rank in that group is the block index (see :class:`autoshard.kernels.Dropout`)."""
+    at = [None if g is None else C.group_rank_size(g) for g in blocks]
+    if dense:       # the whole tensor's mask, drawn as the dense op draws it; keep this block
+        gshape = [s * (a[1] if a else 1) for s, a in zip(x.shape, at)]
+        noise = torch.empty(gshape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+        layout = ShardSpec(dims=tuple((f"d{d}",) if g else () for d, g in enumerate(blocks)), segments=segments)
+        return layout.block(noise, at).div(1 - p)
+    if x.device.type == "meta":
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    base = int(torch.randint(0, 2 ** 62, (1,)).item())       # one draw: the same on every rank
+    g = torch.Generator(device=x.device).manual_seed(hash((base,) + tuple(a[0] if a else -1 for a in at)) % 2 ** 62)
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=g)
+    return noise.div_(1 - p)
+
+
+def dropout(x: torch.Tensor, *, p: float, dense: bool, blocks, segments) -> torch.Tensor:
+    """Dropout with rank-consistent masks of a value whose split dims are those with a
+    group in ``blocks`` (each holding ``segments[d]`` fused blocks)."""
+    if p == 0:
+        return x
+    if p == 1:
+        return x * 0
+    return x * _dropout_mask(x, p, dense, blocks, segments)
+
+
+def attention_dropout(q, k, v, attn_mask=None, *, is_causal: bool, scale, enable_gqa: bool, p: float, dense: bool,
+                      blocks, segments):
+    """``scaled_dot_product_attention`` with dropout, by its math path (the one the
+    dense op takes on CPU), the probabilities dropped out by :func:`dropout`."""
+    L, S = q.shape[-2], k.shape[-2]
+    factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    attn = (q * math.sqrt(factor)) @ (k * math.sqrt(factor)).transpose(-2, -1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        attn = attn.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else attn + attn_mask
+    # the math path's safe softmax: a row masked everywhere (left padding) is 0, not NaN
+    attn = dropout(torch.ops.aten._safe_softmax.default(attn, -1), p=p, dense=dense, blocks=blocks, segments=segments)
+    return attn @ v

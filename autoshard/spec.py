@@ -84,26 +84,33 @@ class ShardSpec:
         return ShardSpec(dims=self.dims, partial=tuple(partial), segments=self.segments)
 
     # ------------------------------------------------------- reversible slicing
-    def _block_index(self, d: int, mesh, rank: int) -> tuple[int, int]:
-        axes = self.dims[d]
-        return mesh.index(axes, rank), mesh.size(axes)
+    def block_index(self, mesh, rank: int) -> tuple[tuple[int, int] | None, ...]:
+        """Per dim, ``(which block, how many blocks)`` this rank holds, or None where
+        the dim is whole: the geometry :meth:`local` and :meth:`block` slice by."""
+        return tuple((mesh.index(axes, rank), mesh.size(axes)) if axes else None for axes in self.dims)
 
-    def local(self, tensor: torch.Tensor, mesh, rank: int) -> torch.Tensor:
-        """This rank's block of the global ``tensor`` (a copy, contiguous)."""
+    def block(self, tensor: torch.Tensor, index) -> torch.Tensor:
+        """The block of the global ``tensor`` at ``index`` (from :meth:`block_index`, or
+        built from group ranks at run time), as a view where possible. Each split dim
+        keeps block ``i`` of ``count`` within each of its ``segments``."""
         out = tensor
-        for d, axes in enumerate(self.dims):
-            if not axes:
+        for d, at in enumerate(index):
+            if at is None:
                 continue
-            idx, count = self._block_index(d, mesh, rank)
+            idx, count = at
             m = self.segments[d]
             size = out.shape[d]
             if size % (m * count):
                 raise ShardingError(
-                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({axes})")
+                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({self.dims[d]})")
             shape = list(out.shape)
             seg = out.reshape(shape[:d] + [m, count, size // (m * count)] + shape[d + 1:])
-            blk = seg.select(d + 1, idx)
-            out = blk.reshape(shape[:d] + [size // count] + shape[d + 1:])
+            out = seg.select(d + 1, idx).reshape(shape[:d] + [size // count] + shape[d + 1:])
+        return out
+
+    def local(self, tensor: torch.Tensor, mesh, rank: int) -> torch.Tensor:
+        """This rank's block of the global ``tensor`` (a copy, contiguous)."""
+        out = self.block(tensor, self.block_index(mesh, rank))
         # always a fresh copy: a view would keep the full tensor alive behind the slice
         return out.clone(memory_format=torch.contiguous_format)
 

@@ -18,9 +18,10 @@ __all__ = ["plan_captured"]
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
-                  gather_outputs: bool = True) -> ShardingPlan:
+                  gather_outputs: bool = True, dropout: str = "sharded") -> ShardingPlan:
     """The finished plan of ``captured`` under ``policy``: specs, kernels and
     collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
     node saves for backward (:func:`~autoshard.passes.trace.trace`)."""
-    p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs)
+    p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
+                  dropout=dropout)
     return trace(p, captured.module)

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from autoshard.argpath import get_arg
-from autoshard.errors import ShardingError
+from autoshard.errors import ConfigError, ShardingError
 from autoshard.kernels import KernelIO
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
@@ -104,6 +104,7 @@ class _Ctx:
         self.batch_axes = engine.batch_axes
         self.BATCH = _PRIME_BATCH
         self.training = engine.training
+        self.dropout = engine.dropout
 
     def is_tensor(self, a) -> bool:
         return isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))
@@ -242,13 +243,15 @@ _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.
 
 
 class _Engine:
-    def __init__(self, captured, policy: Policy, *, batch_size: int, seq_len: int, gather_outputs: bool):
+    def __init__(self, captured, policy: Policy, *, batch_size: int, seq_len: int, gather_outputs: bool,
+                 dropout: str = "sharded"):
         self.cap = captured
         self.gm: fx.GraphModule = captured.module
         self.policy = policy
         self.mesh = policy.mesh
         self.training = captured.training
         self.gather_outputs = gather_outputs
+        self.dropout = dropout
         self.batch_size, self.seq_len = batch_size, seq_len
         self.params = param_names(self.gm)
         # data parallelism: each dp replica is handed its own batch, so the batch dim
@@ -422,10 +425,6 @@ class _Engine:
             rule = self.policy.embedding
         else:
             rule = rule_for(node)
-            if rule is None:
-                raise ShardingError(
-                    f"dropout p={node.args[1]} in train mode needs per-rank RNG streams, which autoshard does "
-                    "not have yet; set the model's dropout probabilities to 0 or shard it in eval mode", node=node)
         try:
             return rule(ctx)
         except (NeedReplicate, ShardingError, _Retry):
@@ -686,6 +685,12 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
 
 
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,
-              gather_outputs: bool = True) -> ShardingPlan:
-    """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``."""
-    return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs).run()
+              gather_outputs: bool = True, dropout: str = "sharded") -> ShardingPlan:
+    """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``.
+    ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.kernels.Dropout`)."""
+    from autoshard.kernels import DROPOUT_MODES
+
+    if dropout not in DROPOUT_MODES:
+        raise ConfigError(f"dropout={dropout!r}; valid: {', '.join(repr(m) for m in DROPOUT_MODES)}")
+    return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
+                   dropout=dropout).run()

@@ -95,6 +95,7 @@ class RuleContext(Protocol):
     mesh: Mesh
     batch_axes: tuple[str, ...]     # axes the batch rows are split over (dp first)
     training: bool
+    dropout: str                    # "sharded" | "dense": how Dropout kernels draw their masks
     BATCH: int                      # the batch symbol's probe prime
 
     def is_tensor(self, a) -> bool: ...

@@ -19,7 +19,7 @@ from autoshard.errors import ShardingError
 from autoshard.plan import Step
 from autoshard.spec import ShardSpec, replicated
 
-from autoshard.kernels import CrossEntropy, DistLayerNorm
+from autoshard.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout
 
 from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
@@ -603,10 +603,6 @@ def sdpa(ctx: RuleContext) -> Choice:
     sq = ctx.spec(q)
     args = list(node.args) + [None] * 4
     dropout_p = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
-    if dropout_p and ctx.training:
-        raise ShardingError(f"attention dropout p={dropout_p} in train mode needs per-rank RNG streams, which "
-                            "autoshard does not have yet; set attention dropout to 0 (or shard in eval mode)",
-                            node=node)
     base = ShardSpec(dims=(sq.dims[0], sq.dims[1], (), ()))
     qs, ks = ctx.pshape(q), ctx.pshape(k)
     inputs = {(0,): base}
@@ -623,7 +619,22 @@ def sdpa(ctx: RuleContext) -> Choice:
         off = 4 - len(ms)
         md = tuple(base.dims[d + off] if d + off < 2 and ms[d] == qs[d + off] else () for d in range(len(ms)))
         inputs[(3,) if isinstance(args[3], fx.Node) else ("kw", "attn_mask")] = ShardSpec(dims=md)
+    if dropout_p and ctx.training:
+        k = AttentionDropout(p=float(dropout_p), mode=ctx.dropout, in_specs=tuple(inputs.items()), out_spec=base)
+        return Choice.run(k, notes=(f"attention dropout p={dropout_p:g}, {ctx.dropout} masks",))
     return Choice(out=base, inputs=inputs)
+
+
+def dropout(ctx: RuleContext) -> Choice:
+    """Dropout keeps the layout; in train mode with p > 0 it runs the
+    :class:`~autoshard.kernels.Dropout` kernel (rank-consistent masks, no collective).
+    A partial value passes: the mask is the same on every rank of its partial axes."""
+    x, p, train = ctx.node.args[:3]
+    s = ctx.spec(x)
+    if not train or p == 0:
+        return Choice(out=s, inputs={(0,): s})
+    return Choice.run(Dropout(p=float(p), mode=ctx.dropout, in_specs=(((0,), s),), out_spec=s),
+                      notes=(f"dropout p={p:g}, {ctx.dropout} masks",))
 
 
 # ------------------------------------------------------------------ norms/loss
@@ -751,7 +762,7 @@ def rule_for(node: fx.Node):
     if t in RULES:
         return RULES[t]
     if t == aten.dropout.default:
-        return identity_like if (not node.args[2] or node.args[1] == 0) else None
+        return dropout
     if _writes_first_arg(t) and (t == aten.copy_.default or torch.Tag.pointwise in t.tags
                                  or t._schema.name.rstrip("_") in _FUNCTIONAL_POINTWISE):
         return inplace
