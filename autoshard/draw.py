@@ -19,9 +19,10 @@ Where each block lies comes from :meth:`ShardSpec.blocks`, the geometry
 script) can check the picture against the plan exactly.
 
 Colours: up to 10 ranks, one colour per rank. Beyond that, the colour is the
-coordinate on one mesh axis (the innermost that has at most 10 positions, else a
-hue ramp over the innermost axis), lighter on odd coordinates of the next axis,
-and blocks are labelled with ranks or coordinates where they fit.
+coordinate on one mesh axis (the innermost that has at most 10 positions), lighter
+on odd coordinates of the next axis; a single long axis (``tp[64]``) repeats 8
+colours, lighter on every other run of 8. Blocks are labelled with their ranks (and
+coordinates) where the label fits.
 
     >>> import autoshard, transformers                      # doctest: +SKIP
     >>> cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128)   # doctest: +SKIP
@@ -43,7 +44,6 @@ A plan made by hand draws the same way:
 
 from __future__ import annotations
 
-import colorsys
 import math
 import re
 from dataclasses import dataclass
@@ -115,17 +115,16 @@ def drawn_params(plan) -> tuple[list, str | None, list]:
 
 # --------------------------------------------------------------------------- colours
 
-def _hex(rgb) -> str:
-    return "#" + "".join(f"{max(0, min(255, round(c * 255))):02x}" for c in rgb)
-
-
 def _lighten(colour: str, f: float) -> str:
+    """``colour`` mixed with white by ``f``."""
     rgb = [int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
-    return _hex([c + (1 - c) * f for c in rgb])
+    return "#" + "".join(f"{round((c + (1 - c) * f) * 255):02x}" for c in rgb)
 
 
 class _Colours:
     """Rank → colour, and the words that say what the colour means."""
+
+    CYCLE = 8   # an axis longer than the palette repeats 8 colours, shading every other run of 8
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -136,6 +135,10 @@ class _Colours:
         inner = [a for a, s in zip(mesh.axes, mesh.sizes) if s > 1]
         small = [a for a in inner if mesh.size(a) <= len(PALETTE)]
         self.axis = small[-1] if small else inner[-1]
+        if mesh.size(self.axis) > len(PALETTE):
+            self.meaning = (f"colour = {self.axis} coordinate mod {self.CYCLE}, "
+                            f"lighter where {self.axis} // {self.CYCLE} is odd")
+            return
         rest = [a for a in inner if a != self.axis]
         self.shade = rest[-1] if rest else None
         self.meaning = f"colour = {self.axis} coordinate" + (
@@ -145,14 +148,12 @@ class _Colours:
         if self.axis is None:
             return PALETTE[rank]
         c = self.mesh.coords(rank)
-        i, n = c[self.axis], self.mesh.size(self.axis)
-        if n <= len(PALETTE):
-            col = PALETTE[i]
-        else:   # a hue ramp, neighbours alternately darker so adjacent blocks part
-            col = _hex(colorsys.hls_to_rgb(i / n * 0.85, 0.42 if i % 2 else 0.6, 0.6))
-        if self.shade is not None and c[self.shade] % 2:
-            col = _lighten(col, 0.45)
-        return col
+        i = c[self.axis]
+        if self.mesh.size(self.axis) > len(PALETTE):
+            col, light = PALETTE[i % self.CYCLE], (i // self.CYCLE) % 2
+        else:
+            col, light = PALETTE[i], self.shade is not None and c[self.shade] % 2
+        return _lighten(col, 0.45) if light else col
 
 
 class _Patterns:
