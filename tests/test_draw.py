@@ -191,3 +191,14 @@ def test_draw_writes_the_file(tmp_path):
 def test_the_picture_survives_json():
     plan = tiny_plans.plan_for("gpt2", "2d", 4)
     assert render_svg(ShardingPlan.from_json(plan.to_json())) == render_svg(plan)
+
+
+def test_cli_plan_svg(tmp_path, capsys):
+    from autoshard.cli import main
+
+    out = tmp_path / "p.svg"
+    assert main(["plan", "llama:tiny", "-w", "2", "-m", "1d", "--no-table", "--svg", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    root = ET.fromstring(out.read_text())
+    assert root.get("data-mode") == "1d" and root.get("data-mesh") == "tp[2]"
+    assert sum(r.get("class") == "matrix" for r in root.iter("{http://www.w3.org/2000/svg}rect")) >= 9
