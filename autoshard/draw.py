@@ -60,7 +60,7 @@ FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
 MAX_WIDTH = 1200          # panels wrap to the next line past this
 SIDE = 180                # the long side of a matrix, in px
 MIN_SIDE = 36             # the short side at least this ...
-MIN_BLOCK = 14            # ... and every block at least this many px where it can
+MIN_BLOCK = 11            # ... and every block at least this many px where it can
 MAX_SIDE = 1100
 VECTOR_H = 16             # a 1-D parameter is drawn as one row this tall
 GAP = 18
@@ -325,8 +325,8 @@ class _WeightPanel:
         if len(b.ranks) == 1:
             c = mesh.coords(b.ranks[0])
             options = [f"r{b.ranks[0]}"]
-            if world > len(PALETTE):
-                options.insert(0, f"r{b.ranks[0]} " + ",".join(str(c[a]) for a in mesh.axes))
+            if world > len(PALETTE) and len(mesh.axes) > 1:
+                options.insert(0, f"r{b.ranks[0]} (" + ",".join(str(c[a]) for a in mesh.axes) + ")")
         else:
             options = [_rank_list(b.ranks, world), f"×{len(b.ranks)}"]
             if len(b.ranks) == world:
@@ -336,6 +336,10 @@ class _WeightPanel:
                 if _tw(t, size) + 3 <= w and size + 2 <= h:
                     return [_text(x + w / 2, y + h / 2 + size * 0.35, t, size=size, anchor="middle",
                                   halo=True, fill="#111")]
+                if _tw(t, size) + 3 <= h and size + 2 <= w:     # a tall narrow block: read it upward
+                    cx, cy = x + w / 2 + size * 0.35, y + h / 2
+                    return [_text(cx, cy, t, size=size, anchor="middle", halo=True, fill="#111",
+                                  extra=f' transform="rotate(-90 {_num(cx)} {_num(cy)})"')]
         return []
 
     def _segments(self, mx, my, sx, sy) -> list[str]:
@@ -398,7 +402,7 @@ class _MeshPanel:
         else:
             self.row_axis, self.col_axis, self.outer = axes[-2], axes[-1], axes[:-2]
             self.nr, self.nc = sizes[-2], sizes[-1]
-        self.cell = max(12.0, min(34.0, 300 / max(self.nc, self.nr)))
+        self.cell = max(12.0, min(34.0, 640 / max(self.nc, self.nr)))
         self.n_outer = math.prod(mesh.size(a) for a in self.outer) if self.outer else 1
         self.gw = self.nc * self.cell + 34
         self.gh = self.nr * self.cell + 34 + 8 + (14 if self.outer else 0)
@@ -486,6 +490,22 @@ class _LegendPanel:
         return out
 
 
+class _Stack:
+    """Panels one under the other."""
+
+    def __init__(self, panels):
+        self.panels = panels
+        self.width = max(p.width for p in panels)
+        self.height = sum(p.height for p in panels) + 6 * (len(panels) - 1)
+
+    def render(self, x, y) -> list[str]:
+        out = []
+        for p in self.panels:
+            out.extend(p.render(x, y))
+            y += p.height + 6
+        return out
+
+
 def _pick_linear(plan, block: str | None):
     """The Linear whose collectives are shown: in the first block if any, the one with the
     most collectives (first in graph order on a tie)."""
@@ -502,14 +522,17 @@ class _CommPanel:
         self.plan, self.node = plan, node
         mesh = plan.mesh
         lines = [(f"collectives of one Linear: {node.module or node.name}", 12, "bold"),
-                 (f"node {node.name} · kernel {node.kernel or '-'} · weight {node.weight or '-'}", 10.5, None),
+                 (f"node {node.name}" + (f" · kernel {node.kernel}" if node.kernel else "")
+                  + f" · weight {node.weight or '-'}", 10.5, None),
                  (f"output spec {node.out_spec}", 10.5, None)]
         if not node.comms:
             lines.append(("no collective in forward or backward", 10.5, None))
         for c in node.comms:
-            group = mesh.group_ranks(tuple(c.axes), 0)
+            others = [f"r{r}" for r in mesh.group_ranks(tuple(c.axes), 0) if r != 0]
+            if len(others) > 8:
+                others = [*others[:3], "…", *others[-2:]]
             lines.append((f"{c.phase}  {c.kind.replace('_', '-')} over {','.join(c.axes)}  ·  group of "
-                          f"{c.group_size} (rank 0 with {' '.join(f'r{r}' for r in group if r != 0) or 'itself'})"
+                          f"{c.group_size} (rank 0 with {' '.join(others) or 'itself'})"
                           f"  ·  {human_bytes(c.bytes_per_rank)}/rank", 10.5, None))
         self.lines = lines
         self.width = max(_tw(t, s) for t, s, _ in lines) + 20
@@ -570,10 +593,9 @@ def render_svg(plan) -> str:
 
     stem_panels, block_panels = panels(stem), panels(inner)
     skipped = [p.name for p in (*stem, *inner) if len(p.global_shape) not in (1, 2)]
-    top = [_MeshPanel(mesh, colours), _LegendPanel(patterns, colours, mesh)]
     linear = _pick_linear(plan, block)
-    if linear is not None:
-        top.append(_CommPanel(plan, linear))
+    side = [_LegendPanel(patterns, colours, mesh), *([_CommPanel(plan, linear)] if linear is not None else [])]
+    top = [_MeshPanel(mesh, colours), _Stack(side)]
 
     body: list[str] = []
     title = f"autoshard plan · {plan.model} · {plan.mode} · mesh {mesh}"
