@@ -46,20 +46,12 @@ def _comms_text(comms) -> str:
     return " ".join(f"{c.phase}:{c.kind}({','.join(c.axes)})" for c in comms) or "-"
 
 
-def _shape_text(s) -> str:
-    if not s:
-        return "-"
-    if isinstance(s[0], (tuple, list)):
-        return " ".join(_shape_text(x) for x in s)
-    return "[" + ", ".join(str(x) for x in s) + "]"
-
-
 def node_fields(n) -> dict[str, Any]:
     """The values of one node that :func:`diff` compares, as printable values."""
     return {
         "kind": n.kind, "op": n.op, "kernel": n.kernel or "-",
         "out spec": "-" if n.out_spec is None else str(n.out_spec),
-        "per-rank shape": _shape_text(n.local_shape), "weight slice": n.weight or "-",
+        "per-rank shape": tuple(n.local_shape), "weight slice": n.weight or "-",
         "collectives": _comms_text(n.comms), "param B/rank": n.param_bytes,
         "comm B/rank": round(n.comm_bytes), "fallback": n.fallback,
     }
@@ -67,7 +59,7 @@ def node_fields(n) -> dict[str, Any]:
 
 def param_fields(p, mesh) -> dict[str, Any]:
     """The values of one parameter that :func:`diff` compares (spec, block shape, bytes, grad sync)."""
-    return {"spec": str(p.spec), "per-rank shape": _shape_text(p.local_shape(mesh)),
+    return {"spec": str(p.spec), "per-rank shape": tuple(p.local_shape(mesh)),
             "param B/rank": p.local_bytes(mesh), "grad sync": ",".join(p.grad_sync) or "-"}
 
 
