@@ -49,8 +49,6 @@ import re
 from dataclasses import dataclass
 from xml.sax.saxutils import escape, quoteattr
 
-from .cost import human_bytes
-
 __all__ = ["render_svg", "draw", "first_block", "drawn_params"]
 
 # Tableau 10: distinct hues that stay apart for colour-blind readers too
@@ -533,7 +531,7 @@ class _CommPanel:
                 others = [*others[:3], "…", *others[-2:]]
             lines.append((f"{c.phase}  {c.kind.replace('_', '-')} over {','.join(c.axes)}  ·  group of "
                           f"{c.group_size} (rank 0 with {' '.join(others) or 'itself'})"
-                          f"  ·  {human_bytes(c.bytes_per_rank)}/rank", 10.5, None))
+                          f"  ·  {c.bytes_per_rank:,.0f} B/rank", 10.5, None))
         self.lines = lines
         self.width = max(_tw(t, s) for t, s, _ in lines) + 20
         self.height = 12 + 15 * len(lines) + 8
@@ -600,8 +598,8 @@ def render_svg(plan) -> str:
     body: list[str] = []
     title = f"autoshard plan · {plan.model} · {plan.mode} · mesh {mesh}"
     s = plan.summary()
-    sub = (f"parameters per rank {human_bytes(s['param_bytes_per_rank'])} · comm per step fwd "
-           f"{human_bytes(s['comm_bytes_per_rank_fwd'])}, bwd {human_bytes(s['comm_bytes_per_rank_bwd'])} · "
+    sub = (f"per rank: parameters {s['param_bytes_per_rank']:,} B · comm per step fwd "
+           f"{s['comm_bytes_per_rank_fwd']:,.0f} B, bwd {s['comm_bytes_per_rank_bwd']:,.0f} B · "
            f"batch {plan.batch_size} × seq {plan.seq_len}" + (f" · dp {plan.dp}" if plan.dp > 1 else ""))
     body.append(_text(18, 26, title, size=16, weight="bold", fill="#111"))
     body.append(_text(18, 44, sub, size=11, fill="#444"))

@@ -11,12 +11,12 @@ command line.
 
     >>> from autoshard.mesh import Mesh
     >>> from autoshard.plan import NodePlan, ShardingPlan
-    >>> def toy(mode, kernel):
-    ...     n = NodePlan(name="linear", op="linear", kind="linear", module="fc", out_spec=None, kernel=kernel)
+    >>> def toy(mode, weight):
+    ...     n = NodePlan(name="linear", op="linear", kind="linear", module="fc", out_spec=None, weight=weight)
     ...     return ShardingPlan(model="toy", mode=mode, mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
     ...                         batch_axes=(), batch_size=1, seq_len=1, nodes=(n,), params=())
-    >>> [(c.what, c.name, c.status, [f for f, _, _ in c.fields]) for c in diff(toy("1d", None), toy("1d", "row"))]
-    [('node', 'linear', 'changed', ['kernel'])]
+    >>> [(c.what, c.name, c.status, [f for f, _, _ in c.fields]) for c in diff(toy("1d", "column"), toy("1d", "row"))]
+    [('node', 'linear', 'changed', ['weight slice'])]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _comms_text(comms) -> str:
 def node_fields(n) -> dict[str, Any]:
     """The values of one node that :func:`diff` compares, as printable values."""
     return {
-        "kind": n.kind, "op": n.op, "kernel": n.kernel or "-",
+        "kind": n.kind, "op": n.op, "kernel": str(n.kernel) if n.kernel else "-",
         "out spec": "-" if n.out_spec is None else str(n.out_spec),
         "per-rank shape": tuple(n.local_shape), "weight slice": n.weight or "-",
         "collectives": _comms_text(n.comms), "param B/rank": n.param_bytes,
