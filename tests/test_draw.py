@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+import struct
+import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -202,3 +205,17 @@ def test_cli_plan_svg(tmp_path, capsys):
     root = ET.fromstring(out.read_text())
     assert root.get("data-mode") == "1d" and root.get("data-mesh") == "tp[2]"
     assert sum(r.get("class") == "matrix" for r in root.iter("{http://www.w3.org/2000/svg}rect")) >= 9
+
+
+@pytest.mark.skipif(shutil.which("rsvg-convert") is None, reason="rsvg-convert (librsvg2-bin) is not installed")
+def test_renders_to_png(tmp_path):
+    """librsvg reads the picture (hatch patterns, rotated text) and writes a PNG of its size."""
+    plan = tiny_plans.plan_for("gpt2", "2.5d", 8, 2)
+    svg = tmp_path / "p.svg"
+    plan.draw(svg)
+    png = tmp_path / "p.png"
+    subprocess.run(["rsvg-convert", "-o", str(png), str(svg)], check=True, capture_output=True, timeout=120)
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    root = ET.fromstring(svg.read_text())
+    assert struct.unpack(">II", head[16:24]) == (int(root.get("width")), int(root.get("height")))
