@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Automatic tensor parallelism for Hugging Face models: print the sharding plan of a "
                     "model on a mesh (1d / 2d / 2.5d / 3d or auto), or check that it can be sharded.",
         epilog="run `autoshard plan --help` or `autoshard check --help` for the options and examples")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check,diff}")
     pp = sub.add_parser("plan", formatter_class=_Help, help="print the plan table, summary and cost",
                         description="Plan MODEL_OR_CONFIG on WORLD_SIZE ranks and print the per-node plan table, "
                                     "a per-rank summary (parameter, gradient, optimizer and activation bytes, "
@@ -137,13 +137,33 @@ def build_parser() -> argparse.ArgumentParser:
                     help="list every graph node in the plan table, not only linear/norm/attention/"
                          "embedding/loss and fallbacks")
     pp.add_argument("--no-table", action="store_true", help="skip the per-node plan table")
+    pp.add_argument("--svg", metavar="PATH", default=None,
+                    help="also draw the plan as SVG: which block of each weight (stem, head, first block) "
+                         "lives on which rank, the mesh, one Linear's collectives")
     pp.add_argument("--top", type=int, default=12, metavar="K",
                     help="with --mode auto, show the K best candidates (and up to K dropped ones); 0 = all")
     cp = sub.add_parser("check", formatter_class=_Help, help="report whether a model can be sharded (exit 1 if not)",
                         description="Check MODEL_OR_CONFIG on WORLD_SIZE ranks without processes.",
                         epilog=_EPILOG_CHECK)
     _add_common(cp, mode_default=None)
+    _add_diff(sub)
     return ap
+
+
+def _add_diff(sub) -> None:
+    dp = sub.add_parser("diff", formatter_class=_Help, help="compare two plans saved as JSON, node by node",
+                        description="Print what changes between two plans of one model: per node (kernel, "
+                                    "output spec, per-rank shape, weight slice, collectives, bytes), nodes only "
+                                    "one plan has, parameters whose spec changed, and the plan-level figures.",
+                        epilog="examples:\n  autoshard plan llama:tiny -w 4 -m 1d --no-table --json a.json\n"
+                               "  autoshard plan llama:tiny -w 4 -m 2d --no-table --json b.json\n"
+                               "  autoshard diff a.json b.json\n\n"
+                               "exit status: 0 the plans are equal, 1 they differ, 2 bad arguments.")
+    dp.add_argument("plan_a", metavar="PLAN_A.json", help="a plan: `autoshard plan --json` output or "
+                                                         "ShardingPlan.to_json()")
+    dp.add_argument("plan_b", metavar="PLAN_B.json", help="the plan to compare it with")
+    dp.add_argument("--width", type=int, default=None, metavar="COLS",
+                    help="console width for the table (default: terminal width, at least 220)")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -268,6 +288,8 @@ def cmd_plan(args) -> int:
     if not args.no_table:
         console.print(plan.table(all_nodes=args.all_nodes))
     print_summary(console, plan, cost, cluster)
+    if args.svg:
+        console.print(f"wrote {plan.draw(args.svg)}")
     if args.json:
         out = {"summary": summary(plan, cost), "cluster": cluster.__dict__, "plan": json.loads(plan.to_json())}
         if res is not None:
@@ -358,6 +380,33 @@ def cmd_check(args) -> int:
     return 0
 
 
+def read_plan(path: str):
+    """A :class:`~autoshard.plan.ShardingPlan` from a JSON file: the output of
+    ``autoshard plan --json`` (its ``plan`` entry) or of ``ShardingPlan.to_json()``."""
+    from .plan import ShardingPlan
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return ShardingPlan.from_json(json.dumps(d["plan"] if "plan" in d else d))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _UsageError(f"cannot read a plan from {path!r} (want `autoshard plan --json` output or "
+                          f"ShardingPlan.to_json()): {type(e).__name__}: {e}") from e
+
+
+def cmd_diff(args) -> int:
+    from .plan_diff import counts, diff, table
+
+    a, b = read_plan(args.plan_a), read_plan(args.plan_b)
+    console = _console(args.width)
+    changes = diff(a, b)
+    if changes:
+        console.print(table(a, b, changes))
+    n = counts(changes)
+    console.print(" · ".join(f"{k}: {v}" for k, v in n.items()) if changes else "the plans are equal")
+    return 1 if changes else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autoshard`` console script."""
     from .errors import ConfigError
@@ -371,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "diff":
+            return cmd_diff(args)
         return cmd_check(args)
     except _UsageError as e:
         print(f"autoshard: error: {e}", file=sys.stderr)

@@ -295,6 +295,18 @@ class ShardingPlan:
             f"{s['collective_calls_per_step']} collective calls/step · "
             f"fallbacks: {len(s['fallbacks'])}{' (' + ', '.join(s['fallbacks']) + ')' if s['fallbacks'] else ''}")
 
+    def draw(self, path) -> str:
+        """Write an SVG picture of the plan to ``path``: for the stem/head and the first
+        repeated block, each weight's blocks coloured by the rank that holds them, the
+        mesh, and one Linear's collectives (see :mod:`autoshard.draw`). Returns ``path``.
+
+            >>> plan.draw("plan.svg")       # doctest: +SKIP
+            'plan.svg'
+        """
+        from .draw import draw      # the drawing code is loaded only by those who draw
+
+        return draw(self, path)
+
     # ------------------------------------------------------------ serialising
     def to_json(self) -> str:
         def node_d(n: NodePlan):

@@ -72,6 +72,44 @@ class ShardSpec:
     def local_shape(self, shape: Sequence[int], mesh) -> tuple[int, ...]:
         return tuple(s // mesh.size(d) if d else s for s, d in zip(shape, self.dims))
 
+    def blocks(self, shape: Sequence[int], mesh, rank: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Where ``rank``'s block lies in the global tensor: per dim, the ``(start, stop)``
+        index ranges it takes, in order (one per segment; adjacent ranges merged).
+
+        The block :meth:`local` returns is the cartesian product of these ranges, glued
+        in order; a replicated dim is the single range ``(0, size)``. The dim-by-dim
+        geometry is the one :meth:`local` slices with, so a drawing or a file reader
+        that needs offsets asks here instead of re-deriving it.
+
+            >>> from autoshard.mesh import Mesh
+            >>> mesh = Mesh(axes=("tp",), sizes=(2,))
+            >>> ShardSpec(dims=((), ("tp",)), segments=(1, 3)).blocks((4, 12), mesh, rank=1)
+            (((0, 4),), ((2, 4), (6, 8), (10, 12)))
+        """
+        if len(shape) != self.ndim:
+            raise ShardingError(f"spec {self} has {self.ndim} dims, tensor shape {tuple(shape)}")
+        out = []
+        for d, size in enumerate(shape):
+            size = int(size)
+            if not self.dims[d]:
+                out.append(((0, size),))
+                continue
+            idx, count = self._block_index(d, mesh, rank)
+            m = self.segments[d]
+            if size % (m * count):
+                raise ShardingError(
+                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({self.dims[d]})")
+            seg, blk = size // m, size // (m * count)
+            ranges: list[tuple[int, int]] = []
+            for s in range(m):
+                lo = s * seg + idx * blk
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], lo + blk)
+                else:
+                    ranges.append((lo, lo + blk))
+            out.append(tuple(ranges))
+        return tuple(out)
+
     # ------------------------------------------------------------ constructors
     def with_dim(self, d: int, axes: tuple[str, ...], segments: int = 1) -> "ShardSpec":
         dims = list(self.dims)

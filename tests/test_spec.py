@@ -90,6 +90,33 @@ def test_local_matches_reference_and_local_shape(mesh, shape, spec):
     assert math.prod(expect_shape) * n_split == t.numel()
 
 
+@pytest.mark.parametrize("mesh, shape, spec", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_blocks_are_the_ranges_local_takes(mesh, shape, spec):
+    """``blocks`` names exactly the global positions ``local`` copies, in the order it
+    copies them: index an arange of the global shape with the ranges and compare."""
+    spec = ShardSpec(dims=spec.dims, segments=spec.segments)      # blocks ignore partial sums
+    index = torch.arange(math.prod(shape)).reshape(shape)
+    for r in range(mesh.world_size):
+        ranges = spec.blocks(shape, mesh, r)
+        assert len(ranges) == len(shape)
+        picked = index
+        for d, rs in enumerate(ranges):
+            assert all(0 <= a < b <= shape[d] for a, b in rs)
+            picked = torch.cat([picked.narrow(d, a, b - a) for a, b in rs], dim=d)
+        assert torch.equal(picked, spec.local(index, mesh, r)), (r, ranges)
+
+
+def test_blocks_merges_adjacent_segments_and_refuses_bad_sizes():
+    # one shard per segment: the three segment ranges touch and become one
+    one = Mesh(axes=("tp",), sizes=(1,))
+    assert S(["tp"], segments=(3,)).blocks((12,), one, 0) == (((0, 12),),)
+    assert S(["tp"], segments=(3,)).blocks((12,), M1, 1) == (((2, 4), (6, 8), (10, 12)),)
+    with pytest.raises(ShardingError, match="not divisible"):
+        S(["tp"], segments=(3,)).blocks((8,), M1, 0)
+    with pytest.raises(ShardingError, match="2 dims"):
+        S(["tp"], []).blocks((8,), M1, 0)
+
+
 def test_docstring_segment_example():
     s = S(["tp"], segments=(3,))
     w = torch.arange(12.0)
