@@ -89,16 +89,13 @@ class ShardSpec:
         if len(shape) != self.ndim:
             raise ShardingError(f"spec {self} has {self.ndim} dims, tensor shape {tuple(shape)}")
         out = []
-        for d, size in enumerate(shape):
+        for d, (size, at) in enumerate(zip(shape, self.block_index(mesh, rank))):
             size = int(size)
-            if not self.dims[d]:
+            if at is None:
                 out.append(((0, size),))
                 continue
-            idx, count = self._block_index(d, mesh, rank)
-            m = self.segments[d]
-            if size % (m * count):
-                raise ShardingError(
-                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({self.dims[d]})")
+            idx, count = at
+            m = self._divisible(d, size, count)
             seg, blk = size // m, size // (m * count)
             ranges: list[tuple[int, int]] = []
             for s in range(m):
@@ -122,6 +119,14 @@ class ShardSpec:
         return ShardSpec(dims=self.dims, partial=tuple(partial), segments=self.segments)
 
     # ------------------------------------------------------- reversible slicing
+    def _divisible(self, d: int, size: int, count: int) -> int:
+        """Dim ``d``'s segment count, once ``size`` is known to cut into them × ``count`` blocks."""
+        m = self.segments[d]
+        if size % (m * count):
+            raise ShardingError(
+                f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({self.dims[d]})")
+        return m
+
     def block_index(self, mesh, rank: int) -> tuple[tuple[int, int] | None, ...]:
         """Per dim, ``(which block, how many blocks)`` this rank holds, or None where
         the dim is whole: the geometry :meth:`local` and :meth:`block` slice by."""
@@ -136,11 +141,8 @@ class ShardSpec:
             if at is None:
                 continue
             idx, count = at
-            m = self.segments[d]
             size = out.shape[d]
-            if size % (m * count):
-                raise ShardingError(
-                    f"dim {d} of size {size} is not divisible by {m} segment(s) × {count} shards ({self.dims[d]})")
+            m = self._divisible(d, size, count)
             shape = list(out.shape)
             seg = out.reshape(shape[:d] + [m, count, size // (m * count)] + shape[d + 1:])
             out = seg.select(d + 1, idx).reshape(shape[:d] + [size // count] + shape[d + 1:])
