@@ -39,6 +39,11 @@ def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments:
     return _STEPS[op](x, group, dim, segments, factor)
 
 
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (never on meta, where the trace runs)."""
+    return t.device.type != "meta" and torch.is_autocast_enabled(t.device.type)
+
+
 # ----------------------------------------------------------------------- linears
 def _matmul(x, w, n_dim: int):
     """x @ W in math layout, for a weight stored [n, k] (n_dim 0) or [k, n] (n_dim 1)."""
@@ -67,15 +72,17 @@ class _Summa(torch.autograd.Function):
         dx = dw = None
         # re-gather instead of saving the gathered copies (DESIGN §9); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
+        # under autocast dy is low precision while x / w are not: compute in dy's
+        # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
         if ctx.needs_input_grad[0]:
-            wg = C.all_gather(w, k_dim, row)
-            dxg = dy @ (wg if n_dim == 0 else wg.t())
+            wg = C.all_gather(w, k_dim, row).to(dy.dtype)
+            dxg = (dy @ (wg if n_dim == 0 else wg.t())).to(x.dtype)
             dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
         if ctx.needs_input_grad[1]:
-            xg = C.all_gather(x, x.dim() - 1, col)
+            xg = C.all_gather(x, x.dim() - 1, col).to(dy.dtype)
             x2 = xg.reshape(-1, xg.shape[-1])
             dy2 = dy.reshape(-1, dy.shape[-1])
-            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
+            dwg = (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(w.dtype)
             dw = C.reduce_scatter(dwg, k_dim, row)
         return dx, dw, None, None, None, None
 
@@ -118,13 +125,14 @@ class _ThreeD(torch.autograd.Function):
         a, b, c, row_dim, n_dim, m = ctx.cfg
         dyg = C.all_gather(dy.contiguous(), row_dim, c)
         dx = dw = None
+        # as in _Summa: compute in dy's dtype, sum each gradient in its input's dtype
         if ctx.needs_input_grad[0]:
-            dxg = dyg @ (wg if n_dim == 0 else wg.t())
+            dxg = (dyg @ (wg if n_dim == 0 else wg.t()).to(dyg.dtype)).to(xg.dtype)
             dx = C.reduce_scatter(dxg, row_dim, b)
         if ctx.needs_input_grad[1]:
-            x2 = xg.reshape(-1, xg.shape[-1])
+            x2 = xg.reshape(-1, xg.shape[-1]).to(dyg.dtype)
             dy2 = dyg.reshape(-1, dyg.shape[-1])
-            dwg = dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2
+            dwg = (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(wg.dtype)
             dw = _rs_seg(dwg, n_dim, a, m)
         return dx, dw, None, None, None, None, None, None
 
@@ -158,17 +166,22 @@ def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
 # ------------------------------------------------------------------------- norms
 def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
     """LayerNorm over a hidden dim split over ``group``: Σx and Σ(x-μ)² all-reduced
-    both ways (the statistics are used with split data, so their grads are partial)."""
+    both ways (the statistics are used with split data, so their grads are partial).
+
+    Computed in float32, as the dense kernel does; the result has ``x``'s dtype, or
+    float32 under autocast (where ``layer_norm`` runs in float32)."""
+    dtype = torch.float32 if _autocast_on(x) else x.dtype
+    x = x.float()
     h = x.shape[-1] * count
     mean = C.all_reduce_both(x.sum(-1, keepdim=True), group) / h
     xc = x - mean
     var = C.all_reduce_both((xc * xc).sum(-1, keepdim=True), group) / h
     y = xc * torch.rsqrt(var + eps)
     if w is not None:
-        y = y * w
+        y = y * w.float()
     if b is not None:
-        y = y + b
-    return y
+        y = y + b.float()
+    return y.to(dtype)
 
 
 # -------------------------------------------------------------------------- loss
@@ -203,7 +216,10 @@ class _VocabParallelCE(torch.autograd.Function):
 def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str | None,
                   ignore_index: int = -100, reduction: int = 1):
     """Global-mean (or sum) token cross-entropy of a batch split over ``batch_group``
-    with logits possibly split on vocab over ``vocab_group``: identical on every rank."""
+    with logits possibly split on vocab over ``vocab_group``: identical on every rank.
+    Under autocast it runs in float32, as autocast runs ``cross_entropy_loss``."""
+    if _autocast_on(logits):
+        logits = logits.float()
     if vocab_group is not None:
         tok = _VocabParallelCE.apply(logits, target, vocab_group, ignore_index)
     else:

@@ -93,6 +93,11 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                     cur = _step_node(graph, cur, st, groups)
             for u in users:
                 u.replace_input_with(target, cur)
+    # dtype checks baked in at capture would pin the captured dtype: a module run
+    # under autocast (or fed another dtype) must not fail them
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
     graph.lint()
     gm.recompile()
     return gm
