@@ -176,6 +176,9 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
                        example_inputs=cap.example_inputs, debug=debug)
     sm._limits = _input_limits(getattr(model, "config", None))
+    hi = cap.seq_range[1]
+    if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
+        sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return sm
 
 

@@ -10,6 +10,7 @@ real and meta weights.
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class Captured:
     example_inputs: dict
     training: bool
     config: Any = None              # the model's Hugging Face config (None for a plain module)
+    seq_range: tuple = (2, 4096)    # sequence lengths the graph was proven for (calls outside are refused)
 
 
 def _max_positions(config) -> int:
@@ -66,10 +68,19 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     return out
 
 
-def _dynamic(kwargs: dict, b: int, s: int, min_seq: int, config) -> dict:
+def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
+    """The message of a failed capture: torch's explanation (its guard and the model's
+    line when it gives them), not just its first line."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    keep = [ln for ln in lines if not ln.startswith(("The error above occurred", "For more information"))][:12]
+    return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}: {type(e).__name__}: "
+            + "\n  ".join(keep))
+
+
+def _dynamic(kwargs: dict, b: int, s: int, min_seq: int, max_seq: int) -> dict:
     """One batch and one sequence ``Dim`` shared by every ``[batch, seq, ...]`` input."""
     batch = Dim("batch", min=1, max=1 << 16)
-    seq = Dim("seq", min=min_seq, max=_max_positions(config))
+    seq = Dim("seq", min=min_seq, max=max_seq)
     dynamic: dict = {}
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
@@ -113,23 +124,34 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         if not isinstance(v, torch.Tensor):
             constants[k] = v
     name = type(model).__name__
-    # encoder-decoders shift the labels right (a slice of seq - 1): export then
-    # wants seq >= 3; try the wider range first
-    for min_seq in (2, 3):
+    # Export proves the graph for a range of sequence lengths. Two guards models are
+    # known to add narrow it, each retried once: encoder-decoders shift the labels
+    # right (a slice of seq - 1: seq >= 3), and some attention code compares seq with
+    # the model's maximum (GPT-Neo's local attention: seq != max_positions).
+    lo, hi = 2, _max_positions(model.config)
+    for _ in range(3):
         try:
-            ep = torch.export.export(model, (), kwargs, dynamic_shapes=_dynamic(kwargs, b, s, min_seq, model.config),
-                                     strict=False)
+            ep = torch.export.export(model, (), kwargs, dynamic_shapes=_dynamic(kwargs, b, s, lo, hi), strict=False)
             break
-        except Exception as e:  # noqa: BLE001 - re-raised with the model named
-            if min_seq == 2 and "Constraints violated (seq)" in str(e) and s >= 3:
-                continue
-            raise CaptureError(f"torch.export could not capture {name}: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
+            msg = str(e)
+            if "Constraints violated (seq)" in msg:
+                excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
+                if hi in excluded and hi - 1 >= max(lo, s):
+                    hi -= 1
+                    continue
+                if lo == 2 and s >= 3 and hi not in excluded:
+                    lo = 3
+                    continue
+            raise CaptureError(_capture_failure(name, e, lo, hi)) from e
+    else:
+        raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm = ep.module()
     ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     val = ph["input_ids"].meta["val"]
     bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
     ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
+                    seq_range=(lo, hi),
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))

@@ -19,6 +19,12 @@ TINY = {
     "bert": ("BertForMaskedLM", "BertConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                    num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    # local attention whose code guards seq != max_positions (capture excludes the maximum)
+    "gptneo": ("GPTNeoForCausalLM", "GPTNeoConfig", dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=128,
+                                                         max_position_embeddings=64, window_size=4,
+                                                         attention_types=[[["global", "local"], 1]],
+                                                         embed_dropout=0.0, attention_dropout=0.0,
+                                                         resid_dropout=0.0)),
 }
 # the architecture matrix (tests/test_arch_matrix.py) adds its own tiny configs
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

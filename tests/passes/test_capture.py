@@ -142,3 +142,40 @@ def test_default_example_inputs(cpu_models, name):
     assert int(ex["input_ids"].max()) < cpu_models[name].config.vocab_size
     # deterministic
     assert torch.equal(default_example_inputs(cpu_models[name], batch_size=3, seq_len=7)["input_ids"], ex["input_ids"])
+
+
+def test_a_guard_on_the_maximum_length_is_excluded_from_the_range():
+    """GPT-Neo's local attention compares seq with max_positions: export refuses the
+    full range, capture retries without the maximum and records the range it proved."""
+    cap = capture(models.build("gptneo"))
+    assert cap.seq_range == (2, 63)
+
+
+def _gptneo_call_at_the_excluded_length(rank, world):
+    import autoshard
+    from autoshard.errors import ConfigError
+
+    model = models.build("gptneo")
+    sharded = autoshard.shard(model, mode="1d", example_inputs=models.batch("gptneo"))
+    try:
+        ids = torch.zeros(2, 64, dtype=torch.long)
+        sharded(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_call_outside_the_captured_range_is_refused():
+    from dist_pool import get_pool
+
+    for msg in get_pool(2, timeout=600).run(_gptneo_call_at_the_excluded_length):
+        assert msg is not None and "sequence length 64 exceeds" in msg and "seq <= 63" in msg
+
+
+@pytest.mark.parametrize("mode,world", [("1d", 2), ("2d", 4)])
+def test_gptneo_is_exact(mode, world):
+    from dist_pool import get_pool
+
+    for r in get_pool(world, timeout=600).run(models.check, "gptneo", mode):
+        assert not r["failures"], r["failures"]
+        assert r["ledger_calls"] == r["plan_calls"] and r["ledger_bytes"] == r["plan_bytes"]
