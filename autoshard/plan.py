@@ -242,6 +242,37 @@ class ShardingPlan:
     def fallbacks(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.fallback]
 
+    @property
+    def tp_size(self) -> int:
+        """Ranks of one tensor-parallel group (the mesh without ``dp``)."""
+        return self.mesh.world_size // self.dp
+
+    def parallel_fraction(self) -> dict:
+        """How much of the model the plan really splits.
+
+        ``params_split``: the share of parameter elements split over a tensor-parallel
+        axis; ``vs_ideal``: parameter bytes per rank over the ideal (dense bytes / TP
+        size; 1.0 is perfect); ``replicated``: the largest parameters held whole, the
+        ones that keep the plan from its ideal.
+
+        >>> from autoshard.mesh import Mesh
+        >>> from autoshard.spec import ShardSpec
+        >>> p = ShardingPlan(model="m", mode="1d", mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
+        ...                  batch_axes=(), batch_size=1, seq_len=1, nodes=(), params=(
+        ...     ParamPlan(name="w", global_shape=(4, 4), spec=ShardSpec(dims=(("tp",), ())), grad_sync=()),
+        ...     ParamPlan(name="b", global_shape=(4,), spec=ShardSpec(dims=((),)), grad_sync=())))
+        >>> f = p.parallel_fraction(); f["params_split"], f["vs_ideal"], f["replicated"]
+        (0.8, 1.2, ['b'])
+        """
+        params = [p for p in self.params if not p.is_buffer]
+        total = sum(math.prod(p.global_shape) for p in params) or 1
+        tp = set(self.tp_axes) - {"dp"}
+        split = sum(math.prod(p.global_shape) for p in params if tp & set(p.spec.axes))
+        dense = sum(math.prod(p.global_shape) * p.dtype_bytes for p in params) or 1
+        whole = sorted((p for p in params if not tp & set(p.spec.axes)), key=lambda p: -math.prod(p.global_shape))
+        return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.tp_size),
+                "replicated": [p.name for p in whole[:8]]}
+
     def summary(self) -> dict:
         return {
             "model": self.model, "mode": self.mode, "mesh": str(self.mesh),
@@ -251,6 +282,7 @@ class ShardingPlan:
             "comm_bytes_per_rank_bwd": self.comm_bytes_per_rank("bwd"),
             "collective_calls_per_step": len(self.comms()),
             "fallbacks": [n.name for n in self.fallbacks],
+            "parallel_fraction": self.parallel_fraction(),
         }
 
     def fingerprint(self) -> str:
@@ -294,6 +326,10 @@ class ShardingPlan:
             f"comm/step fwd {s['comm_bytes_per_rank_fwd']:,.0f} B, bwd {s['comm_bytes_per_rank_bwd']:,.0f} B · "
             f"{s['collective_calls_per_step']} collective calls/step · "
             f"fallbacks: {len(s['fallbacks'])}{' (' + ', '.join(s['fallbacks']) + ')' if s['fallbacks'] else ''}")
+        f = s["parallel_fraction"]
+        console.print(f"[bold]split:[/bold] {f['params_split']:.0%} of parameters split over TP · parameter bytes per "
+                      f"rank {f['vs_ideal']:.2f}× the ideal (dense / {self.tp_size})"
+                      + (f" · largest held whole: {', '.join(f['replicated'][:4])}" if f["vs_ideal"] > 1.15 else ""))
 
     def draw(self, path) -> str:
         """Write an SVG picture of the plan to ``path``: for the stem/head and the first

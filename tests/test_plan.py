@@ -17,7 +17,8 @@ from autoshard import ShardingPlan
 from autoshard.plan import NodePlan, ParamPlan
 
 SUMMARY_KEYS = {"model", "mode", "mesh", "world_size", "batch_size", "seq_len", "param_bytes_per_rank",
-                "comm_bytes_per_rank_fwd", "comm_bytes_per_rank_bwd", "collective_calls_per_step", "fallbacks"}
+                "comm_bytes_per_rank_fwd", "comm_bytes_per_rank_bwd", "collective_calls_per_step", "fallbacks",
+                "parallel_fraction"}
 
 MODEL_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 
@@ -110,6 +111,12 @@ def test_summary(case):
     assert per_rank == {s["param_bytes_per_rank"]}
     total = sum(p.dtype_bytes * _numel(p.global_shape) for p in plan.params if not p.is_buffer)
     assert total / world <= s["param_bytes_per_rank"] < total
+    # the parallel fraction: bytes per rank against dense / TP size, and the split share
+    f = s["parallel_fraction"]
+    assert f["vs_ideal"] == s["param_bytes_per_rank"] / (total / world) >= 1
+    split = sum(_numel(p.global_shape) for p in plan.params if not p.is_buffer and p.spec.axes)
+    assert f["params_split"] == split / sum(_numel(p.global_shape) for p in plan.params if not p.is_buffer) > 0.5
+    assert all(not plan.param(n).spec.axes for n in f["replicated"])
 
 
 def _numel(shape):
