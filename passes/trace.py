@@ -20,6 +20,7 @@ from torch import fx
 from autoshard import parallel_ops
 from autoshard.argpath import apply_patches, get_arg, set_arg
 from autoshard.collectives import sim_group
+from autoshard.errors import ShardingError
 from autoshard.plan import NodePlan, SavedTensor, ShardingPlan
 
 __all__ = ["trace"]
@@ -66,6 +67,7 @@ class _Trace:
         self.shared: dict = {}                # (value, steps) -> re-layout result
         self.saved: dict[str, list[SavedTensor]] = {}
         self.failed: dict[str, str] = {}
+        self.mismatch: dict[str, tuple] = {}  # node -> (local shape it produced, the plan's)
 
     # ---- helpers
     def _group(self, axes) -> str:
@@ -176,6 +178,8 @@ class _Trace:
             self.pending = []
         finally:
             torch.set_grad_enabled(grad)
+        if node.name not in self.failed and not (np_ is not None and np_.post):
+            self._check_shape(node, out)
         self._register_out(node.name, out)
         if np_ is not None and np_.post:
             out = self._steps(out, np_.post, node.name)
@@ -207,6 +211,19 @@ class _Trace:
         if node.target is _SDPA:
             return self._attention(node, call)
         return node.target(*call.args, **call.kwargs)
+
+    def _check_shape(self, node: fx.Node, out) -> None:
+        """The op's real local output against the plan's: a difference is a wrong rule
+        (the run would fail or, worse, compute on the wrong block)."""
+        want = self.local_shape(node)
+        got = _tensors(out)
+        if want is None or not got:
+            return
+        wants = list(want) if isinstance(node.meta.get("val"), (list, tuple)) else [want]
+        for g, w in zip(got, wants):
+            if w is not None and tuple(g.shape) != tuple(w):
+                self.mismatch.setdefault(node.name, (tuple(g.shape), tuple(w)))
+                return
 
     def _attention(self, node: fx.Node, call):
         """Run the op unrecorded (meta has only its math path); record the operands
@@ -262,6 +279,15 @@ def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
     shapes = plan.local_shapes
     t = _Trace(plan, gm, lambda node: shapes.get(node.name))
     t.run()
+    if t.mismatch:
+        by_name = {n.name: n for n in gm.graph.nodes}
+        first = next(n for n in gm.graph.nodes if n.name in t.mismatch)
+        got, want = t.mismatch[first.name]
+        inputs = {a.name: shapes.get(a.name) for a in first.all_input_nodes if a.name in by_name}
+        raise ShardingError(f"the plan is inconsistent at this node: run with the plan's local inputs it produces "
+                            f"{list(got)}, the plan expects {list(want)} ({len(t.mismatch)} node(s) differ); a rule "
+                            f"chose a layout its op does not compute, so autoshard refuses the plan rather than "
+                            f"run it wrong", node=first, specs=inputs)
     nodes = list(plan.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     carry: list[SavedTensor] = []

@@ -625,6 +625,14 @@ def sdpa(ctx: RuleContext) -> Choice:
     return Choice(out=base, inputs=inputs)
 
 
+def type_as(ctx: RuleContext) -> Choice:
+    """``type_as(x, other)``: ``x``'s values and shape in ``other``'s dtype; ``other``
+    gives only its dtype, so its layout is taken as it is."""
+    x, other = ctx.node.args[:2]
+    s = ctx.spec(x)
+    return Choice(out=s, inputs={(0,): s, (1,): ctx.spec(other)})
+
+
 def dropout(ctx: RuleContext) -> Choice:
     """Dropout keeps the layout; in train mode with p > 0 it runs the
     :class:`~autoshard.kernels.Dropout` kernel (rank-consistent masks, no collective).
@@ -719,7 +727,7 @@ _POINTWISE_EXTRA = {aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, at
                     aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
                     aten.masked_fill.Tensor, aten.pow.Tensor_Scalar, aten.gelu.default, aten.silu.default,
                     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.rsqrt.default,
-                    aten.type_as.default, aten.lift_fresh_copy.default}
+                    aten.lift_fresh_copy.default}
 
 _FUNCTIONAL_POINTWISE = {"aten::masked_fill", "aten::fill", "aten::zero", "aten::clamp"}
 
@@ -732,7 +740,7 @@ RULES = {
     aten.squeeze.default: squeeze,
     aten.alias.default: identity_like, aten.contiguous.default: identity_like, aten.clone.default: identity_like,
     aten.detach.default: identity_like, aten.to.dtype: identity_like, aten.to.dtype_layout: identity_like,
-    aten._to_copy.default: identity_like, aten.to.device: identity_like,
+    aten._to_copy.default: identity_like, aten.to.device: identity_like, aten.type_as.default: type_as,
     aten.slice.Tensor: slice_, aten.select.int: select,
     aten.split.Tensor: split, aten.split_with_sizes.default: split, aten.chunk.default: split,
     operator.getitem: getitem,

@@ -25,6 +25,16 @@ TINY = {
                                                          attention_types=[[["global", "local"], 1]],
                                                          embed_dropout=0.0, attention_dropout=0.0,
                                                          resid_dropout=0.0)),
+    # disentangled relative attention: a position index expanded to [heads·batch, s, s]
+    "debertav2": ("DebertaV2ForMaskedLM", "DebertaV2Config", dict(hidden_size=64, intermediate_size=128,
+                                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                                  vocab_size=128, max_position_embeddings=64,
+                                                                  hidden_dropout_prob=0.0,
+                                                                  attention_probs_dropout_prob=0.0,
+                                                                  relative_attention=True, position_buckets=8,
+                                                                  max_relative_positions=16,
+                                                                  pos_att_type=["p2c", "c2p"],
+                                                                  position_biased_input=False)),
 }
 # the architecture matrix (tests/test_arch_matrix.py) adds its own tiny configs
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
