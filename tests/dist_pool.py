@@ -376,11 +376,17 @@ def get_pool(world_size: int, **kwargs) -> RankPool:
     return pool
 
 
-def close_all_pools() -> None:
+def close_all_pools(*, graceful: bool = True) -> None:
+    """Close every cached pool. ``graceful=False`` terminates the workers at once: a
+    graceful close waits up to 10 s per pool, and ranks that created subgroups
+    (every 2d / 2.5d / 3d mesh) do not finish ``destroy_process_group`` in that time."""
     while _POOLS:
         _, pool = _POOLS.popitem()
         try:
-            pool.close()
+            if graceful:
+                pool.close()
+            else:
+                pool._fail()
         except Exception:
             pass
 

@@ -118,7 +118,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
             continue
         cmp(f"grad {pp.name}", got, ref)
         grad_err = max(grad_err, (got - ref).abs().max().item())
-    res = {"failures": failures, "loss_err": (out.loss - out_d.loss).abs().item(),
+    res = {"failures": failures, "loss": out.loss.item(), "loss_err": (out.loss - out_d.loss).abs().item(),
            "logits_err": (out.logits - ref_logits).abs().max().item(), "grad_err": grad_err,
            "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
            "ledger_calls": led.count(), "plan_calls": len(plan.comms()),

@@ -13,7 +13,6 @@ from autoshard.activations import SavedBytes, attention_saved, saved_bytes
 from autoshard.passes.pipeline import plan_captured
 from autoshard.policies import make_policy
 from autoshard.cost import estimate
-from autoshard.passes.capture import capture
 from autoshard.plan import ShardingPlan
 from dist_pool import get_pool
 
@@ -34,7 +33,7 @@ def dense_plan(request):
     torch.manual_seed(0)
     model = models.build(name)
     inputs = models.batch(name, b=B, s=S)
-    cap = capture(model, example_inputs=inputs)
+    cap = models.shared_capture(name, model, inputs)
     measured = measure_saved(model, {**inputs, **cap.constants})      # use_cache=False, as captured
     plan = plan_captured(cap, make_policy("1d", 1, None, 1), batch_size=B, seq_len=S)
     return name, plan, measured

@@ -51,7 +51,9 @@ def _shard_train_save(rank, world, name, mode, depth, ckpt):
     torch.set_num_threads(1)
     dense = models.build(name)
     inputs = models.batch(name)
-    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth, example_inputs=inputs)
+    model = copy.deepcopy(dense)
+    sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=inputs,
+                              captured=models.shared_capture(name, model, inputs))
     sd0 = sharded.full_state_dict()
     opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     _step(sharded, opt, inputs)
@@ -114,7 +116,9 @@ def _shard_save(rank, world, name, ckpt):
 
     torch.set_num_threads(1)
     dense = models.build(name)
-    sharded = autoshard.shard(dense, mode="1d", example_inputs=models.batch(name))
+    inputs = models.batch(name)
+    sharded = autoshard.shard(dense, mode="1d", example_inputs=inputs,
+                              captured=models.shared_capture(name, dense, inputs))
     save_checkpoint(sharded, ckpt, config=dense.config)
 
 

@@ -212,7 +212,7 @@ def _profile_and_auto(rank, world):
     import autoshard
 
     c = autoshard.profile(sizes=(1 << 10, 1 << 16), iters=2, matmul_size=128)
-    res = models.check(rank, world, "llama", "auto")
+    res = models.check(rank, world, "llama", "auto", share_capture=True)
     return c, res
 
 

@@ -25,12 +25,11 @@ def _run(gm, inputs):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_checkpointed_graph_is_exact_and_saves_less(name):
-    from autoshard.passes.capture import capture
     from autoshard.passes.remat import checkpoint_blocks
 
     b = models.batch(name)
-    cap = capture(models.build(name), example_inputs=b)
-    ref = cap.module
+    cap = models.shared_capture(name, models.build(name), b)
+    ref = copy.deepcopy(cap.module)            # the shared capture stays untouched (no grads)
     gm = copy.deepcopy(ref)
     assert checkpoint_blocks(gm) == 2                   # one block per layer (2 layers)
     inputs = {**b, **cap.constants}
@@ -61,7 +60,9 @@ def _sharded_remat(rank, world, name):
     b = models.batch(name)
     out_d = dense(**b)
     out_d.loss.backward()
-    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=b, activation_checkpointing=True)
+    model = copy.deepcopy(dense)
+    sharded = autoshard.shard(model, mode="1d", example_inputs=b, activation_checkpointing=True,
+                              captured=models.shared_capture(name, model, b))
     n_blocks = sum(1 for n, _ in sharded.graph_module().named_children() if n.startswith("_remat_"))
     out = sharded(**b)
     out.loss.backward()

@@ -11,19 +11,17 @@ from __future__ import annotations
 import math
 
 import pytest
-import transformers
 
-import autoshard
-import models
+import tiny_plans as tp
 
-B, S = 8, 16
+B, S = tp.BATCH, tp.SEQ
 N = B * S
 
 
 def _plan(name, world, mode, depth=None):
-    cls, cfg_cls, kw = models.TINY[name]
-    cfg = getattr(transformers, cfg_cls)(**kw, architectures=[cls])
-    return autoshard.plan(cfg, world_size=world, mode=mode, depth=depth, batch_size=B, seq_len=S)
+    """``autoshard.plan`` of the tiny config (batch B × seq S) through tiny_plans: one
+    export per model, shared with the other planning tests."""
+    return tp.plan_for(name, mode, world, depth)
 
 
 def _summa_nodes(plan):
