@@ -208,7 +208,11 @@ def test_comm_ring_factors():
     assert Comm(phase="fwd", kind="all_reduce", axes=(), group_size=1, buffer_bytes=100).bytes_per_rank == 0
 
 
-def test_train_mode_dropout_is_refused():
+def test_train_mode_dropout_runs_the_dropout_kernel_in_place():
+    """Dropout keeps its input's layout and runs the Dropout kernel (no collective);
+    the mask mode is the plan's; an unknown mode is refused."""
+    from autoshard import ConfigError
+
     cls, cfg_cls, kw = models.TINY["gpt2"]
     cfg = getattr(transformers, cfg_cls)(**{**kw, "n_layer": 1, "resid_pdrop": 0.1})
     with torch.device("meta"):
@@ -216,8 +220,12 @@ def test_train_mode_dropout_is_refused():
     model.train()
     cap = tp.cached_capture(model)
     pol = POLICIES["1d"](POLICIES["1d"].make_mesh(2))
-    with pytest.raises(ShardingError, match="dropout p=0.1"):
-        propagate(cap, pol)
+    plan = propagate(cap, pol, dropout="dense")
+    drops = [n for n in plan.nodes if n.kernel is not None and n.kernel.name == "dropout"]
+    assert len(drops) == 2 and all(n.kernel.mode == "dense" and n.kernel.p == 0.1 and not n.comms for n in drops)
+    assert all(n.kernel.layout == n.out_spec for n in drops)
+    with pytest.raises(ConfigError, match="dropout='on'; valid: 'sharded', 'dense'"):
+        propagate(cap, pol, dropout="on")
 
 
 def test_a_failing_rule_is_reraised_with_its_node_module_and_specs():
