@@ -9,7 +9,7 @@ device mesh, and rewrites it into a trainable distributed module::
 """
 
 from .api import MODES, plan, shard
-from .checkpoint import from_pretrained, load_checkpoint
+from .load import from_pretrained, load_checkpoint
 from .collectives import CommLedger
 from .cost import CLUSTERS, Cluster, estimate, profile
 from .errors import AutoshardError, CaptureError, CheckpointError, ConfigError, ShardingError

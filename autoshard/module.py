@@ -142,17 +142,17 @@ class ShardedModule(nn.Module):
     # -- checkpoints: implemented in autoshard.checkpoint (collective: call on every rank)
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """Dense tensors under HF names (tied aliases included), gathered tensor by tensor."""
-        from .checkpoint import full_state_dict
+        from .gather import full_state_dict
         return full_state_dict(self, rank0_only=rank0_only)
 
     def save_checkpoint(self, path, optimizer=None) -> None:
         """Sharded checkpoint (a safetensors file per rank + manifest); see autoshard.load_checkpoint."""
-        from .checkpoint import save_checkpoint
+        from .sharded_format import save_checkpoint
         save_checkpoint(self, path, optimizer)
 
     def save_pretrained(self, path, *, config=None, max_shard_size="5GB") -> None:
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
-        from .checkpoint import save_pretrained
+        from .gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
 
 
