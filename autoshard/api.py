@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import warnings
+from .log import warn
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
     if fb:
         rows = "; ".join(f"{n.name} ({n.op}{', ' + n.module if n.module else ''}): {'; '.join(n.notes) or 'gathered'}"
                          for n in fb[:6])
-        warnings.warn(f"{len(fb)} node(s) have no rule for their input layout and run replicated (exact, "
+        warn(f"{len(fb)} node(s) have no rule for their input layout and run replicated (exact, "
                       f"gathered first; the plan's fallback rows): {rows}" + (" …" if len(fb) > 6 else ""),
                       AutoshardWarning, stacklevel=3)
 

@@ -49,6 +49,8 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
         sharded = autoshard.from_pretrained("path/to/model", mode="1d")
     """
     path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"no such directory: {path}")
     if not path.is_dir():
         raise ConfigError(f"{path} is not a folder (from_pretrained reads local Hugging Face folders)")
     config = load_config(path)

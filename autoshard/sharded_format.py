@@ -209,6 +209,8 @@ def read_manifest(path) -> dict:
     """The manifest of a checkpoint folder; :class:`CheckpointError` if it is
     missing (the writer never committed), partial or not ours."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no such directory: {path}")
     mp = path / MANIFEST
     if not mp.exists():
         tmps = sorted(p.name for p in path.glob("*.tmp")) if path.is_dir() else []

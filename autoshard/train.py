@@ -183,6 +183,8 @@ def last_complete_state(root) -> Path:
     from .errors import AutoshardError, CheckpointError
 
     root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"no such directory: {root}")
     best, why = None, []
     for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
         try:
