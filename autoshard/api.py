@@ -175,7 +175,7 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         weights(gm, p, rank)
     sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
                        example_inputs=cap.example_inputs, debug=debug)
-    sm._limits = _input_limits(getattr(model, "config", None))
+    sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
     return sm
 
 

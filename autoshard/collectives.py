@@ -105,6 +105,11 @@ class CommLedger:
     def count(self) -> int:
         return len(self.calls)
 
+    def __repr__(self) -> str:
+        """``CommLedger(3 calls, 1,536 B/rank: all_reduce(tp) ×2 1,024 B, ...)``."""
+        kinds = ", ".join(f"{k}({g}) ×{n} {b:,.0f} B" for (k, g), (n, b) in self.by_kind().items())
+        return f"CommLedger({self.count()} calls, {self.bytes_per_rank():,.0f} B/rank" + (f": {kinds})" if kinds else ")")
+
     def by_kind(self) -> dict[tuple[str, str], tuple[int, float]]:
         out: dict[tuple[str, str], tuple[int, float]] = {}
         for c in self.calls:
