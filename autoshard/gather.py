@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from .collectives import entry_barrier
 from .errors import ConfigError
 from .log import progress as _progress_bar
 from .log import show_progress
@@ -139,6 +140,7 @@ def full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = True) -
     """Dense tensors under HF names (tied aliases included). With ``rank0_only``
     (default) rank 0 gets the dict and the other ranks an empty one. Every tensor
     is a new one (not a view of a live parameter)."""
+    entry_barrier("full_state_dict")
     return dict(iter_full_state_dict(sharded, rank0_only=rank0_only, aliases=aliases, copy=True))
 
 
@@ -177,6 +179,7 @@ def save_pretrained(sharded, path, *, config=None, max_shard_size="5GB", aliases
     if config is None:
         raise ConfigError("save_pretrained needs the model's config: pass config=model.config "
                           "(modules from autoshard.from_pretrained / load_checkpoint carry it)")
+    entry_barrier("save_pretrained")
     rank = sharded.rank
     path = Path(path)
     entries = _dense_entries(sharded, aliases=aliases)

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from .builder import Built
+from .collectives import entry_barrier
 from .errors import CheckpointError, ConfigError
 from .hf_fill import fill_buffers, set_param
 from .log import progress as _progress_bar
@@ -147,6 +148,7 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     plan, mesh = sharded.plan, sharded.mesh
     if mesh.world_size != world:
         raise ConfigError(f"the module's mesh has {mesh.world_size} ranks, the process group {world}")
+    entry_barrier("save_checkpoint")
     path = Path(path)
     config = config if config is not None else getattr(sharded, "config", None)
     if rank == 0:
