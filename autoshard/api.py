@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import warnings
+from .log import warn
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
     if fb:
         rows = "; ".join(f"{n.name} ({n.op}{', ' + n.module if n.module else ''}): {'; '.join(n.notes) or 'gathered'}"
                          for n in fb[:6])
-        warnings.warn(f"{len(fb)} node(s) have no rule for their input layout and run replicated (exact, "
+        warn(f"{len(fb)} node(s) have no rule for their input layout and run replicated (exact, "
                       f"gathered first; the plan's fallback rows): {rows}" + (" …" if len(fb) > 6 else ""),
                       AutoshardWarning, stacklevel=3)
 
@@ -175,7 +175,7 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         weights(gm, p, rank)
     sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
                        example_inputs=cap.example_inputs, debug=debug)
-    sm._limits = _input_limits(getattr(model, "config", None))
+    sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
     hi = cap.seq_range[1]
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
         sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)

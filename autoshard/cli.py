@@ -12,9 +12,19 @@ import json
 import os
 import sys
 
-from .cost import human_bytes
+__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes", "group_notes", "MODE_NAMES", "CLUSTER_NAMES"]
 
-__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes"]
+# Named here so `autoshard --help` needs no torch (policies and the cost model import it);
+# tests/test_cli.py checks them against POLICIES and CLUSTERS.
+MODE_NAMES = ("auto", "1d", "2d", "2.5d", "3d")
+CLUSTER_NAMES = ("dgx-a100", "h100-sxm", "cpu-gloo", "tesseract-paper")
+
+
+def human_bytes(n: float) -> str:
+    """:func:`autoshard.cost.human_bytes`, imported on first use."""
+    from .cost import human_bytes as hb
+
+    return hb(n)
 
 # Public shapes of well-known checkpoints. Dropout is 0: autoshard refuses p > 0 in
 # train mode (no per-rank RNG streams yet), and planning does not depend on it.
@@ -86,21 +96,24 @@ examples:
 """
 
 
-class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Adds "(default: X)" to an option's help unless the help already names its default."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
 
 
 def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None:
-    from .cost import CLUSTERS
-    from .policies import POLICIES
-
     p.add_argument("model", metavar="MODEL_OR_CONFIG",
                    help="local HF folder, config.json path, or a known name such as llama:7b")
     p.add_argument("--world-size", "-w", type=int, required=True, metavar="N",
                    help="number of ranks to plan for (no processes are started)")
-    modes = ["auto", *POLICIES]
-    p.add_argument("--mode", "-m", default=mode_default, required=mode_default is None, choices=modes,
-                   help="tensor-parallel mode; 'auto' ranks every valid (mode, q, d, dp) by predicted step time")
+    p.add_argument("--mode", "-m", default=mode_default, required=mode_default is None, metavar="MODE",
+                   help=f"tensor-parallel mode, one of {', '.join(MODE_NAMES)}; 'auto' ranks every valid "
+                        f"(mode, q, d, dp) by predicted step time")
     p.add_argument("--depth", "-d", type=int, default=None, metavar="D",
                    help="2.5d depth d (world = dp·d·q²); with --mode auto it pins d")
     p.add_argument("--dp", type=int, default=None, metavar="R",
@@ -109,8 +122,8 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
                    help="global sequences per step (dp replicas split it)")
     p.add_argument("--seq-len", "-s", type=int, default=128, metavar="S", help="tokens per sequence")
     p.add_argument("--cluster", "-c", default=None, metavar="PRESET",
-                   help="hardware for the cost model: a preset (" + ", ".join(CLUSTERS)
-                        + ") or a JSON file with the Cluster fields; default dgx-a100")
+                   help="hardware for the cost model: a preset (" + ", ".join(CLUSTER_NAMES)
+                        + ") or a JSON file with the Cluster fields (default dgx-a100)")
     p.add_argument("--width", type=int, default=None, metavar="COLS",
                    help="console width for the tables (default: terminal width, at least 220)")
 
@@ -359,6 +372,23 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
     return problems, notes, plan
 
 
+def group_notes(notes: list[str]) -> list[tuple[str, list[str]]]:
+    """Notes grouped by kind: ``"linear_3 (mlp.fc): weight replicated — why"`` has the kind
+    ``"weight replicated — why"`` and the subject ``linear_3``; groups in first-seen order.
+
+    >>> group_notes(["a (m.a): weight replicated", "b (m.b): weight replicated", "vocab: odd"])
+    [('weight replicated', ['a', 'b']), ('vocab: odd', [])]
+    """
+    groups: dict[str, list[str]] = {}
+    for n in notes:
+        head, sep, kind = n.partition("): ")
+        if sep and " (" in head:
+            groups.setdefault(kind, []).append(head.split(" (", 1)[0])
+        else:
+            groups.setdefault(n, [])
+    return list(groups.items())
+
+
 def cmd_check(args) -> int:
     console = _console(args.width)
     cluster = _cluster(args.cluster) if args.cluster else None
@@ -366,18 +396,21 @@ def cmd_check(args) -> int:
     where = f"{args.model} on {args.world_size} ranks, mode {args.mode}"
     if plan is not None:
         where += f" (mesh {plan.mesh}, {plan.mode})"
-    for n in notes:
-        console.print(f"  note: {n}", markup=False)
     if plan is None and not problems:
         problems.append("no plan")
-    if problems:
+    if problems:                        # the verdict first, then what it rests on
         console.print(f"[bold red]✗[/bold red] {where}: {len(problems)} problem(s)")
         for p in problems:
             console.print(f"  - {p}", markup=False)
-        return 1
-    console.print(f"[bold green]✓[/bold green] {where} can be sharded: "
-                  f"{sum(1 for n in plan.nodes if n.kind != 'other')} planned nodes, no fallbacks")
-    return 0
+    else:
+        console.print(f"[bold green]✓[/bold green] {where} can be sharded: "
+                      f"{sum(1 for n in plan.nodes if n.kind != 'other')} planned nodes, no fallbacks")
+    for kind, subjects in group_notes(notes):
+        count = f" ×{len(subjects)}" if len(subjects) > 1 else ""
+        who = (": " + ", ".join(subjects[:6]) + (f", … ({len(subjects) - 6} more)" if len(subjects) > 6 else "")
+               if subjects else "")
+        console.print(f"  note{count}: {kind}{who}", markup=False)
+    return 1 if problems else 0
 
 
 def read_plan(path: str):
@@ -413,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.mode not in MODE_NAMES:
+        parser.error(f"argument --mode/-m: invalid choice: {args.mode!r} (choose from {', '.join(MODE_NAMES)})")
     for name in ("world_size", "depth", "dp", "batch_size", "seq_len"):
         v = getattr(args, name, None)
         if v is not None and v < 1:

@@ -32,7 +32,9 @@ with no process group (:mod:`autoshard.activations` traces a plan that way). A
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,7 @@ __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
-    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter",
+    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier",
 ]
 
 
@@ -104,6 +106,11 @@ class CommLedger:
 
     def count(self) -> int:
         return len(self.calls)
+
+    def __repr__(self) -> str:
+        """``CommLedger(3 calls, 1,536 B/rank: all_reduce(tp) ×2 1,024 B, ...)``."""
+        kinds = ", ".join(f"{k}({g}) ×{n} {b:,.0f} B" for (k, g), (n, b) in self.by_kind().items())
+        return f"CommLedger({self.count()} calls, {self.bytes_per_rank():,.0f} B/rank" + (f": {kinds})" if kinds else ")")
 
     def by_kind(self) -> dict[tuple[str, str], tuple[int, float]]:
         out: dict[tuple[str, str], tuple[int, float]] = {}
@@ -314,3 +321,48 @@ def all_reduce_nograd(x: torch.Tensor, group: str) -> torch.Tensor:
 
 def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
     return all_reduce(x.detach(), group, "max")
+
+
+# ------------------------------------------------------------------ entry barrier
+
+_ENTRIES: dict[str, int] = {}      # call name -> how many times this rank entered it
+
+
+def entry_barrier(call: str, timeout: float | None = None) -> None:
+    """Check that every rank entered the collective ``call`` before its first real collective.
+
+    Each rank sets ``autoshard/<call>/<n>/<rank>`` in the rendezvous store (``n``
+    counts this rank's entries into ``call``) and waits up to ``timeout`` seconds
+    (``AUTOSHARD_ENTRY_TIMEOUT``, default 20) for the other ranks' keys: a call made
+    on one rank only raises :class:`~autoshard.errors.CollectiveError` naming the call
+    and the ranks that did not arrive, instead of hanging in a gather for the
+    collective timeout. Store reads only: no process-group collective, so it cannot
+    itself hang. A no-op without a process group or on one rank.
+
+        entry_barrier("save_pretrained")
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from .errors import CollectiveError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = _ENTRIES.get(call, 0)
+    _ENTRIES[call] = n + 1
+    if timeout is None:
+        timeout = float(os.environ.get("AUTOSHARD_ENTRY_TIMEOUT", "20"))
+    store = c10d._get_default_store()
+    prefix = f"autoshard/{call}/{n}/"
+    store.set(f"{prefix}{rank}", "1")
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}{r}"])]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise CollectiveError(
+                f"{call} is collective and must be called on every rank: rank(s) {missing} of {world} did not "
+                f"enter it within {timeout:g} s (this is rank {rank}, call #{n + 1}); "
+                f"set AUTOSHARD_ENTRY_TIMEOUT to wait longer")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)

@@ -39,7 +39,8 @@ class CheckpointError(AutoshardError, RuntimeError):
 
 
 class CollectiveError(AutoshardError, RuntimeError):
-    """A collective failed: another rank died, or stalled past the collective timeout."""
+    """A collective failed: another rank died, stalled past the collective timeout, or never
+    entered a collective call (``save_pretrained`` on one rank only)."""
 
 
 class AutoshardWarning(UserWarning):

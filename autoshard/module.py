@@ -22,6 +22,13 @@ class ShardedModule(nn.Module):
     Its parameters are local slices under the Hugging Face names; gradients of
     replicated parameters are all-reduced over the axes the plan names as soon
     as backward produces them.
+
+    It answers as the model does: ``.config``, ``.generation_config``, ``.device``,
+    ``.dtype``. State: ``state_dict()`` is this rank's local slices (under HF names);
+    ``full_state_dict()`` the dense tensors (collective); ``load_state_dict`` takes
+    either and slices a dense one through the plan::
+
+        sharded.load_state_dict(dense_model.state_dict())     # every rank, no collective
     """
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
@@ -42,11 +49,73 @@ class ShardedModule(nn.Module):
         self._hooks = []
         self.debug = debug
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
+        self._config = None
+        self._generation_config = None
         params = dict(self.named_parameters(remove_duplicate=False))
         for pp in plan.params:
             if pp.grad_sync and pp.name in params:
                 group = groups[",".join(pp.grad_sync)]
                 self._hooks.append(params[pp.name].register_hook(_sync_hook(group)))
+
+    # -- looks like the Hugging Face model
+    @property
+    def config(self):
+        """The Hugging Face config of the model this module was sharded from (None if unknown)."""
+        return self._config
+
+    @config.setter
+    def config(self, value) -> None:
+        self._config = value
+
+    @property
+    def generation_config(self):
+        """The model's generation config: the one set, else derived from :attr:`config`."""
+        if self._generation_config is None and self._config is not None:
+            from transformers import GenerationConfig
+
+            self._generation_config = GenerationConfig.from_model_config(self._config)
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self._generation_config = value
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the local parameters."""
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the floating local parameters (the first one's)."""
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+    def __repr__(self) -> str:
+        p = self.plan
+        local = sum(t.numel() * t.element_size() for t in self.parameters())
+        return (f"ShardedModule({p.model}, mode={p.mode}, mesh={self.mesh}, rank={self.rank}, "
+                f"params={len(p.params)}, local_bytes={local:,})")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load this rank's local state dict, or a full (dense) one, as DTensor / FSDP2 do.
+
+        A tensor of a planned parameter with the global shape (where that differs
+        from the local one) is sliced to this rank's block through the plan's spec
+        (:meth:`~autoshard.spec.ShardSpec.local`); local tensors load as they are.
+        No collective: every rank slices its own part."""
+        plans = {n: pp for pp in self.plan.params for n in (pp.name, *pp.aliases)}
+        local = type(state_dict)() if isinstance(state_dict, dict) else {}
+        for k, v in state_dict.items():
+            pp = plans.get(k)
+            if pp is not None and isinstance(v, torch.Tensor):
+                gshape = tuple(pp.global_shape)
+                if tuple(v.shape) == gshape and pp.spec.local_shape(gshape, self.mesh) != gshape:
+                    v = pp.spec.local(v.detach(), self.mesh, self.rank)
+            local[k] = v
+        if hasattr(state_dict, "_metadata"):
+            local._metadata = state_dict._metadata
+        return super().load_state_dict(local, strict=strict, assign=assign)
 
     @property
     def batch_split(self) -> int:
@@ -139,20 +208,22 @@ class ShardedModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._gm
 
-    # -- checkpoints: implemented in autoshard.checkpoint (collective: call on every rank)
+    # -- checkpoints: autoshard.gather and autoshard.sharded_format (collective: call on every rank)
     def full_state_dict(self, rank0_only: bool = True) -> dict:
-        """Dense tensors under HF names (tied aliases included), gathered tensor by tensor."""
-        from .checkpoint import full_state_dict
+        """Dense tensors under HF names (tied aliases included), gathered tensor by tensor;
+        the counterpart of ``state_dict()`` (local slices). Call on every rank; with
+        ``rank0_only`` the other ranks get ``{}``."""
+        from .gather import full_state_dict
         return full_state_dict(self, rank0_only=rank0_only)
 
     def save_checkpoint(self, path, optimizer=None) -> None:
         """Sharded checkpoint (a safetensors file per rank + manifest); see autoshard.load_checkpoint."""
-        from .checkpoint import save_checkpoint
+        from .sharded_format import save_checkpoint
         save_checkpoint(self, path, optimizer)
 
     def save_pretrained(self, path, *, config=None, max_shard_size="5GB") -> None:
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
-        from .checkpoint import save_pretrained
+        from .gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
 
 

@@ -205,6 +205,10 @@ class ShardingPlan:
     # with. Made by propagation; not serialised, not compared.
     local_shapes: Any = field(default=None, compare=False, repr=False)
 
+    def __repr__(self) -> str:
+        return (f"ShardingPlan(model={self.model}, mode={self.mode}, mesh={self.mesh}, nodes={len(self.nodes)}, "
+                f"params={len(self.params)}, param_bytes_per_rank={self.param_bytes_per_rank:,})")
+
     # ------------------------------------------------------------- summaries
     def node(self, name: str) -> NodePlan:
         for n in self.nodes:

@@ -21,12 +21,14 @@ be reduced. A dim split 2 ways with 3 segments, sliced for block 1::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ShardingError
+
+if TYPE_CHECKING:       # torch is not imported at run time: `import autoshard.spec` stays light
+    import torch
 
 __all__ = ["ShardSpec", "replicated"]
 
@@ -151,23 +153,69 @@ class ShardSpec:
     def local(self, tensor: torch.Tensor, mesh, rank: int) -> torch.Tensor:
         """This rank's block of the global ``tensor`` (a copy, contiguous)."""
         out = self.block(tensor, self.block_index(mesh, rank))
-        # always a fresh copy: a view would keep the full tensor alive behind the slice
-        return out.clone(memory_format=torch.contiguous_format)
+        # always a fresh contiguous copy: a view would keep the full tensor alive behind the slice
+        return out.new_empty(out.shape).copy_(out)
+
+    def pieces(self, shape: Sequence[int], mesh, rank: int) -> Iterator[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+        """``rank``'s block of a tensor of global ``shape`` as rectangular pieces:
+        ``(global index, local index)`` pairs of slice tuples, from :meth:`blocks` (one
+        piece unless a split dim has segments), so a lazy file reader reads each piece once.
+
+        >>> from autoshard.mesh import Mesh
+        >>> s = ShardSpec(dims=(("tp",),), segments=(3,))
+        >>> list(s.pieces((12,), Mesh(axes=("tp",), sizes=(2,)), 1))[0]
+        ((slice(2, 4, None),), (slice(0, 2, None),))
+        """
+        per_dim = []
+        for ranges in self.blocks(tuple(shape), mesh, rank):
+            runs, at = [], 0
+            for lo, hi in ranges:
+                runs.append((slice(lo, hi), slice(at, at + hi - lo)))
+                at += hi - lo
+            per_dim.append(runs)
+        for combo in itertools.product(*per_dim):
+            yield tuple(g for g, _ in combo), tuple(lo for _, lo in combo)
+
+    def place(self, out: torch.Tensor, block: torch.Tensor, mesh, rank: int) -> None:
+        """Inverse of :meth:`local`: write ``rank``'s ``block`` into the global tensor ``out``.
+
+        >>> import torch
+        >>> from autoshard.mesh import Mesh
+        >>> m, s = Mesh(axes=("tp",), sizes=(2,)), ShardSpec(dims=(("tp",),))
+        >>> out = torch.zeros(4); s.place(out, torch.ones(2), m, 1); out.tolist()
+        [0.0, 0.0, 1.0, 1.0]
+        """
+        if out.dim() == 0:
+            out.copy_(block)
+            return
+        for gidx, lidx in self.pieces(out.shape, mesh, rank):
+            out[gidx] = block[lidx]
 
     def assemble(self, blocks: Sequence[torch.Tensor], mesh) -> torch.Tensor:
         """Inverse of :meth:`local`: the global tensor from every rank's block (indexed by rank).
 
-        Ranks that hold the same block must hold equal values; the first is used."""
-        out = None
-        # undo dims in reverse order of slicing; simplest exact way: scatter each block.
+        Ranks that hold the same block must hold equal values; the lowest rank's is used."""
         ref = blocks[0]
-        gshape = [s * (mesh.size(d) if d else 1) for s, d in zip(ref.shape, self.dims)]
-        out = torch.empty(gshape, dtype=ref.dtype, device=ref.device)
-        index = torch.arange(out.numel()).reshape(gshape)
-        for rank, blk in enumerate(blocks):
-            pos = self.local(index, mesh, rank)
-            out.view(-1)[pos.reshape(-1)] = blk.reshape(-1)
+        out = ref.new_empty([s * (mesh.size(d) if d else 1) for s, d in zip(ref.shape, self.dims)])
+        for rank in self.owners(mesh):
+            self.place(out, blocks[rank], mesh, rank)
         return out
+
+    def owner(self, mesh, rank: int) -> int:
+        """Lowest rank holding the same block as ``rank`` (its coordinates on the axes
+        that do not split this tensor set to 0): the one that writes it once.
+
+        >>> from autoshard.mesh import Mesh
+        >>> ShardSpec(dims=(("tp",),)).owner(Mesh(axes=("dp", "tp"), sizes=(2, 2)), 3)
+        1
+        """
+        c = mesh.coords(rank)
+        keep = set(self.axes)
+        return mesh.rank_of({a: (c[a] if a in keep else 0) for a in mesh.axes})
+
+    def owners(self, mesh) -> list[int]:
+        """One rank per distinct block, ascending (see :meth:`owner`)."""
+        return sorted({self.owner(mesh, r) for r in range(mesh.world_size)})
 
     # ------------------------------------------------------------------- text
     def __str__(self) -> str:

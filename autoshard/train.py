@@ -141,27 +141,28 @@ def local_rows_for(dp: int, dp_index: int, batch: dict) -> dict:
 
 
 def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None = None) -> None:
-    """Sharded checkpoint (:func:`autoshard.checkpoint.save_checkpoint`: weights and
+    """Sharded checkpoint (:func:`autoshard.sharded_format.save_checkpoint`: weights and
     AdamW state) plus ``train_state.json`` (the step; the LR schedule is a function
     of it). Collective.
 
     A save killed at any point leaves a folder :func:`load_state` refuses: the old
     ``train_state.json`` is removed before the weights are written, the manifest is
     committed after them, and the new ``train_state.json`` (atomically) after that."""
-    from .checkpoint import _write_atomic, save_checkpoint
+    from .safetensors_io import write_atomic
+    from .sharded_format import save_checkpoint
 
     path = Path(path)
     if _rank() == 0:
         (path / _STATE).unlink(missing_ok=True)
     save_checkpoint(sharded, path, optimizer)      # barriers: rank 0's unlink happened before
     if _rank() == 0:
-        _write_atomic(path / _STATE, json.dumps({"step": int(step), **(extra or {})}))
+        write_atomic(path / _STATE, json.dumps({"step": int(step), **(extra or {})}))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def _state_step(path: Path) -> int:
-    from .checkpoint import read_manifest
+    from .sharded_format import read_manifest
     from .errors import CheckpointError
 
     read_manifest(path)         # refuses a checkpoint whose writer did not commit
@@ -182,6 +183,8 @@ def last_complete_state(root) -> Path:
     from .errors import AutoshardError, CheckpointError
 
     root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"no such directory: {root}")
     best, why = None, []
     for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
         try:
@@ -202,7 +205,7 @@ def load_state(path, model, *, mode: str, depth: int | None = None, dp: int = 1,
     """Rebuild ``(sharded, optimizer, scheduler, step)`` from :func:`save_state`'s folder
     (any mode / world size the checkpoint module supports). A folder whose save was
     killed is refused before any process group is touched."""
-    from .checkpoint import load_checkpoint
+    from .load import load_checkpoint
 
     step = _state_step(Path(path))
     sharded, opt = load_checkpoint(path, model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,

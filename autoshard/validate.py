@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
+from .log import warn
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -279,7 +279,7 @@ def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3
     errors = [p for p in problems if p.error]
     for p in problems:
         if not p.error:
-            warnings.warn(f"{context}: {p}", AutoshardWarning, stacklevel=stacklevel)
+            warn(f"{context}: {p}", AutoshardWarning, stacklevel=stacklevel)
     if len(errors) == 1:
         raise ConfigError(f"{context}: {errors[0]}")
     if errors:

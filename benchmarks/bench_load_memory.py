@@ -95,13 +95,13 @@ def rank_task(rank, world, kind, path, out_dir=None):
     import transformers  # noqa: F401  (imported before the measured phase, as in every kind)
 
     import autoshard
-    from autoshard.checkpoint import _build_meta, _load_config
+    from autoshard.builder import build_meta, load_config
 
     inputs = _inputs()
     res = {"rank": rank}
     if kind == "baseline":
         def run():
-            built = _build_meta(_load_config(path))
+            built = build_meta(load_config(path))
             built.model.eval()
             return autoshard.shard(built.model, mode="1d", example_inputs=inputs,
                                    weights=lambda gm, plan, rank: None)   # meta stays meta: nothing read
@@ -144,9 +144,9 @@ def make_model(path: str) -> dict:
         del model
         gc.collect()
     cfg = transformers.AutoConfig.from_pretrained(path)
-    from autoshard.checkpoint import _build_meta
+    from autoshard.builder import build_meta
 
-    built = _build_meta(cfg)
+    built = build_meta(cfg)
     n = sum(p.numel() for p in {id(p): p for p in built.model.parameters()}.values())
     return {"params": n, "model_bytes": n * 4, "config": LLAMA}
 

@@ -16,9 +16,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,7 +53,34 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Every argument error, before any process group, model or data is loaded (exit 2 with usage)."""
+    from autoshard.cli import MODE_NAMES     # no torch: cheap
+
+    if args.mode not in MODE_NAMES:
+        p.error(f"--mode {args.mode!r} is not a mode; choose from {', '.join(MODE_NAMES)}")
+    for name in ("dp", "batch_size", "seq_len", "steps", "accum"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.depth is not None and args.depth < 1:
+        p.error(f"--depth must be >= 1, got {args.depth}")
+    if args.batch_size % args.dp:
+        p.error(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp}")
+    if args.save_every < 0 or args.eval_every < 0 or args.warmup < 0:
+        p.error("--save-every, --eval-every and --warmup must be >= 0")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"--resume: no such directory: {args.checkpoint_dir}")
+    if args.data is not None and not os.path.isfile(args.data):
+        p.error(f"--data: no such file: {args.data}")
+    if args.model not in (None, "tiny-gpt2") and not os.path.isdir(args.model):
+        p.error(f"--model: no such directory: {args.model} (a local Hugging Face folder, or tiny-gpt2)")
 
 
 def init_dist():
@@ -116,10 +144,14 @@ def build_model(args, tok):
     return model
 
 
-@torch.no_grad()
 def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
     """cls: accuracy; clm: mean loss. Each replica scores its rows; the eval set is
     padded to whole global batches with zero-weight rows."""
+    with torch.no_grad():
+        return _evaluate(sharded, data, per_replica, n_dp, dp_index, args)
+
+
+def _evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
     n = data["input_ids"].shape[0]
     g = per_replica * n_dp
     pad = (-n) % g
@@ -146,7 +178,11 @@ def _step_dir(args, step: int) -> str:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)         # argument errors first, in well under a second: torch is not loaded yet
+    global torch, dist
+    import torch
+    import torch.distributed as dist
+
     rank, world = init_dist()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import transformers
@@ -160,8 +196,6 @@ def main(argv=None):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     train_data, eval_data = load_data(args, tok)
-    if args.batch_size % args.dp:
-        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp}")
     per = args.batch_size // args.dp
     model = build_model(args, tok)
     example = {k: v[:per] for k, v in train_data.items()}
@@ -169,8 +203,6 @@ def main(argv=None):
     t0 = time.perf_counter()
     start = 0
     if args.resume:
-        if not args.checkpoint_dir:
-            raise SystemExit("--resume needs --checkpoint-dir")
         src = T.last_complete_state(args.checkpoint_dir)      # newest step_* folder whose save completed
         sharded, opt, sched, start = T.load_state(src, model, mode=args.mode, depth=args.depth,
                                                   dp=args.dp, example_inputs=example, lr=args.lr, steps=args.steps,

@@ -106,3 +106,50 @@ def test_known_models():
     c = resolve_model("llama:70b")
     assert (c.hidden_size, c.num_hidden_layers, c.num_key_value_heads) == (8192, 80, 8)
     assert resolve_model("gpt2:small").n_embd == 768 and resolve_model("bert:base").hidden_size == 768
+
+
+def test_help_imports_no_torch_and_names_match_the_registries():
+    """`autoshard --help` runs without torch (why it takes well under 2 s); the mode and
+    cluster names it lists are the policies' and the cost model's own."""
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys\nfrom autoshard.cli import main\n"
+                        "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+                        "assert 'torch' not in sys.modules, 'torch imported'\n"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tensor-parallel mode, one of auto, 1d, 2d, 2.5d, 3d" in " ".join(r.stdout.split())
+    from autoshard.cli import CLUSTER_NAMES, MODE_NAMES
+    from autoshard.cost import CLUSTERS
+    from autoshard.policies import POLICIES
+
+    assert MODE_NAMES == ("auto", *POLICIES)
+    assert CLUSTER_NAMES == tuple(CLUSTERS)
+
+
+def test_help_states_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default 1; searched with --mode auto)" in text and "(default: 8)" in text
+    sub = build_parser()._subparsers._group_actions[0].choices["plan"]
+    fmt = sub._get_formatter()
+    for action in sub._actions:
+        assert action.help is None or fmt._expand_help(action).lower().count("default") <= 1, action.dest
+
+
+def test_bad_mode_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "llama:tiny", "-w", "2", "--mode", "4d"])
+    assert e.value.code == 2 and "choose from auto, 1d, 2d, 2.5d, 3d" in capsys.readouterr().err
+
+
+def test_check_prints_verdict_first_and_groups_notes(capsys):
+    """gpt2's vocabulary (50257) does not divide by 4: the verdict line comes first,
+    then each kind of note once."""
+    assert main(["check", "gpt2:small", "-w", "4", "-m", "1d"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("✓"), lines[:3]
+    notes = [x for x in lines if x.lstrip().startswith("note")]
+    assert notes and len(notes) == len(set(notes))
+    assert any("vocab_size=50257" in x for x in notes)

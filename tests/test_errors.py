@@ -408,6 +408,10 @@ def test_at_least_15_distinct_bad_inputs_on_ranks():
 def test_bad_input(observed, case):
     seen = observed[case.id]
     assert len(seen) == max(case.world, 1)
+    if case.error == "AutoshardWarning":
+        # a warning is printed once per job, on rank 0 (autoshard.log.warn); the others go on silently
+        assert all(etype == "no error" for etype, _, _ in seen[1:]), seen
+        seen = seen[:1]
     for rank, (etype, msg, secs) in enumerate(seen):
         assert etype == case.error, f"rank {rank}: {etype}: {msg}"
         assert re.search(case.match, msg, re.DOTALL), f"rank {rank}: {msg!r}\n does not match {case.match!r}"

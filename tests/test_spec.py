@@ -230,3 +230,38 @@ def test_to_dict_from_dict(spec):
     assert back == spec
     assert hash(back) == hash(spec)
     assert str(back) == str(spec)
+
+
+@pytest.mark.parametrize("mesh, shape, spec", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_pieces_place_and_owners(mesh, shape, spec):
+    """pieces() tile the global tensor exactly once over the owners; place() writes
+    each rank's block where local() read it; owner() is the lowest rank with that block."""
+    t = _rand(shape, seed=3)
+    owners = spec.owners(mesh)
+    assert len(owners) == math.prod(mesh.size(d) for d in spec.dims if d)
+    hits = torch.zeros(shape, dtype=torch.int64)
+    out = torch.full(shape, float("nan"))
+    for r in range(mesh.world_size):
+        blk = _ref_local(t, spec, mesh, r)
+        o = spec.owner(mesh, r)
+        assert o <= r and o in owners and torch.equal(_ref_local(t, spec, mesh, o), blk)
+        for gidx, lidx in spec.pieces(shape, mesh, r):
+            assert torch.equal(t[gidx], blk[lidx])
+            if r in owners:
+                hits[gidx] += 1
+        if r in owners:
+            spec.place(out, blk, mesh, r)
+    assert bool((hits == 1).all())
+    assert torch.equal(out, t)
+
+
+def test_pieces_merge_adjacent_segments():
+    """One split over 1 rank: the segments of the block are adjacent, read as one piece."""
+    spec = S(["tp"], segments=(3,))
+    assert list(spec.pieces((12,), Mesh(axes=("tp",), sizes=(1,)), 0)) == [((slice(0, 12),), (slice(0, 12),))]
+    assert len(list(spec.pieces((12,), M1, 0))) == 3
+
+
+def test_pieces_wrong_ndim_raises():
+    with pytest.raises(ShardingError, match="has 2 dims"):
+        list(S(["tp"], []).pieces((4,), M1, 0))

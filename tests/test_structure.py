@@ -132,11 +132,6 @@ def test_the_scan_sees_every_module():
     assert "autoshard.kernels" in edges["autoshard.policies.one_d"]
 
 
-_PENDING = pytest.mark.xfail(strict=True, reason="checkpoint.py still calls api.shard and exports _write_atomic; "
-                              "the checkpoint split (issue 19) removes both")
-
-
-@_PENDING
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" ↔ ".join(c) for c in found)
@@ -146,7 +141,6 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@_PENDING
 def test_no_private_name_across_modules():
     found = private_uses()
     assert not found, "private names used across modules:\n" + "\n".join(found)
