@@ -240,6 +240,13 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
     pol = make_policy(mode, world_size, depth, dp)
+    split, label = pol.batch_split()
+    if batch_size % (split * pol.dp):
+        whole = split * pol.dp
+        raise ConfigError(f"batch_size={batch_size} does not split into {whole} blocks ({label or 'dp'}"
+                          f"{f' × dp{pol.dp}' if pol.dp > 1 and label else ''}): each rank would hold "
+                          f"{batch_size / whole:g} rows; use a multiple of {whole}, e.g. "
+                          f"{max(whole, batch_size - batch_size % whole)} or {batch_size - batch_size % whole + whole}")
     model = model_from(model_or_config)
     model.train()
     cap = capture(model, example_inputs=example_inputs)

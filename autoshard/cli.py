@@ -26,8 +26,7 @@ def human_bytes(n: float) -> str:
 
     return hb(n)
 
-# Public shapes of well-known checkpoints. Dropout is 0: autoshard refuses p > 0 in
-# train mode (no per-rank RNG streams yet), and planning does not depend on it.
+# Public shapes of well-known checkpoints, dropout as shipped (the configs' defaults).
 KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
     "llama:tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,25 +41,19 @@ KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
     "gpt2:small": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
     "gpt2:medium": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024)),
     "gpt2:large": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)),
     "gpt2:xl": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024)),
     "bert:base": ("BertForMaskedLM", "BertConfig", dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-        vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0)),
+        vocab_size=30522, max_position_embeddings=512)),
     "bert:large": ("BertForMaskedLM", "BertConfig", dict(
         hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-        vocab_size=30522, max_position_embeddings=512, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0)),
+        vocab_size=30522, max_position_embeddings=512)),
 }
 
 _EPILOG_PLAN = """\
@@ -185,6 +178,10 @@ class _UsageError(Exception):
     pass
 
 
+# A family name alone means its best-known size: `autoshard plan gpt2`.
+DEFAULT_SIZES = {"gpt2": "gpt2:small", "bert": "bert:base", "llama": "llama:7b"}
+
+
 def resolve_model(spec: str):
     """A config (or model) for a local folder, a config.json, or a known ``arch:size`` name."""
     import transformers
@@ -195,11 +192,12 @@ def resolve_model(spec: str):
         except Exception as e:   # transformers raises OSError / ValueError / KeyError
             raise _UsageError(f"cannot read a Hugging Face config from {spec!r}: {e}") from e
     key = spec.lower()
+    key = DEFAULT_SIZES.get(key, key)
     if key in KNOWN_MODELS:
         arch, cfg_cls, kw = KNOWN_MODELS[key]
         return getattr(transformers, cfg_cls)(**kw, architectures=[arch])
     raise _UsageError(f"{spec!r} is neither a local folder, a config.json nor a known model; "
-                      f"known: {', '.join(KNOWN_MODELS)}")
+                      f"known: {', '.join(KNOWN_MODELS)} (or a family alone: {', '.join(DEFAULT_SIZES)})")
 
 
 def _cluster(arg):
@@ -446,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.mode not in MODE_NAMES:
+    if getattr(args, "mode", None) is not None and args.mode not in MODE_NAMES:     # diff has no --mode
         parser.error(f"argument --mode/-m: invalid choice: {args.mode!r} (choose from {', '.join(MODE_NAMES)})")
     for name in ("world_size", "depth", "dp", "batch_size", "seq_len"):
         v = getattr(args, name, None)

@@ -150,21 +150,28 @@ def _linear_args(k, node):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowLinear(Kernel):
-    """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias."""
+class _SumsOutput(Kernel):
+    """A kernel whose local results are partial sums of its output, all-reduced
+    over ``axes`` in forward (backward: identity)."""
 
     axes: tuple[str, ...]
-    x: Path
-    w: Path
-    b: Path | None
-    n_dim: int
-    name: ClassVar[str] = "row_linear"
 
     def groups(self):
         return (self.axes,)
 
     def comms(self, io):
         return (KComm("fwd", "all_reduce", self.axes, io.out_numel),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowLinear(_SumsOutput):
+    """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias."""
+
+    x: Path
+    w: Path
+    b: Path | None
+    n_dim: int
+    name: ClassVar[str] = "row_linear"
 
     def bind(self, node, group, size):
         return _ops().row_linear, _linear_args(self, node), {"group": group(self.axes), "n_dim": self.n_dim}
@@ -259,18 +266,11 @@ class PartialHead(Kernel):
 
 
 @dataclass(frozen=True, kw_only=True)
-class VocabEmbedding(Kernel):
+class VocabEmbedding(_SumsOutput):
     """Lookup in this rank's vocabulary range of a table split on rows over
     ``axes``; other rows read zero; all-reduce."""
 
-    axes: tuple[str, ...]
     name: ClassVar[str] = "vocab_embedding"
-
-    def groups(self):
-        return (self.axes,)
-
-    def comms(self, io):
-        return (KComm("fwd", "all_reduce", self.axes, io.out_numel),)
 
     def bind(self, node, group, size):
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)

@@ -43,6 +43,11 @@ class Mesh:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: the size of the ``dp`` axis, 1 without one."""
+        return self.size("dp") if "dp" in self.axes else 1
+
     def size(self, axes: str | tuple[str, ...]) -> int:
         """Number of ranks spanned by one axis or a tuple of axes."""
         if isinstance(axes, str):

@@ -6,6 +6,7 @@ import torch
 from torch import fx, nn
 
 from . import collectives as C
+from . import parallel_ops
 from .errors import ConfigError
 from .plan import ShardingPlan
 from .validate import Problem as _P
@@ -146,7 +147,8 @@ class ShardedModule(nn.Module):
                               f"{max(split, b - b % split)} or {b - b % split + split}")
         if self.debug:
             self._check_same_inputs(full)
-        return self._gm(**full)
+        with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
+            return self._gm(**full)
 
     def _check_inputs(self, full: dict) -> None:
         """Shapes and dtypes a call must have; local and cheap (no collective)."""

@@ -8,6 +8,8 @@ object's ``comms``; the ledger tests hold the two together.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -17,7 +19,7 @@ from . import collectives as C
 from .spec import ShardSpec
 
 __all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
-           "cross_entropy", "dropout", "attention_dropout"]
+           "cross_entropy", "dropout", "dropout_active", "attention_dropout"]
 
 
 # --------------------------------------------------------------- re-layout steps
@@ -252,10 +254,24 @@ def _dropout_mask(x: torch.Tensor, p: float, dense: bool, blocks, segments) -> t
     return noise.div_(1 - p)
 
 
+_DROPOUT_ACTIVE = contextvars.ContextVar("autoshard_dropout_active", default=True)
+
+
+@contextlib.contextmanager
+def dropout_active(on: bool):
+    """Within it, the dropout kernels drop (``on``) or pass values through: a sharded
+    module captured in train mode follows its own ``.train()`` / ``.eval()``."""
+    token = _DROPOUT_ACTIVE.set(on)
+    try:
+        yield
+    finally:
+        _DROPOUT_ACTIVE.reset(token)
+
+
 def dropout(x: torch.Tensor, *, p: float, dense: bool, blocks, segments) -> torch.Tensor:
     """Dropout with rank-consistent masks of a value whose split dims are those with a
     group in ``blocks`` (each holding ``segments[d]`` fused blocks)."""
-    if p == 0:
+    if p == 0 or not _DROPOUT_ACTIVE.get():
         return x
     if p == 1:
         return x * 0

@@ -92,7 +92,7 @@ def _describe(mode: str, mesh: Mesh) -> tuple[int, int, int]:
     from .policies import POLICIES
 
     q, d = POLICIES[mode].grid(mesh)
-    return q, d, (mesh.size("dp") if "dp" in mesh.axes else 1)
+    return q, d, mesh.dp
 
 
 def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None) -> list[Candidate]:

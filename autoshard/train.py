@@ -111,7 +111,7 @@ def local_rows(sharded, batch: dict) -> dict:
     """This dp replica's rows of a global batch (all of it when dp = 1); the TP ranks
     of one replica get the same rows."""
     mesh = sharded.mesh
-    n_dp = mesh.size("dp") if "dp" in mesh.axes else 1
+    n_dp = mesh.dp
     if n_dp == 1:
         return batch
     i = sharded.coords["dp"]
@@ -305,7 +305,7 @@ def train(module, batches: Iterable[dict], steps: int, *, lr: float = 1e-4, accu
     if optimizer is None:
         optimizer, scheduler = make_optimizer(module, lr=lr, steps=steps, warmup=warmup)
     it = iter(batches)
-    n_dp = module.mesh.size("dp") if _is_sharded(module) and "dp" in module.mesh.axes else 1
+    n_dp = module.mesh.dp if _is_sharded(module) else 1
     show = log and _rank() == 0
     losses: list[float] = []
     progress = None

@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-dropout", action="store_true",
+                   help="set the model's dropout to 0 (by default it trains with its own dropout, masks "
+                        "consistent across ranks; evaluation runs in eval mode without it)")
     args = p.parse_args(argv)
     check_args(p, args)
     return args
@@ -118,27 +121,33 @@ def load_data(args, tok):
     return ({k: v[perm[n_eval:]] for k, v in data.items()}, {k: v[perm[:n_eval]] for k, v in data.items()})
 
 
+_DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "resid_pdrop",
+                 "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
+
+
+def _maybe_no_dropout(cfg, args) -> None:
+    """The model keeps its dropout (autoshard shards it); --no-dropout sets it to 0."""
+    if args.no_dropout:
+        for k in _DROPOUT_KEYS:
+            if isinstance(getattr(cfg, k, None), float):
+                setattr(cfg, k, 0.0)
+
+
 def build_model(args, tok):
     import transformers
 
     torch.manual_seed(args.seed)            # identical init (e.g. a new head) on every rank
     if args.task == "cls":
         cfg = transformers.AutoConfig.from_pretrained(args.model, num_labels=2)
-        # autoshard refuses dropout p > 0 in train mode
-        for k in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "dropout",
-                  "attention_dropout"):
-            if hasattr(cfg, k):
-                setattr(cfg, k, 0.0)
+        _maybe_no_dropout(cfg, args)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, config=cfg)
     elif args.model == "tiny-gpt2":
-        cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=args.seq_len,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=args.seq_len)
+        _maybe_no_dropout(cfg, args)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         cfg = transformers.AutoConfig.from_pretrained(args.model)
-        for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
-            if hasattr(cfg, k):
-                setattr(cfg, k, 0.0)
+        _maybe_no_dropout(cfg, args)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, config=cfg)
     model.train()
     return model
@@ -147,8 +156,13 @@ def build_model(args, tok):
 def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
     """cls: accuracy; clm: mean loss. Each replica scores its rows; the eval set is
     padded to whole global batches with zero-weight rows."""
-    with torch.no_grad():
-        return _evaluate(sharded, data, per_replica, n_dp, dp_index, args)
+    was = sharded.training
+    sharded.eval()                       # no dropout while scoring
+    try:
+        with torch.no_grad():
+            return _evaluate(sharded, data, per_replica, n_dp, dp_index, args)
+    finally:
+        sharded.train(was)
 
 
 def _evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:

@@ -178,7 +178,7 @@ class Policy:
     @property
     def dp(self) -> int:
         """Data-parallel replicas of this mesh (1 without a ``dp`` axis)."""
-        return self.mesh.size("dp") if "dp" in self.mesh.axes else 1
+        return self.mesh.dp
 
     def batch_split(self) -> tuple[int, str]:
         """How many blocks one dp replica's batch is cut into, and a label naming the axes."""
@@ -200,7 +200,7 @@ class Policy:
     def label(cls, mesh: Mesh) -> str:
         """``'2.5d [2,2,2] × dp2'``: the mode and its TP grid, then the dp replicas."""
         sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a != "dp"]
-        dp = mesh.size("dp") if "dp" in mesh.axes else 1
+        dp = mesh.dp
         return f"{cls.name} [{','.join(map(str, sizes))}]" + (f" × dp{dp}" if dp > 1 else "")
 
     # ---------------------------------------------------- what it splits

@@ -76,7 +76,7 @@ class Tesseract(Policy):
     def label(cls, mesh: Mesh) -> str:
         """Tesseract's own notation ``[q,q,d]`` (``[q,q]`` for 2d)."""
         q, d = cls.grid(mesh)
-        dp = mesh.size("dp") if "dp" in mesh.axes else 1
+        dp = mesh.dp
         grid = [q, q] + ([d] if cls.name == "2.5d" else [])
         return f"{cls.name} [{','.join(map(str, grid))}]" + (f" × dp{dp}" if dp > 1 else "")
 

@@ -158,3 +158,26 @@ def _differing_rng(rank, world):
 def test_ranks_with_different_generators_are_refused():
     for msg in get_pool(2, timeout=600).run(_differing_rng):
         assert msg is not None and "random generators differ" in msg and "torch.manual_seed" in msg
+
+
+def _eval_mode(rank, world):
+    """A module captured in train mode follows .eval() / .train() for its dropout."""
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = _build("gpt2")
+    inputs = models.batch("gpt2")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs, seed=11)
+    sharded.eval()
+    dense.eval()
+    with torch.no_grad():
+        a, b = sharded(**inputs).logits, dense(**inputs).logits
+        eval_err = (a - b).abs().max().item()
+        sharded.train()
+        c = sharded(**inputs).logits
+    return {"eval_err": eval_err, "train_differs": (c - b).abs().max().item()}
+
+
+def test_eval_mode_turns_dropout_off():
+    for r in get_pool(2, timeout=600).run(_eval_mode):
+        assert r["eval_err"] <= 1e-5 and r["train_differs"] > 1e-3, r

@@ -300,6 +300,8 @@ def _observe(cid: str, rank: int, ctx: dict) -> tuple[str, str, float]:
         msg = str(e)
         for k, v in ctx.items():
             msg = msg.replace(str(v), "<folder>")
+        # a capture error quotes the model's source line: the checkout's place is not part of it
+        msg = msg.replace(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<repo>")
         return type(e).__name__, msg, time.perf_counter() - t0
     return "no error", "", time.perf_counter() - t0
 

@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
     each on a 2-core box; each measures its own time, and wall time is only checked
     while the load stays within the core count)."""
     started = {"1d": _start(tmp_path_factory, world_size=8, mode="1d"),
-               "2.5d": _start(tmp_path_factory, world_size=64, mode="2.5d", depth=4)}
+               "2.5d": _start(tmp_path_factory, world_size=64, mode="2.5d", depth=4, batch_size=16)}
     try:
         return {k: _finish(*v) for k, v in started.items()}
     finally:
