@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import AutoshardWarning, ConfigError
-from .kernels import DROPOUT_MODES, Dropout
+from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
@@ -20,7 +20,7 @@ from .passes.pipeline import plan_captured
 from .policies import POLICIES, make_policy
 from .builder import model_from
 from .groups import axes_label, mesh_group
-from .validate import (Problem, check_dims, check_environment, check_example_inputs, check_group,
+from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_model, raise_problems, timeout_seconds)
 
 __all__ = ["shard", "plan", "validate", "MODES"]
@@ -136,8 +136,7 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
     """
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if dropout not in DROPOUT_MODES:
-        raise ConfigError(f"dropout={dropout!r}; valid: {', '.join(repr(m) for m in DROPOUT_MODES)}")
+    check_dropout_mode(dropout)
     if seed is not None:
         torch.manual_seed(seed)
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
@@ -241,12 +240,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                       example_inputs=example_inputs).plan
     pol = make_policy(mode, world_size, depth, dp)
     split, label = pol.batch_split()
-    if batch_size % (split * pol.dp):
-        whole = split * pol.dp
-        raise ConfigError(f"batch_size={batch_size} does not split into {whole} blocks ({label or 'dp'}"
-                          f"{f' × dp{pol.dp}' if pol.dp > 1 and label else ''}): each rank would hold "
-                          f"{batch_size / whole:g} rows; use a multiple of {whole}, e.g. "
-                          f"{max(whole, batch_size - batch_size % whole)} or {batch_size - batch_size % whole + whole}")
+    if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
+        split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")
+    raise_problems(check_batch(batch_size, split, label, source="batch_size"), f"autoshard.plan(mode={mode!r})")
     model = model_from(model_or_config)
     model.train()
     cap = capture(model, example_inputs=example_inputs)

@@ -39,7 +39,8 @@ from .mesh import Mesh
 from .spec import ShardSpec
 
 __all__ = ["KComm", "KernelIO", "Kernel", "KERNELS", "RowLinear", "Summa", "ThreeDLinear", "PartialHead",
-           "VocabEmbedding", "DistLayerNorm", "CrossEntropy", "Dropout", "AttentionDropout", "DROPOUT_MODES"]
+           "VocabEmbedding", "DistLayerNorm", "CrossEntropy", "Dropout", "AttentionDropout", "DROPOUT_MODES",
+           "check_dropout_mode"]
 
 Path = tuple
 
@@ -145,8 +146,16 @@ def _ops():
     return parallel_ops
 
 
-def _linear_args(k, node):
-    return _get(node, k.x), _get(node, k.w), (_get(node, k.b) if k.b else None)
+@dataclass(frozen=True, kw_only=True)
+class _Linear(Kernel):
+    """A Linear-like kernel: where its input, weight and (optional) bias sit."""
+
+    x: Path
+    w: Path
+    b: Path | None
+
+    def operands(self, node) -> tuple:
+        return _get(node, self.x), _get(node, self.w), (_get(node, self.b) if self.b else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,29 +173,23 @@ class _SumsOutput(Kernel):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowLinear(_SumsOutput):
+class RowLinear(_SumsOutput, _Linear):
     """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias."""
 
-    x: Path
-    w: Path
-    b: Path | None
     n_dim: int
     name: ClassVar[str] = "row_linear"
 
     def bind(self, node, group, size):
-        return _ops().row_linear, _linear_args(self, node), {"group": group(self.axes), "n_dim": self.n_dim}
+        return _ops().row_linear, self.operands(node), {"group": group(self.axes), "n_dim": self.n_dim}
 
 
 @dataclass(frozen=True, kw_only=True)
-class Summa(Kernel):
+class Summa(_Linear):
     """SUMMA Linear on a ``row × col`` grid: all-gather X over ``col`` and W over
     ``row``; backward reduce-scatters dX over ``col`` and dW over ``row``."""
 
     row: tuple[str, ...]
     col: tuple[str, ...]
-    x: Path
-    w: Path
-    b: Path | None
     n_dim: int
     k_dim: int
     name: ClassVar[str] = "summa"
@@ -203,21 +206,18 @@ class Summa(Kernel):
                 KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
 
     def bind(self, node, group, size):
-        return _ops().summa, _linear_args(self, node), {"row": group(self.row), "col": group(self.col),
+        return _ops().summa, self.operands(node), {"row": group(self.row), "col": group(self.col),
                                                         "n_dim": self.n_dim, "k_dim": self.k_dim}
 
 
 @dataclass(frozen=True, kw_only=True)
-class ThreeDLinear(Kernel):
+class ThreeDLinear(_Linear):
     """3D Linear (seed 001): gather X over ``b_axes`` and W over ``a``,
     reduce-scatter the product over ``c``; rows on ``row_dim``."""
 
     a: tuple[str, ...]
     b_axes: tuple[str, ...]
     c: tuple[str, ...]
-    x: Path
-    w: Path
-    b: Path | None
     row_dim: int
     n_dim: int
     segments: int = 1
@@ -237,20 +237,17 @@ class ThreeDLinear(Kernel):
                 KComm("bwd", "reduce_scatter", self.a, w_loc * q, (wp,)))
 
     def bind(self, node, group, size):
-        return _ops().three_d, _linear_args(self, node), {
+        return _ops().three_d, self.operands(node), {
             "a": group(self.a), "b": group(self.b_axes), "c": group(self.c), "row_dim": self.row_dim,
             "n_dim": self.n_dim, "segments": self.segments}
 
 
 @dataclass(frozen=True, kw_only=True)
-class PartialHead(Kernel):
+class PartialHead(_Linear):
     """``x · Eᵀ`` for a table split on hidden over ``col`` (a tied head): partial
     sums reduce-scattered on the vocabulary."""
 
     col: tuple[str, ...]
-    x: Path
-    w: Path
-    b: Path | None
     name: ClassVar[str] = "partial_head"
 
     def groups(self):
@@ -262,7 +259,7 @@ class PartialHead(Kernel):
                 KComm("bwd", "all_gather", self.col, full, (self.x, self.w)))
 
     def bind(self, node, group, size):
-        return _ops().partial_head, _linear_args(self, node), {"col": group(self.col)}
+        return _ops().partial_head, self.operands(node), {"col": group(self.col)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +328,15 @@ class CrossEntropy(Kernel):
 
 
 DROPOUT_MODES = ("sharded", "dense")
+
+
+def check_dropout_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`DROPOUT_MODES`, else a ConfigError naming them."""
+    if mode not in DROPOUT_MODES:
+        from .errors import ConfigError
+
+        raise ConfigError(f"dropout={mode!r}; valid: {', '.join(repr(m) for m in DROPOUT_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from .errors import AutoshardWarning, ConfigError
 from .mesh import Mesh
 
 __all__ = ["Problem", "check_environment", "check_group", "check_model", "check_dims", "check_example_inputs",
-           "raise_problems", "dims_of", "timeout_seconds", "DEFAULT_TIMEOUT_S"]
+           "raise_problems", "dims_of", "timeout_seconds", "DEFAULT_TIMEOUT_S", "check_batch"]
 
 # A dead or stuck rank turns into an error on the others after this long (seconds);
 # AUTOSHARD_TIMEOUT overrides it. Long enough for a first NCCL/gloo connect and a
@@ -266,12 +266,22 @@ def check_example_inputs(example_inputs, *, config=None, batch_split: int = 1, b
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             out.append(Problem("input_ids", f"token ids span {lo}..{hi}, outside the vocabulary 0..{vocab - 1}"))
-    if batch_split > 1 and b % batch_split:
-        lo_ = b - b % batch_split
-        sug = ", ".join(str(x) for x in (lo_, lo_ + batch_split) if x > 0)
-        out.append(Problem("batch", f"batch size {b} of example_inputs['input_ids'] is not divisible by the batch "
-                           f"split {batch_split} ({batch_label}); use a multiple of {batch_split}, e.g. {sug}"))
-    return out
+    return out + check_batch(b, batch_split, batch_label, source="example_inputs['input_ids']")
+
+
+def check_batch(batch: int, split: int, label: str, *, source: str) -> list[Problem]:
+    """A batch of ``batch`` rows (from ``source``) against the ``split`` blocks it is
+    cut into (``label`` names the axes): each block must hold whole rows.
+
+    >>> [str(p) for p in check_batch(6, 4, "2d splits the batch over row[4]", source="batch_size")]
+    ['batch size 6 of batch_size is not divisible by the batch split 4 (2d splits the batch over row[4]); use a multiple of 4, e.g. 4, 8']
+    """
+    if split <= 1 or batch % split == 0:
+        return []
+    lo = batch - batch % split
+    sug = ", ".join(str(x) for x in (lo, lo + split) if x > 0)
+    return [Problem("batch", f"batch size {batch} of {source} is not divisible by the batch split {split} "
+                             f"({label}); use a multiple of {split}, e.g. {sug}")]
 
 
 def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3) -> None:

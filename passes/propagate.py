@@ -26,8 +26,8 @@ import torch
 from torch import fx
 
 from autoshard.argpath import get_arg
-from autoshard.errors import ConfigError, ShardingError
-from autoshard.kernels import KernelIO
+from autoshard.errors import ShardingError
+from autoshard.kernels import KernelIO, check_dropout_mode
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
 from autoshard.policies.base import Choice, NeedReplicate, Policy, SymbolicSizes
@@ -688,9 +688,5 @@ def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 1
               gather_outputs: bool = True, dropout: str = "sharded") -> ShardingPlan:
     """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``.
     ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.kernels.Dropout`)."""
-    from autoshard.kernels import DROPOUT_MODES
-
-    if dropout not in DROPOUT_MODES:
-        raise ConfigError(f"dropout={dropout!r}; valid: {', '.join(repr(m) for m in DROPOUT_MODES)}")
     return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                   dropout=dropout).run()
+                   dropout=check_dropout_mode(dropout)).run()

@@ -280,14 +280,13 @@ def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
     t = _Trace(plan, gm, lambda node: shapes.get(node.name))
     t.run()
     if t.mismatch:
-        by_name = {n.name: n for n in gm.graph.nodes}
         first = next(n for n in gm.graph.nodes if n.name in t.mismatch)
         got, want = t.mismatch[first.name]
-        inputs = {a.name: shapes.get(a.name) for a in first.all_input_nodes if a.name in by_name}
-        raise ShardingError(f"the plan is inconsistent at this node: run with the plan's local inputs it produces "
-                            f"{list(got)}, the plan expects {list(want)} ({len(t.mismatch)} node(s) differ); a rule "
-                            f"chose a layout its op does not compute, so autoshard refuses the plan rather than "
-                            f"run it wrong", node=first, specs=inputs)
+        inputs = {a.name: shapes.get(a.name) for a in first.all_input_nodes}
+        raise ShardingError(f"the plan is inconsistent at this node: run with the plan's local inputs {inputs} it "
+                            f"produces {list(got)}, the plan expects {list(want)} ({len(t.mismatch)} node(s) differ); "
+                            f"a rule chose a layout its op does not compute, so autoshard refuses the plan rather "
+                            f"than run it wrong", node=first)
     nodes = list(plan.nodes)
     index = {n.name: i for i, n in enumerate(nodes)}
     carry: list[SavedTensor] = []

@@ -176,3 +176,19 @@ def test_comms_by_phase():
     # gradients of depth-replicated weights are all-reduced over dep after backward
     gs = plan.grad_sync_comms()
     assert gs and all(c.phase == "bwd" and c.kind == "all_reduce" and "dep" in c.axes for c in gs)
+
+
+def test_a_batch_that_does_not_split_is_refused():
+    """2.5d at 8 ranks (d=2, q=2) cuts the batch into dep·row = 4 blocks: 6 rows do
+    not split (every local batch would be fractional), dp multiplies the blocks."""
+    import autoshard
+    from autoshard import ConfigError
+
+    cfg = tp.config("llama")
+    with pytest.raises(ConfigError, match=r"batch size 6 of batch_size is not divisible by the batch split 4 "
+                                          r"\(2\.5d splits the batch over dep\[2\]·row\[2\]\); use a multiple of 4, "
+                                          r"e\.g\. 4, 8"):
+        autoshard.plan(cfg, world_size=8, mode="2.5d", depth=2, batch_size=6, seq_len=8)
+    with pytest.raises(ConfigError, match=r"batch size 3 of batch_size is not divisible by the batch split 2 "
+                                          r"\(dp\[2\]\)"):
+        autoshard.plan(cfg, world_size=4, mode="1d", dp=2, batch_size=3, seq_len=8)
