@@ -13,13 +13,15 @@ import torch.distributed as dist
 from .errors import AutoshardWarning, ConfigError
 from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
+from .signature import Recipe, batch_inputs, pad_blocker
 from .plan import ShardingPlan
 from .passes.capture import Captured, capture
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured
 from .policies import POLICIES, make_policy
 from .builder import model_from
-from .groups import axes_label, mesh_group
+from .hf_fill import open_folder
+from .groups import plan_groups
 from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_model, raise_problems, timeout_seconds)
 
@@ -38,24 +40,6 @@ def _ensure_dist() -> None:
     raise_problems(check_environment(os.environ), "autoshard.shard")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_seconds()))
-
-
-def _groups_for(plan: ShardingPlan, rank: int) -> dict[str, str]:
-    """Create (once per mesh and axes, collectively, in a rank-independent order)
-    the process groups the plan needs; return label -> this rank's c10d group name."""
-    labels = set()
-    mesh = plan.mesh
-    for a in mesh.axes:
-        labels.add((a,))
-    for n in plan.nodes:
-        for _, steps in n.arg_steps:
-            labels.update(s.axes for s in steps if s.axes)
-        labels.update(s.axes for s in n.post if s.axes)
-        if n.kernel is not None:
-            labels.update(a for a in n.kernel.groups() if a)
-    labels.update(p.grad_sync for p in plan.params if p.grad_sync)
-    return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
-            for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
 
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
@@ -78,10 +62,9 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     config = getattr(model, "config", None)
     if pol is not None:
         problems += check_dims(config, pol)
-        split, label = pol.batch_split()
-    else:
-        split, label = 1, ""
-    problems += check_example_inputs(example_inputs, config=config, batch_split=split, batch_label=label)
+    # a batch that does not divide the batch split is padded (refused later only where
+    # padding would not be exact: autoshard.signature.pad_blocker)
+    problems += check_example_inputs(example_inputs, config=config)
     return pol, problems
 
 
@@ -95,13 +78,24 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
                       AutoshardWarning, stacklevel=3)
 
 
-def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = None, dp: int = 1,
+def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
+    ``model`` may also be the path of a local Hugging Face folder: it is built on the
+    meta device from its ``config.json`` and each rank reads only its own slices of the
+    safetensors (as :func:`autoshard.from_pretrained`); the module comes back in eval
+    mode, as transformers' ``from_pretrained`` returns a model (``.train()`` turns its
+    dropout on).
+
+    The module takes what the model's forward takes (``input_ids``, ``attention_mask``,
+    ``token_type_ids``, ``labels`` or none, ...), at any batch size: a call whose
+    inputs no graph has yet captures one (once per input signature, about the cost of
+    the first capture; :mod:`autoshard.signature`), and a batch that does not divide the
+    batch split is padded and trimmed, exactly.
     ``example_inputs`` (HF kwargs) fix which inputs the module takes and the batch
     shape the plan's communication figures are computed for. ``weights(gm, plan,
     rank)``, if given, fills the rewritten module's parameters and buffers (e.g.
@@ -134,6 +128,19 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         out = sharded(input_ids=ids, labels=ids.clone())
         out.loss.backward()
     """
+    if isinstance(model, (str, os.PathLike)):
+        if weights is not None:
+            raise ConfigError("shard(path) reads the weights from the folder: pass weights= only with a model")
+        src = open_folder(model, train=True)
+        sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
+                        gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
+                        activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed)
+        sharded.config, sharded.load_stats = src.config, src.stats
+        return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"shard() takes a torch.nn.Module (e.g. a transformers model) or the path of a local "
+                          f"Hugging Face folder (config.json + safetensors), got {type(model).__name__}"
+                          + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
     check_dropout_mode(dropout)
@@ -151,20 +158,26 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
                      batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
         # the search chose this layout knowing its fallbacks: report them, refuse nothing
-        split, label = pol.batch_split()
         auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None), pol)]
-        raise_problems(auto + check_example_inputs(example_inputs, batch_split=split, batch_label=label),
+        raise_problems(auto + check_example_inputs(example_inputs),
                        f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
         cap = captured or capture(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
+    blocker = pad_blocker(cap.module, cap.batch_symbol)
+    split, label = pol.batch_split()
+    b = int(ids.shape[0])
+    if b % split and blocker is not None:
+        raise_problems(check_batch(b, split, f"{label}; padding the batch would not be exact: {blocker}",
+                                   source="example_inputs['input_ids']"), f"autoshard.shard(mode={pol.name!r})")
+    b += -b % split         # an example batch that does not divide plans as its padded size
     # each dp replica holds its own rows: the plan reasons on the global batch
-    p = plan_captured(cap, pol, batch_size=int(ids.shape[0]) * pol.dp, seq_len=int(ids.shape[1]),
+    p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
                       gather_outputs=gather_logits, dropout=dropout)
     if any(isinstance(n.kernel, Dropout) for n in p.nodes):
         _check_same_rng(world)
     _warn_fallbacks(p)
-    groups = _groups_for(p, rank)
+    groups = plan_groups(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     if activation_checkpointing:
         from .passes.remat import checkpoint_blocks
@@ -172,8 +185,15 @@ def shard(model: torch.nn.Module, *, mode: str = "auto", depth: int | None = Non
         checkpoint_blocks(gm)
     if weights is not None:
         weights(gm, p, rank)
+    config = getattr(model, "config", None)
+    recipe = None if config is None else Recipe(
+        model_class=type(model), config=config, training=cap.training, policy=pol, batch_size=b * pol.dp,
+        seq_len=int(ids.shape[1]), gather_outputs=gather_logits, dropout=dropout,
+        activation_checkpointing=activation_checkpointing)
     sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
-                       example_inputs=cap.example_inputs, debug=debug)
+                       example_inputs=cap.example_inputs, debug=debug, recipe=recipe,
+                       batch_inputs=batch_inputs(cap.module, cap.batch_symbol),
+                       pad_blocker=blocker)
     sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
     hi = cap.seq_range[1]
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from .mesh import Mesh
 from .validate import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label"]
+__all__ = ["mesh_group", "axes_label", "plan_groups"]
 
 
 def axes_label(axes) -> str:
@@ -37,3 +37,21 @@ def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int):
     return _GROUPS[key]
 
 
+
+
+def plan_groups(plan, rank: int) -> dict[str, str]:
+    """Create (once per mesh and axes, collectively, in a rank-independent order)
+    the process groups ``plan`` needs; return label -> this rank's c10d group name."""
+    labels = set()
+    mesh = plan.mesh
+    for a in mesh.axes:
+        labels.add((a,))
+    for n in plan.nodes:
+        for _, steps in n.arg_steps:
+            labels.update(s.axes for s in steps if s.axes)
+        labels.update(s.axes for s in n.post if s.axes)
+        if n.kernel is not None:
+            labels.update(a for a in n.kernel.groups() if a)
+    labels.update(p.grad_sync for p in plan.params if p.grad_sync)
+    return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
+            for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .builder import Built
-from .errors import AutoshardWarning, CheckpointError
+from .builder import Built, build_meta, load_config
+from .errors import AutoshardWarning, CheckpointError, ConfigError
 from .log import progress as _progress_bar
 from .log import show_progress, warn
 from .mesh import Mesh
 from .safetensors_io import FLOAT_CODES, HFFolder
 from .spec import replicated
 
-__all__ = ["fill_from_folder", "fill_buffers", "check_folder", "set_param", "retarget_device"]
+__all__ = ["FolderLoad", "open_folder", "fill_from_folder", "fill_buffers", "check_folder", "set_param", "retarget_device"]
 
 
 def set_param(gm: nn.Module, names, value) -> None:
@@ -41,9 +41,12 @@ def _set_buffer(gm: nn.Module, name: str, value: torch.Tensor) -> None:
     mod._buffers[attr] = value
 
 
-def fill_buffers(gm: nn.Module, built: Built | None, folder: HFFolder | None = None) -> None:
+def fill_buffers(gm: nn.Module, built: Built | None, folder: HFFolder | None = None,
+                 device: torch.device | str = "cpu") -> None:
     """Give every meta buffer its value (from ``folder`` if persistent and stored, else the
-    constructor's), retarget the graph to the CPU and check nothing is left on meta."""
+    constructor's) on ``device``, retarget the graph to ``device`` and check nothing is
+    left on meta."""
+    device = torch.device(device)
     for name, buf in list(gm.named_buffers(remove_duplicate=False)):
         if buf.device.type != "meta":
             continue
@@ -58,8 +61,8 @@ def fill_buffers(gm: nn.Module, built: Built | None, folder: HFFolder | None = N
         if value is None:
             raise CheckpointError(f"buffer {name!r} has no value: it is neither computed by the model's "
                                   f"constructor nor stored in the weights")
-        _set_buffer(gm, name, value.to(buf.dtype).clone())
-    retarget_device(gm, torch.device("cpu"))
+        _set_buffer(gm, name, value.to(device, buf.dtype).clone())
+    retarget_device(gm, device)
     _check_materialised(gm)
 
 
@@ -187,3 +190,33 @@ def check_folder(folder: HFFolder, model: nn.Module, config_name: str = "config.
     if extra:
         warn(f"{folder.path}: {len(extra)} tensor(s) in the files are not parameters of the model built "
                       f"from {config_name} and are ignored, e.g. {extra[:3]}", AutoshardWarning, stacklevel=3)
+
+
+class FolderLoad:
+    """A Hugging Face folder ready to shard: the model built on meta from its config
+    (``model``, ``config``) and ``fill``, the ``weights`` callback of
+    :func:`autoshard.shard` that reads each rank's slices; ``stats`` is filled by it."""
+
+    def __init__(self, built: Built, folder: HFFolder, progress):
+        self.built, self.folder, self.progress = built, folder, progress
+        self.model, self.config, self.stats = built.model, built.config, {}
+
+    def fill(self, gm, plan, rank) -> None:
+        fill_from_folder(gm, plan, rank, self.folder, self.built, self.progress, self.stats)
+
+
+def open_folder(path, *, model_class=None, dtype=None, train: bool = False, progress=None) -> FolderLoad:
+    """Check a local Hugging Face folder against the model its config builds (before
+    any process group or read) and return it ready to shard; :class:`ConfigError` for
+    a path that is not a folder."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"no such directory: {path}")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a folder (a local Hugging Face folder with config.json is expected)")
+    config = load_config(path)
+    built = build_meta(config, model_class=model_class, dtype=dtype)
+    folder = HFFolder(path, prefix=getattr(built.model, "base_model_prefix", "") or "")
+    check_folder(folder, built.model)
+    built.model.train(train)
+    return FolderLoad(built, folder, progress)

@@ -19,7 +19,7 @@ from torch import nn
 from .api import shard
 from .builder import build_meta, load_config
 from .errors import CheckpointError, ConfigError
-from .hf_fill import check_folder, fill_from_folder
+from .hf_fill import open_folder
 from .safetensors_io import HFFolder
 from .sharded_format import Saved, check_matches, fill_from_checkpoint, load_optimizer, read_manifest, \
     verify_checkpoint
@@ -48,25 +48,11 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
 
         sharded = autoshard.from_pretrained("path/to/model", mode="1d")
     """
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"no such directory: {path}")
-    if not path.is_dir():
-        raise ConfigError(f"{path} is not a folder (from_pretrained reads local Hugging Face folders)")
-    config = load_config(path)
-    built = build_meta(config, model_class=model_class, dtype=dtype)
-    folder = HFFolder(path, prefix=getattr(built.model, "base_model_prefix", "") or "")
-    check_folder(folder, built.model)
-    built.model.train(train)
-    stats: dict = {}
-
-    def fill(gm, plan, rank):
-        fill_from_folder(gm, plan, rank, folder, built, progress, stats)
-
-    sharded = shard(built.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
-                    gather_logits=gather_logits, weights=fill)
-    sharded.config = config
-    sharded.load_stats = stats
+    src = open_folder(path, model_class=model_class, dtype=dtype, train=train, progress=progress)
+    sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
+                    gather_logits=gather_logits, weights=src.fill)
+    sharded.config = src.config
+    sharded.load_stats = src.stats
     return sharded
 
 

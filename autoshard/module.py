@@ -9,6 +9,8 @@ from . import collectives as C
 from . import parallel_ops
 from .errors import ConfigError
 from .plan import ShardingPlan
+from .recapture import capture_graph
+from .signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
 from .validate import Problem as _P
 
 __all__ = ["ShardedModule"]
@@ -33,9 +35,14 @@ class ShardedModule(nn.Module):
     """
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
-                 input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False):
+                 input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False,
+                 batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None):
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
+        first = SignatureGraph(gm, plan, tuple(input_names), dict(constants), InputSignature.of(example_inputs),
+                       frozenset(batch_inputs), pad_blocker)
+        object.__setattr__(self, "_graphs", [first])
+        self._recipe = recipe
         for name, child in gm.named_children():
             if not name.startswith("_"):
                 self.add_module(name, child)
@@ -44,9 +51,6 @@ class ShardedModule(nn.Module):
         self.groups = groups
         self.mesh = plan.mesh
         self.coords = plan.mesh.coords(rank)
-        self._input_names = input_names
-        self._constants = dict(constants)
-        self._tensor_inputs = {k for k, v in example_inputs.items() if isinstance(v, torch.Tensor)}
         self._hooks = []
         self.debug = debug
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
@@ -122,33 +126,60 @@ class ShardedModule(nn.Module):
     def batch_split(self) -> int:
         return self.mesh.size(self.plan.batch_axes) if self.plan.batch_axes else 1
 
+    @property
+    def signatures(self) -> list[str]:
+        """The input signatures this module has a graph for, in capture order (see
+        :mod:`autoshard.signature`); a call with another one captures a new graph."""
+        return [g.signature.describe() for g in self._graphs]
+
     def forward(self, **kwargs):
-        unknown = set(kwargs) - set(self._input_names)
-        if unknown:
-            raise ConfigError(f"unexpected input(s) {sorted(unknown)}; this module was captured with "
-                              f"{list(self._input_names)} (pass example_inputs to shard() to capture others)")
-        full = {}
-        for name in self._input_names:
-            if name in kwargs and kwargs[name] is not None:
-                full[name] = kwargs[name]
-            elif name in self._constants:
-                full[name] = self._constants[name]
-            elif name == "attention_mask" and "input_ids" in kwargs:
-                full[name] = torch.ones_like(kwargs["input_ids"])
-            else:
-                raise ConfigError(f"input {name!r} is required: the graph was captured with it")
+        """Run the graph captured for this call's inputs (capturing one first if no
+        graph has them). A batch that does not divide the batch split is padded and
+        the padded rows cut from the outputs (exact; see :mod:`autoshard.signature`)."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if kwargs.get("use_cache"):
+            raise ConfigError("use_cache=True: a sharded module runs without a KV cache (its graphs are captured "
+                              "with use_cache=False); call it without use_cache")
+        self._check_inputs(kwargs)
+        g, full = self._graph_for(kwargs)
         ids = full.get("input_ids")
-        self._check_inputs(full)
         split = self.batch_split
-        if isinstance(ids, torch.Tensor) and split > 1 and ids.shape[0] % split:
-            b = ids.shape[0]
-            raise ConfigError(f"batch size {b} is not divisible by the batch split {split} "
-                              f"({'·'.join(self.plan.batch_axes)}); use a multiple of {split}, e.g. "
-                              f"{max(split, b - b % split)} or {b - b % split + split}")
+        b = padded = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else 0
+        if split > 1 and b % split:
+            if g.pad_blocker is not None:
+                raise ConfigError(f"batch size {b} is not divisible by the batch split {split} "
+                                  f"({'·'.join(self.plan.batch_axes)}) and padding it would not be exact: "
+                                  f"{g.pad_blocker}; use a multiple of {split}, e.g. "
+                                  f"{max(split, b - b % split)} or {b - b % split + split}")
+            padded = b + split - b % split
+            full = pad_rows(full, b, padded, g.batch_inputs)
         if self.debug:
-            self._check_same_inputs(full)
+            self._check_same_inputs(full, g.input_names)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
-            return self._gm(**full)
+            out = g.gm(**full)
+        return trim_rows(out, b, padded) if padded != b else out
+
+    def _graph_for(self, kwargs: dict):
+        """The graph whose captured signature this call matches, and the call's full
+        keyword arguments for it (constants filled in, a missing attention mask as
+        ones); captures a new graph if none matches."""
+        for g in self._graphs:
+            full = g.accepts(kwargs)
+            if full is not None:
+                return g, full
+        if self._recipe is None:
+            g = self._graphs[0]
+            raise ConfigError(f"inputs {InputSignature.of(kwargs).describe()} do not match the captured "
+                              f"{g.signature.describe()}, and this module cannot capture another graph (it was "
+                              f"not sharded from a Hugging Face model with a config); pass example_inputs with "
+                              f"these inputs to shard()")
+        g = capture_graph(self, kwargs)
+        self._graphs.append(g)
+        full = g.accepts(kwargs)
+        if full is None:        # the capture was made from these very inputs
+            raise ConfigError(f"internal: the graph captured for {InputSignature.of(kwargs).describe()} "
+                              f"does not accept them")
+        return g, full
 
     def _check_inputs(self, full: dict) -> None:
         """Shapes and dtypes a call must have; local and cheap (no collective)."""
@@ -176,14 +207,14 @@ class ShardedModule(nn.Module):
             from .validate import raise_problems
             raise_problems(problems, "ShardedModule call")
 
-    def _check_same_inputs(self, full: dict) -> None:
+    def _check_same_inputs(self, full: dict, input_names) -> None:
         """``debug=True``: every TP rank of a data-parallel replica must see the same
         inputs. Each rank all-gathers a checksum per input (numel, sum, position-weighted
         sum, in float64) over the default group and compares it with its replica's ranks;
         every rank reaches the same verdict from the same gathered table."""
         import torch.distributed as dist
 
-        names = [n for n in self._input_names if isinstance(full.get(n), torch.Tensor)]
+        names = [n for n in input_names if isinstance(full.get(n), torch.Tensor)]
         rows = []
         for n in names:
             x = full[n].detach().reshape(-1).to("cpu", torch.float64)

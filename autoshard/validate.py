@@ -242,9 +242,9 @@ def check_example_inputs(example_inputs, *, config=None, batch_split: int = 1, b
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         out.append(Problem("input_ids", f"must hold integer token ids, got dtype {str(ids.dtype).removeprefix('torch.')}"))
     b, s = ids.shape
-    if b < 2 or s < 2:
-        out.append(Problem("input_ids", f"example shape [{b}, {s}]: capture needs batch >= 2 and seq >= 2 "
-                           f"(export specialises sizes 0 and 1)"))
+    if b < 1 or s < 2:
+        out.append(Problem("input_ids", f"example shape [{b}, {s}]: capture needs batch >= 1 and seq >= 2 "
+                           f"(export specialises sequence lengths 0 and 1)"))
     for k, v in example_inputs.items():
         if k == "input_ids" or not isinstance(v, torch.Tensor):
             continue

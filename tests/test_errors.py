@@ -95,14 +95,16 @@ CASES = [
          r"attention_mask: shape \[4, 5\] does not match input_ids \[4, 8\] \(expected \[4, 8\]\)"),
     Case("seq-too-long", 2, "80 tokens, `max_position_embeddings=64`", "ConfigError",
          r"input_ids: sequence length 80 exceeds the model's max_position_embeddings=64"),
-    Case("batch-vs-split", 4, "batch 3, `mode='2d'` on 4 ranks", "ConfigError",
+    Case("batch-vs-split", 4, "batch 3 of a regression head (an MSE loss over the batch), `mode='2d'` on 4 ranks",
+         "ConfigError",
          r"batch size 3 of example_inputs\['input_ids'\] is not divisible by the batch split 2 "
-         r"\(2d splits the batch over row\[2\]\); use a multiple of 2, e.g\. 2, 4"),
+         r"\(2d splits the batch over row\[2\]; padding the batch would not be exact: node mse_loss \(mse_loss\) "
+         r"reduces over the batch dim\); use a multiple of 2, e.g\. 2, 4"),
     Case("all-problems-at-once", 2, "3 heads, a float16 `lm_head` and float `input_ids` together", "ConfigError",
          r"3 problems:\n  - dtype: parameters mix dtypes.*\n  - num_attention_heads=3 is not.*\n  - input_ids: must hold integer"),
     # --- calling a sharded module ----------------------------------------------------------------
-    Case("call-unexpected-input", 2, "calling the sharded module with `foo=`", "ConfigError",
-         r"unexpected input\(s\) \['foo'\]; this module was captured with \['input_ids', 'attention_mask', 'labels'"),
+    Case("call-use-cache", 2, "calling the sharded module with `use_cache=True`", "ConfigError",
+         r"use_cache=True: a sharded module runs without a KV cache"),
     Case("call-token-out-of-vocab", 2, "calling with token id 200, vocabulary 128", "ConfigError",
          r"input_ids: token ids span \d+\.\.200, outside the vocabulary 0\.\.127 \(a vocab-parallel embedding would"),
     Case("call-mask-shape", 2, "calling with `attention_mask` [4, 7], `input_ids` [4, 8]", "ConfigError",
@@ -266,13 +268,19 @@ def _do(cid: str, rank: int, ctx: dict) -> None:
     elif cid == "seq-too-long":
         _shard(_llama(), mode="1d", example_inputs=_batch(2, 80))
     elif cid == "batch-vs-split":
-        _shard(_llama(), mode="2d", example_inputs=_batch(3, 8))
+        import transformers
+
+        torch.manual_seed(0)
+        m = transformers.BertForSequenceClassification(transformers.BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=128,
+            num_labels=1))
+        _shard(m, mode="2d", example_inputs={**_batch(3, 8), "labels": torch.rand(3)})
     elif cid == "all-problems-at-once":
         m = _llama(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
         m.lm_head.half()
         _shard(m, mode="1d", example_inputs={**b, "input_ids": b["input_ids"].float()})
-    elif cid == "call-unexpected-input":
-        _sharded_llama()(**b, foo=1)
+    elif cid == "call-use-cache":
+        _sharded_llama()(**b, use_cache=True)
     elif cid == "call-token-out-of-vocab":
         ids = b["input_ids"].clone()
         ids[0, 0] = 200
