@@ -230,3 +230,26 @@ def test_pretrained_minilm_takes_its_tokenizer_output(mode, world, depth):
         assert same_shape and err <= 1e-4, (names, err)
     # first call: a new signature (token types); the second matches the graph shard() captured
     assert len(res[0]["signatures"]) == 2
+
+
+def _from_folder(rank, world, path, mode):
+    import autoshard
+    import transformers
+
+    torch.set_num_threads(1)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path)
+    sharded = autoshard.shard(path, mode=mode)
+    x = _inputs(4)
+    with torch.no_grad():
+        err = (sharded(**x).logits - dense(**x).logits).abs().max().item()
+    local = sum(p.numel() for p in sharded.parameters())
+    return {"err": err, "training": sharded.training, "local": local,
+            "dense": sum(p.numel() for p in dense.parameters()), "read": sharded.load_stats.get("tensors")}
+
+
+def test_shard_takes_a_folder(tmp_path):
+    build("llama").save_pretrained(tmp_path)
+    res = get_pool(2).run(_from_folder, str(tmp_path), "1d")
+    for r in res:
+        assert r["err"] <= 1e-5 and r["training"] is False          # eval mode, as from_pretrained returns it
+        assert r["read"] and r["local"] < 0.6 * r["dense"]          # each rank read and holds its slices
