@@ -20,7 +20,7 @@ import types
 # public name -> the module that defines it
 _WHERE = {
     "shard": "api", "plan": "api", "MODES": "api",
-    "from_pretrained": "load", "load_checkpoint": "load",
+    "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "export",
     "CommLedger": "collectives",
     "CLUSTERS": "cost", "Cluster": "cost", "estimate": "cost", "profile": "cost",
     "AutoshardError": "errors", "CaptureError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
@@ -32,7 +32,7 @@ _WHERE = {
     "ShardSpec": "spec",
 }
 
-__all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
+__all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "export_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
            "ShardedModule", "CommLedger",
            "search", "profile", "estimate", "Cluster", "CLUSTERS",
            "AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "CollectiveError"]

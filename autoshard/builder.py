@@ -22,7 +22,7 @@ from torch import nn
 
 from .errors import ConfigError
 
-__all__ = ["model_from", "build_meta", "resolve_class", "load_config", "resolve_dtype", "Built"]
+__all__ = ["model_from", "build_meta", "resolve_class", "with_architecture", "load_config", "resolve_dtype", "Built"]
 
 
 def resolve_class(config, model_class=None):
@@ -41,6 +41,21 @@ def resolve_class(config, model_class=None):
         if hasattr(transformers, a):
             return getattr(transformers, a)
     return None
+
+
+def with_architecture(config, class_name: str):
+    """A copy of ``config`` whose ``architectures`` names ``class_name`` (when transformers
+    has that class), so a saved folder rebuilds the model it came from: a classifier
+    fine-tuned from a ``BertModel`` checkpoint saves as ``BertForSequenceClassification``."""
+    import copy
+
+    import transformers
+
+    if config is None or not hasattr(transformers, class_name):
+        return config
+    config = copy.deepcopy(config)
+    config.architectures = [class_name]
+    return config
 
 
 def _construct(config, cls):

@@ -153,7 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=_EPILOG_CHECK)
     _add_common(cp, mode_default=None)
     _add_diff(sub)
+    _add_export(sub)
     return ap
+
+
+def _add_export(sub) -> None:
+    ep = sub.add_parser("export", formatter_class=_Help, help="write a sharded checkpoint as a dense HF folder",
+                        description="Merge a checkpoint written by save_checkpoint (any mode, any world size; "
+                                    "e.g. a step_NNNNNN folder of examples/finetune.py) into a Hugging Face "
+                                    "folder that AutoModelFor....from_pretrained loads: config.json naming the "
+                                    "class that was sharded, and safetensors. One process, no torchrun.",
+                        epilog="example:\n  autoshard export ckpt/step_000030 my-model/\n"
+                               "  python -c \"import transformers as t; "
+                               "t.AutoModelForSequenceClassification.from_pretrained('my-model')\"\n\n"
+                               "exit status: 0 written, 2 bad arguments or an unreadable checkpoint.")
+    ep.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder (manifest.json + rank files)")
+    ep.add_argument("out", metavar="OUT", help="the folder to write")
+    ep.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="split the weights into files of at most SIZE (e.g. 500MB)")
+    ep.add_argument("--model-class", default=None, metavar="CLASS",
+                    help="transformers class to name in config.json (default: the class that was sharded)")
 
 
 def _add_diff(sub) -> None:
@@ -438,9 +457,20 @@ def cmd_diff(args) -> int:
     return 1 if changes else 0
 
 
+def cmd_export(args) -> int:
+    from .builder import resolve_class
+    from .export import export_checkpoint
+
+    cls = resolve_class(None, args.model_class) if args.model_class else None
+    out = export_checkpoint(args.checkpoint, args.out, model_class=cls, max_shard_size=args.max_shard_size,
+                            progress=sys.stderr.isatty())
+    print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autoshard`` console script."""
-    from .errors import ConfigError
+    from .errors import CheckpointError, ConfigError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -455,11 +485,16 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "diff":
             return cmd_diff(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_check(args)
     except _UsageError as e:
         print(f"autoshard: error: {e}", file=sys.stderr)
         return 2
     except ConfigError as e:          # a bad --cluster and the like, before any planning
+        print(f"autoshard: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:      # export: a missing, partial or corrupt checkpoint
         print(f"autoshard: error: {e}", file=sys.stderr)
         return 2
 

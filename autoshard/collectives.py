@@ -360,6 +360,10 @@ def entry_barrier(call: str, timeout: float | None = None) -> None:
         if not missing:
             return
         if time.monotonic() >= deadline:
+            # take this entry back, so that the next call of ``call`` on every rank meets at
+            # the same count again (a misuse must not leave the ranks' counts out of step)
+            _ENTRIES[call] = n
+            store.delete_key(f"{prefix}{rank}")
             raise CollectiveError(
                 f"{call} is collective and must be called on every rank: rank(s) {missing} of {world} did not "
                 f"enter it within {timeout:g} s (this is rank {rank}, call #{n + 1}); "

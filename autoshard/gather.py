@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from .builder import with_architecture
 from .collectives import entry_barrier
 from .errors import ConfigError
 from .log import progress as _progress_bar
@@ -27,7 +28,8 @@ from .mesh import Mesh
 from .safetensors_io import StreamWriter, write_atomic
 from .spec import ShardSpec
 
-__all__ = ["iter_full_state_dict", "full_state_dict", "save_pretrained", "parse_size", "persistent_buffers"]
+__all__ = ["iter_full_state_dict", "full_state_dict", "save_pretrained", "write_folder", "parse_size",
+           "persistent_buffers"]
 
 
 def _dist():
@@ -183,6 +185,21 @@ def save_pretrained(sharded, path, *, config=None, max_shard_size="5GB", aliases
     rank = sharded.rank
     path = Path(path)
     entries = _dense_entries(sharded, aliases=aliases)
+    gen = iter_full_state_dict(sharded, rank0_only=True, aliases=aliases)
+    write_folder(path, entries, gen, with_architecture(config, sharded.plan.model) if rank == 0 else None,
+                 max_shard_size=max_shard_size, progress=show_progress(progress, rank, len(entries)))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_folder(path, entries, tensors, config, *, max_shard_size="5GB", progress: bool = False) -> None:
+    """Stream ``tensors`` (``(name, tensor)`` pairs in the order of ``entries``, a list of
+    ``(name, shape, dtype)``) into a Hugging Face folder: ``model.safetensors``, or several
+    files and ``model.safetensors.index.json`` above ``max_shard_size``, then ``config``
+    as ``config.json``. A process whose ``tensors`` yields nothing (a rank other than 0
+    of a gather, which must still iterate it) writes nothing. Nothing is half-written:
+    each file is committed only once complete."""
+    path = Path(path)
     limit = parse_size(max_shard_size)
     files: list[list] = [[]]
     size = 0
@@ -196,30 +213,26 @@ def save_pretrained(sharded, path, *, config=None, max_shard_size="5GB", aliases
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     writers: list[StreamWriter] = []
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
     where = {e[0]: i for i, fe in enumerate(files) for e in fe}
     try:
-        gen = iter_full_state_dict(sharded, rank0_only=True, aliases=aliases)
-        for name, t in _progress_bar(gen, f"writing {path.name}", show_progress(progress, rank, len(entries)),
-                                 total=len(entries)):
+        for name, t in _progress_bar(tensors, f"writing {path.name}", progress, total=len(entries)):
             i = where[name]
+            if not writers:
+                path.mkdir(parents=True, exist_ok=True)
             while len(writers) <= i:
                 writers.append(StreamWriter(path / names[len(writers)], files[len(writers)]))
             writers[i].write(name, t.to("cpu"))
             del t
-        if rank == 0:
-            for w in writers:
-                w.commit()
-            if len(files) > 1:
-                index = {"metadata": {"total_size": sum(w.offsets[n][1] - w.offsets[n][0]
-                                                        for w in writers for n in w.order)},
-                         "weight_map": {e[0]: names[i] for i, fe in enumerate(files) for e in fe}}
-                write_atomic(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+        for w in writers:
+            w.commit()
+        if writers and len(files) > 1:
+            index = {"metadata": {"total_size": sum(w.offsets[n][1] - w.offsets[n][0]
+                                                    for w in writers for n in w.order)},
+                     "weight_map": {e[0]: names[i] for i, fe in enumerate(files) for e in fe}}
+            write_atomic(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+        if writers and config is not None:
             config.save_pretrained(str(path))
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    if dist.is_initialized():
-        dist.barrier()

@@ -21,7 +21,7 @@ from .builder import build_meta, load_config
 from .errors import CheckpointError, ConfigError
 from .hf_fill import open_folder
 from .safetensors_io import HFFolder
-from .sharded_format import Saved, check_matches, fill_from_checkpoint, load_optimizer, read_manifest, \
+from .sharded_format import Saved, check_matches, checkpoint_class, fill_from_checkpoint, load_optimizer, read_manifest, \
     verify_checkpoint
 
 __all__ = ["from_pretrained", "load_checkpoint"]
@@ -91,7 +91,7 @@ def load_checkpoint(path, model_or_path=None, *, mode: str, depth: int | None = 
             config = load_config(model_or_path)
         else:
             config = model_or_path
-        built = build_meta(config, model_class=model_class, dtype=dtype)
+        built = build_meta(config, model_class=checkpoint_class(man, model_class, config), dtype=dtype)
         model = built.model
         model.train(True if train is None else train)
     check_matches(man, model, path)

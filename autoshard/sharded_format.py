@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .builder import Built
+from .builder import Built, with_architecture
 from .collectives import entry_barrier
 from .errors import CheckpointError, ConfigError
 from .hf_fill import fill_buffers, set_param
@@ -61,7 +61,7 @@ from .mesh import Mesh
 from .safetensors_io import LazyFiles, StreamWriter, read_local, write_atomic
 from .spec import ShardSpec, replicated
 
-__all__ = ["save_checkpoint", "read_manifest", "verify_checkpoint", "check_matches", "Saved",
+__all__ = ["checkpoint_class", "save_checkpoint", "read_manifest", "verify_checkpoint", "check_matches", "Saved",
            "fill_from_checkpoint", "load_optimizer", "MANIFEST", "FORMAT", "VERSION"]
 
 MANIFEST = "manifest.json"
@@ -185,7 +185,7 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     dist.all_gather_object(reports, report)
     if rank == 0:
         if config is not None:
-            config.save_pretrained(str(path))
+            with_architecture(config, plan.model).save_pretrained(str(path))
         by_rank = {rep["rank"]: rep for rep in reports}
         tensors = {}
         for key, kind, name, k, spec, gshape, dtype, aliases, _ in rows:
@@ -205,6 +205,22 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
                     "tensors": tensors, "optimizer": opt_json, "complete": True}
         write_atomic(path / MANIFEST, json.dumps(manifest, indent=1))
     dist.barrier()
+
+
+def checkpoint_class(man: dict, model_class=None, config=None):
+    """The class a checkpoint was sharded from: ``model_class`` if given, else the
+    manifest's model name when transformers has it and it takes ``config``'s kind,
+    else None (the config's ``architectures`` decide)."""
+    import transformers
+
+    if model_class is not None:
+        return model_class
+    name = man.get("model")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    want = getattr(cls, "config_class", None)
+    if cls is None or (config is not None and isinstance(want, type) and not isinstance(config, want)):
+        return None
+    return cls
 
 
 def read_manifest(path) -> dict:

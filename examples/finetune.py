@@ -50,6 +50,9 @@ def parse_args(argv=None):
                    help="recompute each transformer block in backward instead of keeping its activations")
     p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here (step_NNNNNN/ folders), at the end and every --save-every")
     p.add_argument("--save-every", type=int, default=0, help="also save to --checkpoint-dir every N steps")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="at the end, write the fine-tuned model as a dense Hugging Face folder to DIR "
+                        "(AutoModelFor...from_pretrained loads it; `autoshard export` does the same from a checkpoint)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
@@ -258,6 +261,9 @@ def main(argv=None):
     if args.checkpoint_dir:
         T.save_state(sharded, _step_dir(args, args.steps), opt, step=args.steps)
         log(f"saved {_step_dir(args, args.steps)} (step {args.steps})")
+    if args.export:
+        sharded.save_pretrained(args.export)          # collective: every rank calls it, rank 0 writes
+        log(f"exported the fine-tuned model to {args.export} ({type(model).__name__}, Hugging Face format)")
     dist.destroy_process_group()
 
 
