@@ -20,6 +20,8 @@ from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured
 from .policies import POLICIES, make_policy
 from .builder import model_from
+from .heartbeat import stale_after
+from .heartbeat import start as start_heartbeat
 from .hf_fill import open_folder
 from .groups import plan_groups
 from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
@@ -141,6 +143,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         raise ConfigError(f"shard() takes a torch.nn.Module (e.g. a transformers model) or the path of a local "
                           f"Hugging Face folder (config.json + safetensors), got {type(model).__name__}"
                           + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
+    stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
     check_dropout_mode(dropout)
@@ -195,6 +198,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                        batch_inputs=batch_inputs(cap.module, cap.batch_symbol),
                        pad_blocker=blocker)
     sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
+    start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     hi = cap.seq_range[1]
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
         sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)

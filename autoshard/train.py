@@ -148,6 +148,7 @@ def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None =
     A save killed at any point leaves a folder :func:`load_state` refuses: the old
     ``train_state.json`` is removed before the weights are written, the manifest is
     committed after them, and the new ``train_state.json`` (atomically) after that."""
+    from .heartbeat import note_checkpoint
     from .safetensors_io import write_atomic
     from .sharded_format import save_checkpoint
 
@@ -159,6 +160,7 @@ def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None =
         write_atomic(path / _STATE, json.dumps({"step": int(step), **(extra or {})}))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+    note_checkpoint(path)       # named when a frozen rank ends the job (autoshard.heartbeat)
 
 
 def _state_step(path: Path) -> int:
