@@ -180,6 +180,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if any(isinstance(n.kernel, Dropout) for n in p.nodes):
         _check_same_rng(world)
     _warn_fallbacks(p)
+    _warn_placement(p.mesh, world)
     groups = plan_groups(p, rank)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     if activation_checkpointing:
@@ -203,6 +204,20 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
         sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return sm
+
+
+def _warn_placement(mesh, world: int) -> None:
+    """Ranks fill nodes in order (torchrun's LOCAL_WORLD_SIZE per node), so the outer mesh
+    axes (dp, then 2.5d's depth) go across nodes; warn when a tensor-parallel axis, whose
+    collectives run in every layer, has to cross nodes too."""
+    lws = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not lws or lws >= world or world % lws:
+        return
+    cross = [a for a, c in mesh.across_nodes(lws).items() if c and a not in ("dp", "dep")]
+    if cross:
+        warn(f"the {', '.join(cross)} groups of mesh {mesh} span nodes ({world // lws} nodes of {lws} ranks): their "
+             f"per-layer collectives run between nodes; use a tensor-parallel size that fits in a node and put "
+             f"dp (or 2.5d depth) across nodes", AutoshardWarning, stacklevel=3)
 
 
 def _check_same_rng(world: int) -> None:

@@ -108,9 +108,14 @@ def _run(store, rank: int, world: int, stale: float, stop: threading.Event) -> N
             answered[0] = time.monotonic()
             stop.wait(interval)
 
+    import torch.distributed as dist
+
     worker = threading.Thread(target=_guard(beats), name="autoshard-heartbeat-store", daemon=True)
     worker.start()
     while not stop.wait(interval):
+        if not dist.is_initialized():       # destroy_process_group(): the job is over for this rank
+            stop.set()
+            return
         now = time.monotonic()
         frozen = [r for r in peers if now - moved[r] > stale]
         if frozen:

@@ -96,6 +96,32 @@ class Mesh:
             seen.setdefault(self.group_ranks(axes, r), None)
         return list(seen)
 
+    def across_nodes(self, node_size: int) -> dict[str, bool]:
+        """For each axis, whether its groups span more than one node, when ranks fill
+        nodes of ``node_size`` in order (torchrun's ``LOCAL_WORLD_SIZE``). The outermost
+        axes cross first, so ``dp`` (outermost) goes across nodes and TP stays inside.
+
+            >>> Mesh(axes=("dp", "tp"), sizes=(2, 2)).across_nodes(2)
+            {'dp': True, 'tp': False}
+        """
+        if node_size < 1:
+            raise ConfigError(f"node size must be >= 1, got {node_size}")
+        return {a: any(len({r // node_size for r in g}) > 1 for g in self.all_groups((a,))) for a in self.axes}
+
+    def placement(self, node_size: int | None) -> str:
+        """``"2 nodes × 2 ranks · inside a node: tp · across nodes: dp"``, or ``""`` on one node.
+
+            >>> Mesh(axes=("dp", "tp"), sizes=(2, 2)).placement(2)
+            '2 nodes × 2 ranks · inside a node: tp · across nodes: dp'
+        """
+        if not node_size or node_size >= self.world_size or self.world_size % node_size:
+            return ""
+        cross = self.across_nodes(node_size)
+        inside = [a for a, c in cross.items() if not c]
+        across = [a for a, c in cross.items() if c]
+        return (f"{self.world_size // node_size} nodes × {node_size} ranks · inside a node: "
+                f"{', '.join(inside) or '-'} · across nodes: {', '.join(across) or '-'}")
+
     def to_dict(self) -> dict:
         return {"axes": list(self.axes), "sizes": list(self.sizes)}
 

@@ -318,8 +318,12 @@ class ShardingPlan:
             t.add_row(*(escape(str(c)) for c in row), style="yellow" if n.fallback else None)
         return t
 
-    def show(self, console=None, *, all_nodes: bool = False) -> None:
-        """Print the table and a summary."""
+    def show(self, console=None, *, all_nodes: bool = False, node_size: int | None = None) -> None:
+        """Print the table and a summary. ``node_size``: ranks per node (default: torchrun's
+        ``LOCAL_WORLD_SIZE`` when this plan's world is the job's) adds which axes' groups
+        stay inside a node and which cross nodes."""
+        import os
+
         from rich.console import Console
 
         console = console or Console(width=220)
@@ -334,6 +338,11 @@ class ShardingPlan:
         console.print(f"[bold]split:[/bold] {f['params_split']:.0%} of parameters split over TP · parameter bytes per "
                       f"rank {f['vs_ideal']:.2f}× the ideal (dense / {self.tp_size})"
                       + (f" · largest held whole: {', '.join(f['replicated'][:4])}" if f["vs_ideal"] > 1.15 else ""))
+        if node_size is None and os.environ.get("WORLD_SIZE") == str(self.mesh.world_size):
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        where = self.mesh.placement(node_size)
+        if where:
+            console.print(f"[bold]nodes:[/bold] {where}")
 
     def draw(self, path) -> str:
         """Write an SVG picture of the plan to ``path``: for the stem/head and the first

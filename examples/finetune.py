@@ -237,6 +237,9 @@ def main(argv=None):
     dp_index = sharded.coords.get("dp", 0)
     log(f"{args.model}  task {args.task}  world {world}  mesh "
         f"{' × '.join(f'{a}={s}' for a, s in zip(mesh.axes, mesh.sizes))}  sharded in {time.perf_counter() - t0:.1f} s")
+    where = mesh.placement(int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None)
+    if where:
+        log(f"nodes: {where}")
     metric = "accuracy" if args.task == "cls" else "eval loss"
     before = evaluate(sharded, eval_data, per, n_dp, dp_index, args)
     log(f"{metric} before training: {before:.4f}  ({eval_data['input_ids'].shape[0]} held-out examples)")
