@@ -127,6 +127,11 @@ class ShardedModule(nn.Module):
         return self.mesh.size(self.plan.batch_axes) if self.plan.batch_axes else 1
 
     @property
+    def model_class(self) -> type | None:
+        """The class of the model this module was sharded from (None if not a transformers model)."""
+        return self._recipe.model_class if self._recipe is not None else None
+
+    @property
     def signatures(self) -> list[str]:
         """The input signatures this module has a graph for, in capture order (see
         :mod:`autoshard.signature`); a call with another one captures a new graph."""
