@@ -15,6 +15,7 @@ from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .signature import Recipe, batch_inputs, pad_blocker
 from .plan import ShardingPlan
+from .capture_share import capture_shared
 from .passes.capture import Captured, capture
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured
@@ -156,7 +157,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         from .cost import default_cluster
         from .search import search
 
-        cap = captured or capture(model, example_inputs=example_inputs)
+        cap = captured or capture_shared(model, example_inputs=example_inputs)
         ids = cap.example_inputs["input_ids"]
         pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
                      batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
@@ -165,7 +166,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         raise_problems(auto + check_example_inputs(example_inputs),
                        f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
-        cap = captured or capture(model, example_inputs=example_inputs)
+        cap = captured or capture_shared(model, example_inputs=example_inputs)
     ids = cap.example_inputs["input_ids"]
     blocker = pad_blocker(cap.module, cap.batch_symbol)
     split, label = pol.batch_split()

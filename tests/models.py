@@ -135,13 +135,13 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
 def shared_capture(name: str, model, inputs: dict):
     """One export per model and input shapes per worker: the rewrite copies the
     captured module, so planning several modes from it leaves it untouched."""
-    from autoshard.passes.capture import capture
+    from autoshard.capture_share import capture_shared
     from dist_pool import worker_cache
 
     key = ("captured", name, tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
     cache = worker_cache()
-    if key not in cache:
-        cache[key] = capture(model, example_inputs=inputs)
+    if key not in cache:            # every rank misses together: rank 0 exports, the others load
+        cache[key] = capture_shared(model, example_inputs=inputs)
     return cache[key]
 
 

@@ -1,0 +1,89 @@
+"""Capture once per job (autoshard/capture_share.py): rank 0 exports, the others load
+the program and bind their own weights; the result plans and runs as a capture of
+their own would."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import models
+from dist_pool import get_pool
+
+
+def _counted(rank, world, name):
+    from autoshard.capture_share import capture_shared
+    from autoshard.passes.capture import capture
+
+    torch.set_num_threads(1)
+    calls = []
+    real = torch.export.export
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    torch.export.export = counting
+    try:
+        model = models.build(name)
+        inputs = models.batch(name)
+        shared = capture_shared(model, example_inputs=inputs)
+        n_shared = len(calls)
+        own = capture(model, example_inputs=inputs)
+    finally:
+        torch.export.export = real
+    # the same graph as a capture of its own, up to the names export gives helper submodules
+    import re
+
+    norm = lambda code: re.sub(r"submod_\d+", "submod", code)
+    same_code = norm(shared.module.code) == norm(own.module.code)
+    bound = all(p is q for (_, p), (_, q) in zip(sorted(shared.module.named_parameters()),
+                                                 sorted(model.named_parameters())))
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    pol = make_policy("1d", world, None, 1)
+
+    fp = [plan_captured(c, pol, batch_size=4, seq_len=8).fingerprint() for c in (shared, own)]
+    return {"exports": n_shared, "same_code": same_code, "code": shared.module.code, "bound": bound, "same_plan": fp[0] == fp[1],
+            "facts": (shared.input_names, shared.seq_range, shared.training, str(shared.batch_symbol),
+                      str(shared.seq_symbol)) == (own.input_names, own.seq_range, own.training,
+                                                   str(own.batch_symbol), str(own.seq_symbol))}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_rank0_exports_and_the_others_load(name):
+    res = get_pool(2).run(_counted, name)
+    assert [r["exports"] for r in res] == [1, 0]
+    for r in res:
+        assert r["same_code"] and r["bound"] and r["same_plan"] and r["facts"], r
+    assert res[0]["code"] == res[1]["code"]                      # every rank holds the very same graph
+
+
+def _fails(rank, world):
+    from autoshard.capture_share import capture_shared
+    from autoshard.errors import CaptureError
+
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            import transformers
+
+            super().__init__()
+            self.config = transformers.PretrainedConfig(vocab_size=16)
+            self.emb = torch.nn.Embedding(16, 4)
+
+        def forward(self, input_ids, labels=None):
+            x = self.emb(input_ids)
+            return x * 2 if x.sum() > 0 else x          # data-dependent: export fails
+
+    try:
+        capture_shared(Bad(), example_inputs={"input_ids": torch.ones(2, 3, dtype=torch.long)})
+    except CaptureError as e:
+        return type(e).__name__
+    return "no error"
+
+
+def test_a_failed_capture_raises_on_every_rank():
+    assert get_pool(2).run(_fails) == ["CaptureError", "CaptureError"]
