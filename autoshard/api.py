@@ -15,8 +15,8 @@ from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .signature import Recipe, batch_inputs, pad_blocker
 from .plan import ShardingPlan
-from .capture_share import capture_shared
-from .passes.capture import Captured, capture
+from .capture_share import capture_cached, capture_shared
+from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured
 from .policies import POLICIES, make_policy
@@ -285,5 +285,5 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     raise_problems(check_batch(batch_size, split, label, source="batch_size"), f"autoshard.plan(mode={mode!r})")
     model = model_from(model_or_config)
     model.train()
-    cap = capture(model, example_inputs=example_inputs)
+    cap = capture_cached(model, example_inputs=example_inputs)
     return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)

@@ -23,15 +23,18 @@ A capture that fails on rank 0 raises the same error on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import pickle
+from pathlib import Path
 
 import torch
 
 from .errors import CaptureError
 from .passes.capture import Captured, capture
 
-__all__ = ["capture_shared", "pack", "unpack"]
+__all__ = ["capture_shared", "capture_cached", "pack", "unpack", "cache_dir", "cache_key"]
 
 
 def _meta_state(ep) -> dict:
@@ -89,20 +92,121 @@ def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
                     training=f["training"], config=getattr(model, "config", None), seq_range=tuple(f["seq_range"]))
 
 
+# ------------------------------------------------------------------ on-disk cache
+
+def cache_dir(environ=None) -> Path | None:
+    """Where captures are kept between launches: ``AUTOSHARD_CACHE`` (a folder; ``0`` /
+    ``off`` / empty disables it), default ``~/.cache/autoshard/captures``.
+
+    >>> cache_dir({"AUTOSHARD_CACHE": "off"}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("AUTOSHARD_CACHE")
+    if raw is None:
+        return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoshard" / "captures"
+    if raw.strip().lower() in ("", "0", "off", "false", "no"):
+        return None
+    return Path(raw)
+
+
+def cache_key(model: torch.nn.Module, example_inputs: dict | None) -> str:
+    """What a capture depends on: the versions of torch, transformers and autoshard; the
+    model's class and the source of its module; its config; its structure (submodule
+    types, parameter and buffer names, shapes, dtypes, devices); train/eval mode; and the
+    example inputs' names, dtypes, shapes and non-tensor values."""
+    import inspect
+    import sys
+
+    import transformers
+
+    from . import __version__
+
+    cls = type(model)
+    try:
+        src = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        src = cls.__qualname__
+    config = getattr(model, "config", None)
+    parts = [torch.__version__, transformers.__version__, __version__, f"{cls.__module__}.{cls.__qualname__}",
+             hashlib.sha256(src.encode()).hexdigest(),
+             config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config),
+             str(model.training),
+             ";".join(f"{n}:{type(m).__name__}" for n, m in model.named_modules()),
+             ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}"
+                      for n, t in list(model.named_parameters(remove_duplicate=False))
+                      + list(model.named_buffers(remove_duplicate=False)))]
+    if example_inputs is not None:
+        parts.append(";".join(f"{k}:{tuple(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else f"{k}={v!r}"
+                              for k, v in sorted(example_inputs.items())))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _cache_read(key: str) -> bytes | None:
+    d = cache_dir()
+    if d is None:
+        return None
+    f = d / f"{key}.pt2"
+    try:
+        data = f.read_bytes()
+    except OSError:
+        return None
+    digest, _, blob = data.partition(b"\n")
+    if hashlib.sha256(blob).hexdigest().encode() != digest:      # torn or corrupt: rebuilt, never trusted
+        f.unlink(missing_ok=True)
+        return None
+    return blob
+
+
+def _cache_write(key: str, blob: bytes) -> None:
+    d = cache_dir()
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
+        os.replace(tmp, d / f"{key}.pt2")                         # atomic: readers see all or nothing
+    except OSError:
+        pass                                                      # a cache that cannot be written is no cache
+
+
+def _capture_blob(model, example_inputs) -> bytes:
+    """The packed capture of ``model``: from the disk cache if a valid entry exists,
+    else captured now (and stored)."""
+    key = cache_key(model, example_inputs)
+    blob = _cache_read(key)
+    if blob is not None:
+        try:
+            pickle.loads(blob)
+            return blob
+        except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
+            pass
+    blob = pack(capture(model, example_inputs=example_inputs))
+    _cache_write(key, blob)
+    return blob
+
+
+def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
+    """:func:`~autoshard.passes.capture.capture` through the disk cache, in this process
+    alone (no collective: for planning, which may run on one rank of a job)."""
+    return unpack(_capture_blob(model, example_inputs), model)
+
+
 def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
-    """:func:`~autoshard.passes.capture.capture` on rank 0, loaded by the other ranks.
+    """:func:`~autoshard.passes.capture.capture` on rank 0, loaded by the other ranks,
+    through the disk cache (:func:`cache_dir`): a second launch captures nothing.
 
     Collective when a process group of more than one rank is initialised (every rank
-    calls it with the same model and inputs); a plain capture otherwise."""
+    calls it with the same model and inputs)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return capture(model, example_inputs=example_inputs)
+        return capture_cached(model, example_inputs=example_inputs)
     msg: list = [None]
     if dist.get_rank() == 0:
         try:
-            cap = capture(model, example_inputs=example_inputs)
-            msg[0] = ("ok", pack(cap))
+            msg[0] = ("ok", _capture_blob(model, example_inputs))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             try:
                 pickle.dumps(e)

@@ -87,3 +87,40 @@ def _fails(rank, world):
 
 def test_a_failed_capture_raises_on_every_rank():
     assert get_pool(2).run(_fails) == ["CaptureError", "CaptureError"]
+
+
+def test_the_disk_cache_hits_misses_and_rebuilds(tmp_path, monkeypatch):
+    """A second capture of the same model and inputs loads from the cache (no export);
+    another config, train mode or input shape misses; a corrupt entry is rebuilt;
+    AUTOSHARD_CACHE=off turns it off."""
+    from autoshard.capture_share import cache_key, capture_shared
+
+    monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    model, inputs = models.build("gpt2"), models.batch("gpt2")
+    first = capture_shared(model, example_inputs=inputs)
+    again = capture_shared(copy.deepcopy(model), example_inputs=inputs)
+    assert len(calls) == 1 and again.module.code == first.module.code
+    assert len(list(tmp_path.glob("*.pt2"))) == 1
+    # what the capture depends on changes the key
+    key = cache_key(model, inputs)
+    assert cache_key(model, models.batch("gpt2", b=6)) != key
+    assert cache_key(model.eval(), inputs) != key
+    model.train()
+    other = copy.deepcopy(model)
+    other.config.layer_norm_epsilon = 1e-3              # a config change alone, same structure
+    assert cache_key(other, inputs) != key
+    assert cache_key(copy.deepcopy(model), inputs) == key
+    assert cache_key(models.build("llama"), inputs) != key
+    # a corrupt entry is never trusted: rebuilt
+    entry = next(tmp_path.glob("*.pt2"))
+    entry.write_bytes(entry.read_bytes()[:-100] + b"x" * 100)
+    capture_shared(model, example_inputs=inputs)
+    assert len(calls) == 2
+    # off
+    monkeypatch.setenv("AUTOSHARD_CACHE", "off")
+    capture_shared(model, example_inputs=inputs)
+    capture_shared(model, example_inputs=inputs)
+    assert len(calls) == 4

@@ -65,12 +65,12 @@ def cached_capture(model, **kw):
 
 @contextlib.contextmanager
 def memo_capture():
-    orig = _api.capture
-    _api.capture = cached_capture
+    orig = _api.capture_cached
+    _api.capture_cached = cached_capture
     try:
         yield
     finally:
-        _api.capture = orig
+        _api.capture_cached = orig
 
 
 def meta_model(name: str):
