@@ -53,7 +53,7 @@ demo: venv
 	$(VPY) examples/shard_and_inspect.py
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q tests || rc=$$?; \
+	@rc=0; $(VPY) -m pytest -q --durations=25 tests || rc=$$?; \
 	if [ -n "$(PYTEST_RC_FILE)" ]; then echo $$rc > "$(PYTEST_RC_FILE)"; fi; \
 	exit $$rc
 
