@@ -188,8 +188,9 @@ _SEVERE = {"num_attention_heads": "attention would be replicated or gathered on 
            "hidden_size": "every Linear and norm would be gathered to a replicated layout"}
 _MILD = {"num_key_value_heads": "k/v projections stay replicated (exact; the usual GQA fallback)",
          "intermediate_size": "the MLP Linears stay replicated (exact, no memory saving)",
-         "vocab_size": "the embedding and LM head stay replicated (exact, no memory saving); "
-                       "pad the vocabulary (resize_token_embeddings) to a multiple to split it"}
+         "vocab_size": "the vocabulary-sized weights (the token embedding, and the LM head where the model "
+                       "has one) stay replicated (exact, no memory saving); pad the vocabulary "
+                       "(resize_token_embeddings) to a multiple to split it"}
 
 
 def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True) -> list[Problem]:

@@ -5,6 +5,7 @@ their own would."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ def _counted(rank, world, name):
         return real(*a, **k)
 
     torch.export.export = counting
+    cache = os.environ.get("AUTOSHARD_CACHE")
+    os.environ["AUTOSHARD_CACHE"] = "off"          # count exports, not cache hits of earlier tests
     try:
         model = models.build(name)
         inputs = models.batch(name)
@@ -34,6 +37,10 @@ def _counted(rank, world, name):
         own = capture(model, example_inputs=inputs)
     finally:
         torch.export.export = real
+        if cache is None:
+            os.environ.pop("AUTOSHARD_CACHE", None)
+        else:
+            os.environ["AUTOSHARD_CACHE"] = cache
     # the same graph as a capture of its own, up to the names export gives helper submodules
     import re
 

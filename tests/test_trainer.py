@@ -1,5 +1,5 @@
 """transformers.Trainer on a sharded module (autoshard/trainer.py): 5 steps equal
-autoshard's own loop and the dense model, step by step."""
+autoshard's own loop (autoshard.train.train) and the dense model, step by step."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
     from torch.utils.data import DistributedSampler
 
     import autoshard
-    from autoshard.train import clip_grad_norm_
+    from autoshard.train import train as autoshard_train
     from autoshard.trainer import ShardedTrainer
 
     torch.set_num_threads(1)
@@ -74,7 +74,8 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
         trainer.save_model(f"{out}/final")                      # collective: a dense HF folder
         order = list(DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))
         batches = [transformers.default_data_collator([ds[i] for i in order[4 * k:4 * k + 4]]) for k in range(steps)]
-        own = _loop(for_loop, batches, lambda m: clip_grad_norm_(m, 1.0))
+        own = autoshard_train(for_loop, batches, steps, clip=1.0, log=False,
+                              optimizer=torch.optim.AdamW(for_loop.parameters(), lr=1e-3, weight_decay=0.0))
         ref = _loop(dense, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
         return {"trainer": seen, "loop": own, "dense": ref, "kind": kind}
     finally:
