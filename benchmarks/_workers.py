@@ -154,3 +154,45 @@ def step_time(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, w
             "ours_params": sum(p.numel() for p in ours.parameters()),
             "ref_local_params": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                     for p in ref.parameters())}
+
+
+def setup_time(rank: int, world: int, cfg_kw: dict, b: int, s: int, cache: str) -> dict:
+    """Seconds of ``autoshard.shard()`` on this rank: first launch (empty capture cache),
+    second launch (the cache warm), and PyTorch's ``parallelize_module`` on the same model
+    (the hand-written 1d plan of :func:`step_time`). Each timed between barriers."""
+    import os
+    import time
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import autoshard
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    os.environ["AUTOSHARD_CACHE"] = cache
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    out = {}
+    for label in ("first", "warm"):
+        model = _tiny_llama(cfg_kw)
+        dist.barrier()
+        t0 = time.perf_counter()
+        autoshard.shard(model, mode="1d", example_inputs=inputs)
+        out[label] = time.perf_counter() - t0
+    ref = _tiny_llama(cfg_kw)
+    dist.barrier()
+    t0 = time.perf_counter()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {}
+    for i in range(cfg_kw["num_hidden_layers"]):
+        pre = f"model.layers.{i}"
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{pre}.{n}"] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{pre}.{n}"] = RowwiseParallel()
+    parallelize_module(ref, mesh, plan)
+    out["parallelize_module"] = time.perf_counter() - t0
+    return out
