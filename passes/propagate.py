@@ -206,33 +206,110 @@ class _Ctx:
 
     def output_feeds_parallel_consumer(self, node) -> bool:
         """True when every path from this value reaches a Linear, the loss or the
-        graph output through ops that keep a feature split (pointwise, views, attention)."""
-        seen: set[str] = set()
-        stack = list(node.users)
+        graph output through ops that keep a feature split (pointwise, views, attention).
+
+        The split's dim is followed through views that cut it into ``[heads, head_dim]``
+        (and back), transposes and broadcasting; a norm or reduction over other dims
+        than the split one (a per-head q/k norm over ``head_dim`` while the heads are
+        split) keeps it local, so it does not stop the split."""
+        seen: set[tuple[str, int | None]] = set()
+        rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
+        out_rank = rank_of(node)
+        stack = [(u, node, out_rank - 1 if out_rank else None) for u in node.users]
         while stack:
-            u = stack.pop()
-            if u.name in seen:
+            u, src, d = stack.pop()
+            if (u.name, d) in seen:
                 continue
-            seen.add(u.name)
+            seen.add((u.name, d))
             ann = self.e.ann.get(u.name)
             if u.op == "output" or u.target in (aten._assert_tensor_metadata.default, aten.sym_size.int):
                 continue
             if ann and ann.kind in ("linear", "loss"):
                 continue
-            if ann and ann.kind in ("norm", "reduction", "embedding"):
+            if ann and ann.kind in ("norm", "reduction"):
+                nd = _reduced_keeps(u, src, d)
+                if nd is None:
+                    return False
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if ann and ann.kind == "embedding":
                 return False
             t = u.target
             if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-                stack.extend(u.users)
+                nd = None if t in _CONTRACTS else _broadcast_dim(u, src, d)
+                stack.extend((w, u, nd) for w in u.users)
                 continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
-                stack.extend(u.users)
+                nd = _view_dim(u, src, d) if ann and ann.kind == "view" else None
+                stack.extend((w, u, nd) for w in u.users)
                 continue
             return False
         return True
 
     def is_largest_embedding(self, w) -> bool:
         return w.target == self.e.largest_embedding
+
+
+_CONTRACTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default,
+              aten.scaled_dot_product_attention.default}
+
+
+def _shape(n):
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if hasattr(v, "shape") else None
+
+
+def _broadcast_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the pointwise ``u`` (broadcasting
+    prepends dims); None where unknown."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None or len(b) < len(a):
+        return None
+    return d + len(b) - len(a)
+
+
+def _view_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the view ``u``: kept by a view that
+    keeps the dims up to it, moved by a transpose, kept on the outer factor when the dim
+    is cut in two (``[.., heads·hd] → [.., heads, hd]``) or merged with its inner neighbour
+    (and back); None where unknown (the caller then stops at the next norm)."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None:
+        return None
+    if u.target == aten.transpose.int:
+        i, j = (x % len(a) for x in u.args[1:3])
+        return j if d == i else i if d == j else d
+    if u.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    if a[:d] != b[:d]:
+        return None
+    if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:
+        return d
+    if len(b) == len(a) + 1 and len(b) > d + 1 and b[d] * b[d + 1] == a[d] and a[d + 1:] == b[d + 2:]:
+        return d                                   # cut in two: the split stays on the outer factor
+    if len(a) == len(b) + 1 and len(a) > d + 1 and a[d] * a[d + 1] == b[d] and a[d + 2:] == b[d + 1:]:
+        return d                                   # merged with its inner neighbour
+    return None
+
+
+def _reduced_keeps(u, src, d):
+    """Where the split dim ``d`` of ``src`` is in the output of the norm / reduction ``u``
+    when ``u`` does not reduce over it; None when it does (or when unknown)."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None or not u.args or u.args[0] is not src:
+        return None
+    if u.target in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction):
+        dims = u.args[1] if len(u.args) > 1 else None
+        if not isinstance(dims, (list, tuple)) or not dims:
+            return None
+        red = {x % len(a) for x in dims}
+        if d in red:
+            return None
+        keep = (u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False))
+        return d if keep else d - sum(1 for r in red if r < d)
+    if u.target == aten.layer_norm.default:
+        return d if d < len(a) - len(u.args[1]) else None
+    return None
 
 
 _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,

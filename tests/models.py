@@ -35,6 +35,10 @@ TINY = {
                                                                   max_relative_positions=16,
                                                                   pos_att_type=["p2c", "c2p"],
                                                                   position_biased_input=False)),
+    # per-head RMSNorm on q and k between the projections and attention
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                                      vocab_size=128, max_position_embeddings=64)),
 }
 # the architecture matrix (tests/test_arch_matrix.py) adds its own tiny configs
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

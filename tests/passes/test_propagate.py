@@ -245,3 +245,24 @@ def test_a_failing_rule_is_reraised_with_its_node_module_and_specs():
     assert "node: %linear" in msg and "= call_function[target=torch.ops.aten.linear.default]" in msg
     assert "module: model.layers.0.self_attn.q_proj" in msg
     assert "input specs:" in msg and "'layer_norm" not in msg
+
+
+def _headwise(rank, world, mode):
+    import models
+
+    return models.check(rank, world, "qwen3", mode)
+
+
+@pytest.mark.parametrize("mode", ["1d", "2d"])
+def test_per_head_norms_keep_qkv_split(mode):
+    """Qwen3-style q/k RMSNorm over head_dim between the projections and attention: a
+    norm over a dim other than the split one is local, so 1d keeps q/k/v column-parallel
+    (parameter bytes per rank within 1.15 × dense / 4), and the run equals dense."""
+    import models
+    from dist_pool import get_pool
+
+    res = get_pool(4).run(_headwise, mode)
+    assert all(r["failures"] == [] for r in res), res[0]["failures"][:5]
+    dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in models.build("qwen3").parameters()}.values())
+    assert res[0]["param_bytes"] <= 1.15 * dense / 4, (res[0]["param_bytes"], dense / 4)
+    assert res[0]["fallbacks"] == []
