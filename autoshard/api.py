@@ -18,7 +18,7 @@ from .plan import ShardingPlan
 from .capture_share import capture_cached, capture_shared
 from .passes.capture import Captured
 from .passes.rewrite import rewrite
-from .passes.pipeline import plan_captured
+from .passes.pipeline import plan_captured, prepare
 from .policies import POLICIES, make_policy
 from .builder import model_from
 from .heartbeat import stale_after
@@ -167,6 +167,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                        f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
         cap = captured or capture_shared(model, example_inputs=example_inputs)
+    cap = prepare(cap, pol)     # the vocabulary padded to the split: plan and rewrite the same module
     ids = cap.example_inputs["input_ids"]
     blocker = pad_blocker(cap.module, cap.batch_symbol)
     split, label = pol.batch_split()

@@ -378,6 +378,12 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
         if plan.batch_size % bsplit:
             problems.append(f"batch {plan.batch_size} does not split over {','.join(plan.batch_axes)} "
                             f"({bsplit} blocks); use a multiple of {bsplit}")
+    for pad in plan.padding():
+        v, vp = pad["dense_shape"][0] if pad["padded_shape"][0] != pad["dense_shape"][0] else pad["dense_shape"][-1], \
+            max(set(pad["padded_shape"]) - set(pad["dense_shape"]), default=0)
+        notes.append(f"vocab_size={v} is padded to {vp} for the {plan.mode} split: {pad['param']} holds "
+                     f"{pad['padded_shape']} ({pad['extra_bytes_per_rank']:,} B of zero rows per rank; masked out of "
+                     f"the loss, trimmed from outputs; checkpoints keep {pad['dense_shape']})")
     for n in plan.nodes:
         if n.kind == "linear" and n.weight == "replicated":
             notes.append(f"{n.name} ({n.module}): weight replicated" + (f" — {'; '.join(n.notes)}" if n.notes else ""))

@@ -24,7 +24,7 @@ from .builder import build_meta, load_config, resolve_class, with_architecture
 from .errors import CheckpointError
 from .gather import write_folder
 from .mesh import Mesh
-from .sharded_format import Saved, checkpoint_class, read_manifest, verify_checkpoint
+from .sharded_format import Saved, checkpoint_class, dense_shape, read_manifest, verify_checkpoint
 from .spec import replicated
 
 __all__ = ["export_checkpoint"]
@@ -54,7 +54,7 @@ def export_checkpoint(path, out, *, model_class=None, max_shard_size="5GB", veri
     saved = Saved(path, man)
     one = Mesh(axes=("tp",), sizes=(1,))
     params = [(key, ent) for key, ent in man["tensors"].items() if ent["kind"] == "param"]
-    entries = [(n, tuple(ent["global_shape"]), getattr(torch, ent["dtype"]))
+    entries = [(n, dense_shape(ent), getattr(torch, ent["dtype"]))
                for _, ent in params for n in (ent["param"], *ent["aliases"])]
     held = {n for n, _, _ in entries}
     buffers = [(n, b) for n, b in built.buffers.items() if n in built.persistent and n not in held]
@@ -62,8 +62,7 @@ def export_checkpoint(path, out, *, model_class=None, max_shard_size="5GB", veri
 
     def tensors():
         for key, ent in params:
-            shape = tuple(ent["global_shape"])
-            full = saved.local(key, replicated(len(shape)), one, 0, dtype=getattr(torch, ent["dtype"]))
+            full = saved.local(key, replicated(len(ent["global_shape"])), one, 0, dtype=getattr(torch, ent["dtype"]))
             for n in (ent["param"], *ent["aliases"]):
                 yield n, full
         yield from buffers

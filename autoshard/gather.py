@@ -103,7 +103,7 @@ def _dense_entries(sharded, aliases: bool = True) -> list[tuple[str, tuple, torc
     for pp in sharded.plan.params:
         dt = params[pp.name].dtype
         for n in (pp.name,) + (tuple(pp.aliases) if aliases else ()):
-            out.append((n, tuple(pp.global_shape), dt))
+            out.append((n, pp.hf_shape, dt))
     out += [(n, tuple(b.shape), b.dtype) for n, b in persistent_buffers(sharded)]
     return out
 
@@ -126,6 +126,7 @@ def iter_full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = Tr
         full = _gather(sharded, params[pp.name].detach(), pp.spec, pp.global_shape, rank0_only)
         if full is None:
             continue
+        full = pp.trim(full)        # a padded vocabulary back to its Hugging Face size
         if copy and not pp.spec.axes:
             full = full.clone()
         yield pp.name, full

@@ -128,10 +128,10 @@ def fill_from_folder(gm, plan, rank: int, folder: HFFolder, built: Built, progre
             raise CheckpointError(f"{folder.path}: no tensor for parameter {pp.name!r}"
                                   + (f" (nor its tied aliases {list(pp.aliases)})" if pp.aliases else ""))
         shape = folder.shape(key)
-        if shape != tuple(pp.global_shape):
+        if shape != pp.hf_shape:
             raise CheckpointError(f"{folder.where[key]}: tensor {key!r} has shape {list(shape)}, the model's "
-                                  f"{pp.name!r} has {list(pp.global_shape)}")
-        local = folder.read(key, pp.spec, mesh, rank, dtype=cur.dtype)
+                                  f"{pp.name!r} has {list(pp.hf_shape)}")
+        local = folder.read(key, pp.spec, mesh, rank, dtype=cur.dtype, padded=pp.global_shape)
         set_param(gm, names, nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built, folder)
     folder.files.close()

@@ -265,14 +265,22 @@ class PartialHead(_Linear):
 @dataclass(frozen=True, kw_only=True)
 class VocabEmbedding(_SumsOutput):
     """Lookup in this rank's vocabulary range of a table split on rows over
-    ``axes``; other rows read zero; all-reduce."""
+    ``axes``; other rows read zero; all-reduce. With ``reduce=False`` the output
+    stays partial over ``axes`` (its spec says so) and the plan reduces it where a
+    consumer needs it whole: lookups summed first (token + position embeddings)
+    then cost one all-reduce together."""
 
+    reduce: bool = True
     name: ClassVar[str] = "vocab_embedding"
+
+    def comms(self, io):
+        return super().comms(io) if self.reduce else ()
 
     def bind(self, node, group, size):
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         return _ops().vocab_embedding, (node.args[0], node.args[1]), \
-            {"group": group(self.axes), "padding_idx": pad if pad is not None and pad >= 0 else None}
+            {"group": group(self.axes), "padding_idx": pad if pad is not None and pad >= 0 else None,
+             "reduce": self.reduce}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -115,6 +115,8 @@ class ShardedModule(nn.Module):
             pp = plans.get(k)
             if pp is not None and isinstance(v, torch.Tensor):
                 gshape = tuple(pp.global_shape)
+                if tuple(v.shape) == pp.hf_shape and pp.pad_dim is not None:
+                    v = pp.pad(v.detach())      # a dense tensor of a padded vocabulary
                 if tuple(v.shape) == gshape and pp.spec.local_shape(gshape, self.mesh) != gshape:
                     v = pp.spec.local(v.detach(), self.mesh, self.rank)
             local[k] = v

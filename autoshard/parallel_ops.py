@@ -152,8 +152,9 @@ def partial_head(x, w, b, *, col: str):
 
 
 # --------------------------------------------------------------------- embedding
-def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
-    """Lookup in this rank's vocabulary range; other rows are zero; all-reduce."""
+def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool = True):
+    """Lookup in this rank's vocabulary range; other rows are zero; all-reduce
+    (``reduce=False``: the partial sum, reduced later by the plan)."""
     r, _ = C.group_rank_size(group)
     v_loc = w.shape[0]
     lo = r * v_loc
@@ -162,7 +163,7 @@ def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1):
     # the padding row gets no gradient, as in the dense lookup; it lives on one rank
     pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
     out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
-    return C.reduce_from(out, group)
+    return C.reduce_from(out, group) if reduce else out
 
 
 # ------------------------------------------------------------------------- norms

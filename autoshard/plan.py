@@ -159,9 +159,41 @@ class ParamPlan:
     dtype_bytes: int = 4
     is_buffer: bool = False
     aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
+    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary was padded (else empty)
 
     def local_shape(self, mesh: Mesh) -> tuple:
         return self.spec.local_shape(self.global_shape, mesh)
+
+    @property
+    def hf_shape(self) -> tuple:
+        """The shape users, checkpoints and ``from_pretrained`` see: ``global_shape``
+        without the vocabulary padding (:mod:`autoshard.passes.pad`)."""
+        return tuple(self.dense_shape) or tuple(self.global_shape)
+
+    @property
+    def pad_dim(self) -> int | None:
+        """The padded dim, or None."""
+        if not self.dense_shape or tuple(self.dense_shape) == tuple(self.global_shape):
+            return None
+        return next(d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape)) if a != b)
+
+    def pad(self, t):
+        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape``."""
+        d = self.pad_dim
+        if d is None or tuple(t.shape) == tuple(self.global_shape):
+            return t
+        shape = list(t.shape)
+        shape[d] = self.global_shape[d] - shape[d]
+        import torch
+
+        return torch.cat([t, t.new_zeros(shape)], dim=d)
+
+    def trim(self, t):
+        """A tensor of ``global_shape`` cut back to :attr:`hf_shape`."""
+        d = self.pad_dim
+        if d is None or tuple(t.shape) == tuple(self.dense_shape):
+            return t
+        return t.narrow(d, 0, self.dense_shape[d]).contiguous()
 
     def local_bytes(self, mesh: Mesh) -> int:
         n = 1
@@ -272,10 +304,24 @@ class ShardingPlan:
         total = sum(math.prod(p.global_shape) for p in params) or 1
         tp = set(self.tp_axes) - {"dp"}
         split = sum(math.prod(p.global_shape) for p in params if tp & set(p.spec.axes))
-        dense = sum(math.prod(p.global_shape) * p.dtype_bytes for p in params) or 1
+        dense = sum(math.prod(p.hf_shape) * p.dtype_bytes for p in params) or 1     # padding counts as cost
         whole = sorted((p for p in params if not tp & set(p.spec.axes)), key=lambda p: -math.prod(p.global_shape))
         return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.tp_size),
                 "replicated": [p.name for p in whole[:8]]}
+
+    def padding(self) -> list[dict]:
+        """Where the vocabulary was padded (:mod:`autoshard.passes.pad`): per parameter,
+        its Hugging Face and padded shapes and the bytes per rank the zero rows cost."""
+        out = []
+        for p in self.params:
+            if p.pad_dim is None:
+                continue
+            local = math.prod(p.local_shape(self.mesh))
+            share = local / math.prod(p.global_shape)
+            extra = (math.prod(p.global_shape) - math.prod(p.hf_shape)) * share * p.dtype_bytes
+            out.append({"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
+                        "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)})
+        return out
 
     def summary(self) -> dict:
         return {
@@ -287,6 +333,7 @@ class ShardingPlan:
             "collective_calls_per_step": len(self.comms()),
             "fallbacks": [n.name for n in self.fallbacks],
             "parallel_fraction": self.parallel_fraction(),
+            "padding": self.padding(),
         }
 
     def fingerprint(self) -> str:
@@ -338,6 +385,11 @@ class ShardingPlan:
         console.print(f"[bold]split:[/bold] {f['params_split']:.0%} of parameters split over TP · parameter bytes per "
                       f"rank {f['vs_ideal']:.2f}× the ideal (dense / {self.tp_size})"
                       + (f" · largest held whole: {', '.join(f['replicated'][:4])}" if f["vs_ideal"] > 1.15 else ""))
+        for pad in s["padding"]:
+            d, g = pad["dense_shape"], pad["padded_shape"]
+            console.print(f"[bold]padded:[/bold] {pad['param']} {list(d)} → {list(g)} so the vocabulary splits "
+                          f"({pad['extra_bytes_per_rank']:,} B of zero rows per rank; the padded logits are masked "
+                          f"out of the loss and trimmed from the outputs; checkpoints keep {list(d)})")
         if node_size is None and os.environ.get("WORLD_SIZE") == str(self.mesh.world_size):
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         where = self.mesh.placement(node_size)
@@ -376,7 +428,7 @@ class ShardingPlan:
             "nodes": [node_d(n) for n in self.nodes],
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
-                        "aliases": list(p.aliases)}
+                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape)}
                        for p in self.params],
         })
 
@@ -405,7 +457,8 @@ class ShardingPlan:
         params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
-                                 aliases=tuple(p.get("aliases", ()))) for p in d["params"])
+                                 aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())))
+                       for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
                    nodes=tuple(nodes), params=params, dp=d.get("dp", 1))

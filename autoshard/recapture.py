@@ -31,7 +31,7 @@ from .groups import plan_groups
 from .hf_fill import fill_buffers, set_param
 from .log import logger
 from .capture_share import capture_shared
-from .passes.pipeline import plan_captured
+from .passes.pipeline import plan_captured, prepare
 from .passes.rewrite import rewrite
 from .signature import InputSignature, SignatureGraph, batch_inputs, pad_blocker
 
@@ -69,6 +69,7 @@ def capture_graph(module, kwargs: dict):
     lim = module._limits.get("max_positions")
     example = meta_example(kwargs, max_seq=lim[1] if lim else None)
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
+    cap = prepare(cap, r.policy)
     p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,
                       dropout=r.dropout)
     sig = InputSignature.of(example).describe()

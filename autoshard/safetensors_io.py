@@ -40,17 +40,26 @@ FLOAT_CODES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
 
 
 def read_local(source, spec: ShardSpec, mesh: Mesh, rank: int, *, shape=None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+               dtype: torch.dtype | None = None, padded=None) -> torch.Tensor:
     """``rank``'s block of a global tensor read lazily from ``source``.
 
     ``source`` is anything indexable by a tuple of slices that returns a tensor: a
     safetensors ``get_slice`` object (pass ``shape``, or it calls ``get_shape()``) or a
     tensor. Each rectangular piece is read once; equals ``spec.local(full, mesh, rank)``.
+    With ``padded`` (a larger global shape: a padded vocabulary) the tensor is read
+    as if grown with zeros to that shape.
+
+    >>> from autoshard.mesh import Mesh
+    >>> s, m = ShardSpec(dims=(("tp",),)), Mesh(axes=("tp",), sizes=(2,))
+    >>> read_local(torch.arange(5.), s, m, 1, padded=(6,)).tolist()
+    [3.0, 4.0, 0.0]
     """
     if spec.partial:
         raise ShardingError(f"cannot read a partial-sum spec {spec} from a file")
     shape = tuple(int(s) for s in (shape if shape is not None else
                                    (source.get_shape() if hasattr(source, "get_shape") else source.shape)))
+    if padded is not None and tuple(padded) != shape:
+        return _read_padded(source, spec, mesh, rank, shape, tuple(int(s) for s in padded), dtype)
     if not shape:       # a scalar
         t = source[()] if isinstance(source, torch.Tensor) else source[...]
         return t.to(dtype) if dtype is not None else t
@@ -65,6 +74,26 @@ def read_local(source, spec: ShardSpec, mesh: Mesh, rank: int, *, shape=None,
         if out is None:
             out = torch.empty(spec.local_shape(shape, mesh), dtype=dtype or t.dtype, device=t.device)
         out[lidx] = t
+    return out
+
+
+def _read_padded(source, spec, mesh, rank, shape, padded, dtype) -> torch.Tensor:
+    """:func:`read_local` of a tensor of ``shape`` grown with zeros to ``padded``."""
+    out = None
+    for gidx, lidx in spec.pieces(padded, mesh, rank):
+        g, lo_ = [], []
+        for d, (gs, ls) in enumerate(zip(gidx, lidx)):
+            hi = min(gs.stop, shape[d])
+            g.append(slice(gs.start, max(hi, gs.start)))
+            lo_.append(slice(ls.start, ls.start + max(hi - gs.start, 0)))
+        t = source[tuple(g)] if all(x.stop > x.start for x in g) else None
+        if out is None:
+            ref_dtype = dtype or (t.dtype if t is not None else None)
+            if ref_dtype is None:
+                ref_dtype = source[tuple(slice(0, 1) for _ in shape)].dtype
+            out = torch.zeros(spec.local_shape(padded, mesh), dtype=ref_dtype)
+        if t is not None:
+            out[tuple(lo_)] = t
     return out
 
 
@@ -162,7 +191,7 @@ class HFFolder:
     def shape(self, key: str) -> tuple:
         return tuple(self.slice(key)[1].get_shape())
 
-    def read(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype=None) -> torch.Tensor:
+    def read(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype=None, padded=None) -> torch.Tensor:
         _, sl = self.slice(key)
         shape = tuple(sl.get_shape())
         size = itemsize(sl.get_dtype())
@@ -174,7 +203,7 @@ class HFFolder:
                 t = self.files.handle(f).get_tensor(key)
                 t = t.to(dtype) if dtype is not None else t
             else:
-                t = read_local(sl, spec, mesh, rank, shape=shape, dtype=dtype)
+                t = read_local(sl, spec, mesh, rank, shape=shape, dtype=dtype, padded=padded)
         except ShardingError:
             raise
         except Exception as e:  # noqa: BLE001

@@ -188,13 +188,18 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
             with_architecture(config, plan.model).save_pretrained(str(path))
         by_rank = {rep["rank"]: rep for rep in reports}
         tensors = {}
+        by_name = {pp.name: pp for pp in plan.params}
         for key, kind, name, k, spec, gshape, dtype, aliases, _ in rows:
+            pp = by_name[name]
+            # a padded vocabulary: blocks assemble to gshape, Hugging Face holds dense_shape
+            dense = pp.hf_shape if tuple(gshape) == tuple(pp.global_shape) else tuple(gshape)
             blocks = []
             for o in spec.owners(mesh):
                 rep = by_rank[o]
                 b = rep["blocks"][key]
                 blocks.append({"rank": o, "file": rep["file"], "offsets": b["offsets"], "sha256": b["sha256"]})
             tensors[key] = {"kind": kind, "param": name, "state_key": k, "global_shape": list(gshape),
+                            "dense_shape": list(dense),
                             "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
                             "aliases": list(aliases), "blocks": blocks}
         manifest = {"format": FORMAT, "version": VERSION, "model": plan.model, "mode": plan.mode,
@@ -313,6 +318,11 @@ def verify_checkpoint(path, man: dict | None = None) -> dict:
     return man
 
 
+def dense_shape(ent: dict) -> tuple:
+    """A manifest entry's Hugging Face shape (its ``global_shape`` less vocabulary padding)."""
+    return tuple(ent.get("dense_shape") or ent["global_shape"])
+
+
 def check_matches(man: dict, model: nn.Module, path: Path) -> None:
     """Names and global shapes of the manifest against the model to load into."""
     mp = path / MANIFEST
@@ -326,8 +336,8 @@ def check_matches(man: dict, model: nn.Module, path: Path) -> None:
             if n not in shapes:
                 raise CheckpointError(f"{mp}: tensor {n!r} (in {where}) is not a parameter of "
                                       f"{type(model).__name__}: the checkpoint is from another model")
-            if shapes[n] != tuple(ent["global_shape"]):
-                raise CheckpointError(f"{mp}: tensor {n!r} (in {where}) has shape {ent['global_shape']}, "
+            if shapes[n] != dense_shape(ent):
+                raise CheckpointError(f"{mp}: tensor {n!r} (in {where}) has shape {list(dense_shape(ent))}, "
                                       f"{type(model).__name__} has {list(shapes[n])}: the checkpoint is "
                                       f"from another model")
             covered.add(n)
@@ -365,11 +375,15 @@ class Saved:
         self.files.touched(p, n)
         return t
 
-    def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype) -> torch.Tensor:
+    def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype, shape=None) -> torch.Tensor:
+        """``rank``'s block under ``spec`` of the tensor ``key``, whose global shape on
+        ``mesh`` is ``shape`` (default: its Hugging Face shape; a padded vocabulary is
+        larger)."""
         ent = self.man["tensors"][key]
         saved_spec = ShardSpec.from_dict(ent["spec"])
-        shape = tuple(ent["global_shape"])
-        if self.mesh == mesh and saved_spec == spec:          # same layout: my own block only
+        saved_shape, dense = tuple(ent["global_shape"]), dense_shape(ent)
+        shape = dense if shape is None else tuple(shape)
+        if self.mesh == mesh and saved_spec == spec and shape == saved_shape:   # same layout: my own block only
             own = spec.owner(mesh, rank)
             b = next(b for b in ent["blocks"] if b["rank"] == own)
             return self._block(b, key).to(dtype)
@@ -377,10 +391,12 @@ class Saved:
         for b in ent["blocks"]:
             blk = self._block(b, key)
             if full is None:
-                full = torch.empty(shape, dtype=blk.dtype)
+                full = torch.empty(saved_shape, dtype=blk.dtype)
             saved_spec.place(full, blk, self.mesh, b["rank"])
             del blk
-        return read_local(full, spec, mesh, rank, dtype=dtype)
+        if dense != saved_shape:
+            full = full[tuple(slice(0, n) for n in dense)]
+        return read_local(full, spec, mesh, rank, dtype=dtype, padded=shape)
 
 
 def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, progress, stats) -> None:
@@ -392,7 +408,7 @@ def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, prog
         key = next((saved.by_name[n] for n in (pp.name, *pp.aliases) if n in saved.by_name), None)
         if key is None:
             raise CheckpointError(f"{saved.path / MANIFEST}: no tensor for parameter {pp.name!r}")
-        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype)
+        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape)
         set_param(gm, (pp.name, *pp.aliases), nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built)
     saved.files.close()
@@ -426,12 +442,12 @@ def load_optimizer(optimizer, sharded, saved: Saved) -> None:
             st = {}
             for key in state_keys.get(name, []):
                 ent = man["tensors"][key]
-                if tuple(ent["global_shape"]) == tuple(plan[name].global_shape) and len(ent["global_shape"]):
-                    spec = plan[name].spec
+                if dense_shape(ent) == plan[name].hf_shape and len(ent["global_shape"]):
+                    spec, shape = plan[name].spec, plan[name].global_shape
                 else:
-                    spec = replicated(len(ent["global_shape"]))
+                    spec, shape = replicated(len(ent["global_shape"])), None
                 st[ent["state_key"]] = saved.local(key, spec, sharded.mesh, sharded.rank,
-                                                   getattr(torch, ent["dtype"]))
+                                                   getattr(torch, ent["dtype"]), shape=shape)
             st.update({k: _decode(v) for k, v in oj["extra_state"].get(name, {}).items()})
             if st:
                 state[idx] = st

@@ -16,7 +16,10 @@ Example:
     >>> cfg = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1,
     ...                   num_attention_heads=3, num_key_value_heads=3, vocab_size=127)
     >>> [(p.what, p.error) for p in check_dims(cfg, "1d", Mesh(axes=("tp",), sizes=(2,)))]
-    [('num_attention_heads', True), ('vocab_size', False)]
+    [('num_attention_heads', True)]
+
+A vocabulary that does not divide is not a problem: it is padded to the split
+(:mod:`autoshard.passes.pad`) and the plan says so.
 """
 
 from __future__ import annotations
@@ -188,9 +191,7 @@ _SEVERE = {"num_attention_heads": "attention would be replicated or gathered on 
            "hidden_size": "every Linear and norm would be gathered to a replicated layout"}
 _MILD = {"num_key_value_heads": "k/v projections stay replicated (exact; the usual GQA fallback)",
          "intermediate_size": "the MLP Linears stay replicated (exact, no memory saving)",
-         "vocab_size": "the vocabulary-sized weights (the token embedding, and the LM head where the model "
-                       "has one) stay replicated (exact, no memory saving); pad the vocabulary "
-                       "(resize_token_embeddings) to a multiple to split it"}
+         }
 
 
 def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True) -> list[Problem]:
@@ -200,8 +201,8 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
     mode name with its ``mesh``. A dimension the split does not divide is named
     with the world sizes that would divide it. Heads and hidden are errors
     (``strict=False``: warnings, as for ``mode='auto'``, which chose the layout
-    knowing it); kv heads, intermediate and vocab fall back to replicated weights,
-    exactly, with a warning."""
+    knowing it); kv heads and intermediate fall back to replicated weights,
+    exactly, with a warning; a vocabulary is padded (:mod:`autoshard.passes.pad`)."""
     if config is None:
         return []
     if isinstance(policy, str):
@@ -214,7 +215,7 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
     out = []
     for what, n in dims_of(config).items():
         c = splits.get(what, 1)
-        if c <= 1 or n % c == 0:
+        if c <= 1 or n % c == 0 or what == "vocab_size":   # the vocabulary is padded (passes/pad.py)
             continue
         worlds = policy.valid_world_sizes(n)
         valid = ", ".join(map(str, worlds[:8])) + (" …" if len(worlds) > 8 else "") or "none"

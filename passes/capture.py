@@ -38,6 +38,7 @@ class Captured:
     training: bool
     config: Any = None              # the model's Hugging Face config (None for a plain module)
     seq_range: tuple = (2, 4096)    # sequence lengths the graph was proven for (calls outside are refused)
+    padding: tuple = ()             # passes.pad.Padding records: the vocabulary padded in ``module``
 
 
 def _max_positions(config) -> int:

@@ -1,6 +1,8 @@
-"""The planning pipeline after capture: propagate, then the activation trace.
+"""The planning pipeline after capture: pad, propagate, then the activation trace.
 
-``capture → annotate → propagate → trace → rewrite``: annotation runs inside
+``capture → pad → annotate → propagate → trace → rewrite``: the vocabulary is
+padded to the mode's split (:mod:`~autoshard.passes.pad`; the rewrite must take
+the padded module, :func:`prepare`); annotation runs inside
 propagation (the rules read it); the trace is its own pass over the finished
 plan; the rewrite is per rank (:func:`autoshard.passes.rewrite.rewrite`).
 """
@@ -11,10 +13,17 @@ from autoshard.plan import ShardingPlan
 from autoshard.policies.base import Policy
 
 from .capture import Captured
+from .pad import pad_vocab
 from .propagate import propagate
 from .trace import trace
 
-__all__ = ["plan_captured"]
+__all__ = ["plan_captured", "prepare"]
+
+
+def prepare(captured: Captured, policy: Policy) -> Captured:
+    """``captured`` as ``policy`` plans it: its vocabulary padded to the mode's split
+    (the same object where nothing is padded). Plan and rewrite this one."""
+    return pad_vocab(captured, policy.vocab_multiple())
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
@@ -22,6 +31,7 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
     """The finished plan of ``captured`` under ``policy``: specs, kernels and
     collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
     node saves for backward (:func:`~autoshard.passes.trace.trace`)."""
+    captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
                   dropout=dropout)
     return trace(p, captured.module)

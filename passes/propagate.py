@@ -405,8 +405,13 @@ class _Engine:
             name = used[0] if used else names[0]
             spec = self.st.param_spec.get(name, replicated(p.dim()))
             sync = tuple(a for a in self.mesh.axes if a in self.st.param_sync.get(name, set()))
+            dense = ()
+            pad = next((x for x in getattr(self.cap, "padding", ()) if name in x.names), None)
+            if pad is not None:
+                dense = tuple(pad.dense if d == pad.dim else s for d, s in enumerate(p.shape))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
-                                    dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name)))
+                                    dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name),
+                                    dense_shape=dense))
         local = {n.name: self._local_shape(n) for n in self.gm.graph.nodes}
         return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,

@@ -210,6 +210,10 @@ class Policy:
         ``vocab_size``) is cut into on this mesh, and a label (``"q=2"``)."""
         raise NotImplementedError
 
+    def vocab_multiple(self) -> int:
+        """What the vocabulary is padded to a multiple of (:mod:`autoshard.passes.pad`)."""
+        return self.dim_splits()[0].get("vocab_size", 1)
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """TP world sizes (dp = 1) of this mode whose split divides ``n``."""

@@ -25,7 +25,11 @@ from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "rule_for", "view_groups"]
+__all__ = ["RULES", "TRIM_META", "rule_for", "view_groups"]
+
+#: node.meta key :mod:`autoshard.passes.pad` sets on the slice that cuts a padded
+#: vocabulary back to its size (the slice then gathers instead of re-planning the head)
+TRIM_META = "autoshard_pad_trim"
 
 
 def _tensor_args(ctx):
@@ -352,6 +356,9 @@ def slice_(ctx: RuleContext) -> Choice:
     full = (start in (None, 0)) and (end is None or (isinstance(end, int) and end >= size)) and step == 1
     if full or not s.dims[d]:
         return Choice(out=s, inputs={(0,): s})
+    if ctx.node.meta.get(TRIM_META):      # a padded vocabulary cut back for a user-visible value: gather it
+        req = _need_unsplit(s, [d]).with_partial(())
+        return Choice(out=req, inputs={(0,): req}, notes=("padded vocabulary trimmed",))
     m, axes = s.segments[d], s.dims[d]
     seg = size // m
     b = 0 if start is None else (start + size if isinstance(start, int) and start < 0 else start)
@@ -641,6 +648,7 @@ def dropout(ctx: RuleContext) -> Choice:
     s = ctx.spec(x)
     if not train or p == 0:
         return Choice(out=s, inputs={(0,): s})
+    s = s.with_partial(())      # masks are drawn for whole values: a partial sum is reduced first
     return Choice.run(Dropout(p=float(p), mode=ctx.dropout, in_specs=(((0,), s),), out_spec=s),
                       notes=(f"dropout p={p:g}, {ctx.dropout} masks",))
 

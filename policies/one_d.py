@@ -10,6 +10,8 @@ column-parallel and the loss vocab-parallel).
 
 from __future__ import annotations
 
+import torch
+
 from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
 from autoshard.kernels import RowLinear, VocabEmbedding
@@ -20,6 +22,10 @@ from .base import Choice, Policy, RuleContext
 from .linear_ops import linear_operands
 
 __all__ = ["OneD"]
+
+aten = torch.ops.aten
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default, aten.clone.default,
+          aten.contiguous.default}
 
 
 class OneD(Policy):
@@ -120,10 +126,39 @@ class OneD(Policy):
         tp = self.tp_axes
         c = self.mesh.size(tp)
         fixed = ctx.fixed_param_spec(w)
+        # the largest table is split (a vocabulary is padded to divide); a lookup added to
+        # another split lookup (token + position) is split too, at no cost: both stay
+        # partial sums and are reduced once, after the add
+        summed = _summed_with_split_lookup(ctx, c)
         vocab = (fixed is not None and fixed.dims[0] == tp) or (
-            fixed is None and c > 1 and V % c == 0 and ctx.is_largest_embedding(w))
+            fixed is None and c > 1 and V % c == 0 and (ctx.is_largest_embedding(w) or summed))
         out = ShardSpec(dims=si.dims + ((),))
         if vocab:
-            k = VocabEmbedding(axes=tp, in_specs=(((0,), ShardSpec(dims=(tp, ()))), ((1,), si)), out_spec=out)
-            return Choice.run(k, weight=f"vocab / {c}")
+            ins = (((0,), ShardSpec(dims=(tp, ()))), ((1,), si))
+            if summed:
+                k = VocabEmbedding(axes=tp, reduce=False, in_specs=ins, out_spec=out.with_partial(tp))
+                return Choice.run(k, weight=f"rows / {c}", notes=("partial sum, reduced after the add",))
+            return Choice.run(VocabEmbedding(axes=tp, in_specs=ins, out_spec=out), weight=f"vocab / {c}")
         return Choice(out=out, inputs={(0,): ShardSpec(dims=((), ())), (1,): si}, weight="replicated")
+
+
+def _summed_with_split_lookup(ctx: RuleContext, c: int) -> bool:
+    """Whether the lookup's only use is an add with another lookup whose table's
+    rows divide ``c`` (and is not already held whole)."""
+    node = ctx.node
+    while True:                 # through dtype casts (GPT-2 casts its position lookup)
+        users = [u for u in node.users if u.target != aten._assert_tensor_metadata.default]
+        if len(users) != 1 or users[0].target not in _CASTS:
+            break
+        node = users[0]
+    if len(users) != 1 or users[0].target != aten.add.Tensor or len(users[0].args) != 2:
+        return False
+    other = next((a for a in users[0].args if a is not node), None)
+    while getattr(other, "target", None) in _CASTS:
+        other = other.args[0]
+    if other is None or getattr(other, "target", None) != aten.embedding.default:
+        return False
+    table = other.args[0]
+    fixed = ctx.fixed_param_spec(table)
+    return getattr(table, "op", None) == "get_attr" and ctx.pshape(table)[0] % c == 0 and (
+        fixed is None or bool(fixed.dims[0]))

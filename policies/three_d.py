@@ -61,6 +61,9 @@ class ThreeD(Policy):
         return dict.fromkeys(("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"),
                              self.q), f"q={self.q}"
 
+    def vocab_multiple(self) -> int:
+        return self.q * self.q          # an untied head splits its output features over q²
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         return [q ** 3 for q in range(2, int(round(limit ** (1 / 3))) + 1) if n % q == 0]

@@ -167,6 +167,7 @@ ROUND_TRIPS = [
     # name, saved on (mode, world, depth), loaded on (mode, world)
     ("gpt2", "2.5d", 8, 2, "1d", 2),          # fused c_attn (segments), tied embedding, depth replicas
     ("llama", "2d", 4, None, "1d", 2),        # slow: a 4-rank pool of its own costs 25-40 s on 2 cores
+    ("gpt2-v130", "3d", 8, None, "1d", 2),    # vocabulary padded to 132 on q²=4, unpadded on 2 ranks
 ]
 
 
@@ -185,7 +186,7 @@ def test_checkpoint_round_trip(tmp_path, case):
     for k, v in dense_sd.items():
         assert torch.equal(saved["sd0"][k], v), k
     man = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
-    assert man["mesh"]["sizes"] == list({"2.5d": (2, 2, 2), "2d": (2, 2)}[mode])
+    assert man["mesh"]["sizes"] == list({"2.5d": (2, 2, 2), "2d": (2, 2), "3d": (2, 2, 2)}[mode])
 
     loaded = get_pool(world2, timeout=TIMEOUT).run(_load_continue, name, mode2, None, ckpt, out)
     sd1 = saved["sd1"]
@@ -214,7 +215,7 @@ def test_checkpoint_round_trip(tmp_path, case):
     torch.testing.assert_close(loaded[0]["logits"], b.logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt2-v131"])
 def test_from_pretrained_equals_dense(tmp_path, name):
     """A save_pretrained'd tiny model (sharded into several files + index) loaded on
     2 ranks 1d: locals are the exact slices, outputs equal the dense model's."""
@@ -233,7 +234,7 @@ def test_from_pretrained_equals_dense(tmp_path, name):
         plan = autoshard.ShardingPlan.from_json(r["plan"])
         for pp in plan.params:
             for n in (pp.name, *pp.aliases):
-                assert torch.equal(r["local"][n], pp.spec.local(dparams[n].detach(), plan.mesh, rank)), n
+                assert torch.equal(r["local"][n], pp.spec.local(pp.pad(dparams[n].detach()), plan.mesh, rank)), n
         for n, b in r["buffers"].items():
             assert torch.equal(b, dbufs[n]), n
         # each rank read about its share of the bytes, not the whole model

@@ -18,7 +18,7 @@ from autoshard.plan import NodePlan, ParamPlan
 
 SUMMARY_KEYS = {"model", "mode", "mesh", "world_size", "batch_size", "seq_len", "param_bytes_per_rank",
                 "comm_bytes_per_rank_fwd", "comm_bytes_per_rank_bwd", "collective_calls_per_step", "fallbacks",
-                "parallel_fraction"}
+                "parallel_fraction", "padding"}
 
 MODEL_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 

@@ -74,10 +74,11 @@ def test_one_d_comm_per_layer(name, world):
     """Megatron: per transformer layer 2 forward + 2 backward all-reduces of N·h.
 
     (Llama here has 2 kv heads: at 4+ ranks its kv projections are replicated and
-    sliced per head, which adds their all-gathers; tested separately.)"""
+    sliced per head, which adds their all-gathers; tested separately. Layer 1: the
+    first layer's norm also reduces GPT-2's token + position lookups, partial sums.)"""
     plan = _plan(name, world, "1d")
     h = 64
-    layer = "h.0." if name == "gpt2" else "layers.0."
+    layer = "h.1." if name == "gpt2" else "layers.1."
     per_layer = sum(n.comm_bytes for n in plan.nodes if layer in n.module)
     assert per_layer == pytest.approx(8 * (world - 1) / world * N * h * 4)
 

@@ -115,8 +115,11 @@ def test_registered_mode_is_validated_and_searched():
     from autoshard.validate import check_dims
 
     with registered():
-        [prob] = check_dims(_gpt2_config(vocab_size=127), "vocab", Mesh(axes=("tp",), sizes=(2,)))
-        assert prob.what == "vocab_size" and "vocab split 2" in prob.message and "Valid tp sizes" in prob.message
+        # the mode's dim_splits drive validation and the vocabulary padding: 127 is padded to 128
+        assert check_dims(_gpt2_config(vocab_size=127), "vocab", Mesh(axes=("tp",), sizes=(2,))) == []
+        pads = autoshard.plan(_gpt2_config(vocab_size=127), world_size=2, mode="vocab", batch_size=2,
+                              seq_len=8).padding()
+        assert [p["padded_shape"][0] for p in pads] == [128]
         assert "vocab [2]" in [c.label for c in candidates(2)]
         with pytest.raises(ConfigError, match="vocab takes no depth"):
             autoshard.plan(_gpt2_config(), world_size=2, mode="vocab", depth=2)
