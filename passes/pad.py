@@ -38,6 +38,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from autoshard.errors import AutoshardWarning
+from autoshard.log import warn
 from autoshard.policies.generic import TRIM_META
 from autoshard.policies.linear_ops import linear_operands
 
@@ -209,32 +211,40 @@ class _Padder:
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
-            if node.op == "get_attr" and node.target in self.params:
-                self._refresh(node)
-                self.padded[node] = self.params[node.target]
-                continue
-            if node.op == "output":
-                node.args = fx.map_arg(node.args, lambda n: self._trim(node, n) if n in self.padded else n)
-                continue
-            if node.op != "call_function" or not any(n in self.padded for n in node.all_input_nodes):
-                continue
-            if node.target in _CE:
-                x = node.args[0]
-                if node.args[1] not in self.padded and self.padded.get(x) == 1 and _val(x).dim() == 2:
-                    node.args = (self._mask(node, x),) + tuple(node.args[1:])
-                    self._refresh(node)
-                    continue
-            if node.target is operator.getitem:
-                raise _Unsupported(f"{node.format_node()} takes a padded multi-output value")
             try:
-                d = self._out_dim(node)
-            except _Trim:
-                node.args, node.kwargs = fx.map_arg(
-                    (node.args, node.kwargs), lambda n: self._trim(node, n) if n in self.padded else n)
-                d = None
+                self._visit(node)
+            except _Unsupported:
+                raise
+            except Exception as e:  # noqa: BLE001 - an op the pass cannot follow: no padding, named
+                raise _Unsupported(f"{node.format_node()}: {type(e).__name__}: {e}") from e
+
+    def _visit(self, node: fx.Node) -> None:
+        if node.op == "get_attr" and node.target in self.params:
             self._refresh(node)
-            if d is not None:
-                self.padded[node] = d
+            self.padded[node] = self.params[node.target]
+            return
+        if node.op == "output":
+            node.args = fx.map_arg(node.args, lambda n: self._trim(node, n) if n in self.padded else n)
+            return
+        if node.op != "call_function" or not any(n in self.padded for n in node.all_input_nodes):
+            return
+        if node.target in _CE:
+            x = node.args[0]
+            if node.args[1] not in self.padded and self.padded.get(x) == 1 and _val(x).dim() == 2:
+                node.args = (self._mask(node, x),) + tuple(node.args[1:])
+                self._refresh(node)
+                return
+        if node.target is operator.getitem:
+            raise _Unsupported(f"{node.format_node()} takes a padded multi-output value")
+        try:
+            d = self._out_dim(node)
+        except _Trim:
+            node.args, node.kwargs = fx.map_arg(
+                (node.args, node.kwargs), lambda n: self._trim(node, n) if n in self.padded else n)
+            d = None
+        self._refresh(node)
+        if d is not None:
+            self.padded[node] = d
 
 
 class _Unsupported(Exception):
@@ -307,8 +317,10 @@ def pad_vocab(cap: Captured, multiple: int) -> Captured:
                                   if n.op == "get_attr" and n.target in targets})
     try:
         padder.run()
-    except _Unsupported:
-        return cap                          # the vocabulary stays unsplit (replicated), as before
+    except _Unsupported as e:           # the vocabulary stays whole (replicated, exact), as without padding
+        warn(f"the vocabulary {V} is not padded to {Vp} (a multiple of the split {multiple}): the pad pass "
+             f"cannot follow node {e}; the vocabulary-sized weights stay replicated", AutoshardWarning)
+        return cap
     new.graph.lint()
     new.recompile()
     return dataclasses.replace(cap, module=new, padding=tuple(padding))

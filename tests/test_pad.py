@@ -126,3 +126,21 @@ def test_save_pretrained_keeps_the_vocabulary(tmp_path):
     for r in res:
         assert r["local"]["transformer.wte.weight"] == (66, 64)        # 132 / 2 rows each
         torch.testing.assert_close(r["logits"], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_an_op_the_pass_cannot_follow_leaves_the_vocabulary_whole(monkeypatch):
+    """If following the padded dim fails at some node, nothing is padded (the
+    vocabulary stays replicated, exact, as without the pass) and a warning names the node."""
+    from autoshard.errors import AutoshardWarning
+    from autoshard.passes import pad
+
+    model = models.build("gpt2-v131")
+    cap = capture(model, example_inputs=models.batch("gpt2-v131"))
+
+    def broken(self, node):
+        raise RuntimeError("no rule")
+
+    monkeypatch.setattr(pad._Padder, "_out_dim", broken)
+    with pytest.warns(AutoshardWarning, match=r"vocabulary 131 is not padded to 132.*node %\w+.*no rule"):
+        assert pad_vocab(cap, 4) is cap
+    assert cap.module.get_parameter("transformer.wte.weight").shape[0] == 131
