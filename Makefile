@@ -19,6 +19,11 @@ VENV_SYSTEM_TORCH ?=
 # If set, `make test` writes pytest's own exit code there (make itself only
 # ever exits 2 on failure); .ci/run uses it to tell "no tests collected" (5).
 PYTEST_RC_FILE ?=
+# `make test` runs the suite on this many pytest-xdist workers, one test file per
+# worker at a time (multi-rank tests keep their rank pool and shared captures within
+# a file); 2 suits the 2-core machine the suite is sized for. TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast bench clean distclean
 
@@ -53,12 +58,12 @@ demo: venv
 	$(VPY) examples/shard_and_inspect.py
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q --durations=25 tests || rc=$$?; \
+	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests || rc=$$?; \
 	if [ -n "$(PYTEST_RC_FILE)" ]; then echo $$rc > "$(PYTEST_RC_FILE)"; fi; \
 	exit $$rc
 
 test-fast: venv
-	$(VPY) -m pytest -q -m "not slow" tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 bench: venv
 	@set -e; found=0; for f in benchmarks/*.py; do \

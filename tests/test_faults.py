@@ -31,8 +31,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, root: Path, *args: str, timeout_s: str | None = TIMEOUT_S) -> list[subprocess.Popen]:
-    """``world`` worker processes; ``timeout_s=None`` leaves AUTOSHARD_TIMEOUT at its default."""
+def _launch(world: int, root: Path, *args: str, timeout_s: str | None = TIMEOUT_S,
+            heartbeat_s: str | None = None) -> list[subprocess.Popen]:
+    """``world`` worker processes; ``timeout_s=None`` leaves AUTOSHARD_TIMEOUT at its default,
+    ``heartbeat_s=None`` AUTOSHARD_HEARTBEAT."""
     port = _port()
     procs = []
     for r in range(world):
@@ -41,6 +43,8 @@ def _launch(world: int, root: Path, *args: str, timeout_s: str | None = TIMEOUT_
                "AUTOSHARD_TIMEOUT": timeout_s, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent)}
         env = {k: v for k, v in env.items() if v is not None and k != "AUTOSHARD_HEARTBEAT"}
+        if heartbeat_s is not None:
+            env["AUTOSHARD_HEARTBEAT"] = heartbeat_s
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(root), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
@@ -149,14 +153,15 @@ def test_stalled_rank_times_out_on_the_others(tmp_path):
 @pytest.mark.slow
 def test_frozen_rank_ends_the_job_by_heartbeat(tmp_path):
     """4 ranks with the default collective timeout (300 s): rank 1 frozen with SIGSTOP
-    in step 5. The others' heartbeat (AUTOSHARD_HEARTBEAT, default 30 s) sees it stop
-    beating and ends them within 60 s, naming rank 1 and the checkpoint to resume from."""
+    in step 5. The others' heartbeat (AUTOSHARD_HEARTBEAT, default 30 s; 12 s here) sees
+    it stop beating and ends them within 60 s, naming rank 1 and the checkpoint to resume from."""
     root = tmp_path / "ckpt"
     root.mkdir()
-    procs = _launch(4, root, "--steps", "6", "--save-every", "2", "--stall-at", "5", timeout_s=None)
+    procs = _launch(4, root, "--steps", "6", "--save-every", "2", "--stall-at", "5", timeout_s=None,
+                    heartbeat_s="12")
     rc0, out0, err0, elapsed = _signal_rank1_when_stalled(procs, root, signal.SIGSTOP)
     print(f"rank 0 exited {elapsed:.1f}s after rank 1 froze")
     assert elapsed < EXIT_LIMIT_S, elapsed
     assert rc0 == 1, (rc0, err0[-3000:])
-    assert "CollectiveError on rank 0: rank(s) [1] of 4 sent no heartbeat for more than 30 s" in err0, err0[-3000:]
+    assert "CollectiveError on rank 0: rank(s) [1] of 4 sent no heartbeat for more than 12 s" in err0, err0[-3000:]
     assert f"the last complete checkpoint is {root / 'step_0004'}" in err0, err0[-3000:]
