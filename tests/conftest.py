@@ -40,20 +40,3 @@ def _close_rank_pools():
     yield
     dist_pool.close_all_pools(graceful=False)
 
-
-# Files whose tests take longest, longest first. `make test` runs the suite on two
-# xdist workers, one file per worker at a time (--dist loadfile), handing out files
-# in collection order: the long ones first, so that no long file is left running
-# alone at the end.
-_LONG_FILES = ("test_arch_matrix.py", "test_checkpoint.py", "test_faults.py", "test_plan_scale.py",
-               "test_multinode.py", "test_train.py", "test_signature.py", "test_equivalence.py",
-               "test_pad.py", "test_collectives.py", "test_cli.py", "test_dropout.py", "test_trainer.py",
-               "test_mixed_precision.py", "test_capture.py", "test_propagate.py", "test_trace.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    def rank(item):
-        name = os.path.basename(str(item.fspath))
-        return _LONG_FILES.index(name) if name in _LONG_FILES else len(_LONG_FILES)
-
-    items[:] = [it for _, it in sorted(enumerate(items), key=lambda p: (rank(p[1]), p[0]))]
