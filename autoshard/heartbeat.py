@@ -21,6 +21,7 @@ Started by :func:`autoshard.shard` (once per process);
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -71,19 +72,28 @@ def start(stale: float | None = None) -> bool:
         return False
     rank, world = dist.get_rank(), dist.get_world_size()
     store = c10d._get_default_store()
-    stop = threading.Event()
-    t = threading.Thread(target=_run, args=(store, rank, world, stale, stop), name="autoshard-heartbeat",
+    halt = threading.Event()
+    t = threading.Thread(target=_run, args=(store, rank, world, stale, halt), name="autoshard-heartbeat",
                          daemon=True)
-    _STATE.update(thread=t, stop=stop)
+    _STATE.update(thread=t, stop=halt)
     t.start()
+    if not _STATE.get("atexit"):
+        # stop and join before interpreter teardown: a daemon thread killed inside a
+        # C++ store call aborts the process ("terminate called without an active exception")
+        atexit.register(stop)
+        _STATE["atexit"] = True
     return True
 
 
 def stop() -> None:
-    """Stop this rank's heartbeat (e.g. before a planned long pause on one rank only)."""
+    """Stop this rank's heartbeat (e.g. before a planned long pause on one rank only)
+    and wait for its threads to leave the store (also run at exit)."""
     if _STATE["stop"] is not None:
         _STATE["stop"].set()
+    t = _STATE["thread"]
     _STATE.update(thread=None, stop=None)
+    if t is not None and t is not threading.current_thread():
+        t.join(timeout=10)
 
 
 def _run(store, rank: int, world: int, stale: float, stop: threading.Event) -> None:
@@ -108,13 +118,20 @@ def _run(store, rank: int, world: int, stale: float, stop: threading.Event) -> N
             answered[0] = time.monotonic()
             stop.wait(interval)
 
-    import torch.distributed as dist
-
     worker = threading.Thread(target=_guard(beats), name="autoshard-heartbeat-store", daemon=True)
     worker.start()
+    try:
+        _watch(rank, world, stale, interval, stop, peers, moved, answered)
+    finally:
+        stop.set()
+        worker.join(timeout=5)
+
+
+def _watch(rank, world, stale, interval, stop, peers, moved, answered) -> None:
+    import torch.distributed as dist
+
     while not stop.wait(interval):
         if not dist.is_initialized():       # destroy_process_group(): the job is over for this rank
-            stop.set()
             return
         now = time.monotonic()
         frozen = [r for r in peers if now - moved[r] > stale]
