@@ -1,7 +1,7 @@
 """Classify graph nodes by what they compute, from ATen ops and operand kinds only.
 
 Kinds: ``linear`` (``aten.linear`` / ``addmm`` / ``mm`` / ``matmul`` with a
-parameter operand), ``norm`` (``layer_norm``, ``rms_norm``, or the inline RMSNorm
+parameter operand, and the per-expert :func:`~autoshard.passes.experts.grouped_linear`), ``norm`` (``layer_norm``, ``rms_norm``, or the inline RMSNorm
 pattern ``pow → mean → add → rsqrt → mul``, counted at its ``mean``),
 ``attention`` (``scaled_dot_product_attention`` or the eager
 ``softmax(Q·Kᵀ)·V`` pattern, counted at the softmax), ``embedding``, ``loss``,
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+
+from autoshard.grouped import grouped_linear
 
 __all__ = ["Annotation", "annotate", "module_path", "param_names"]
 
@@ -58,7 +60,9 @@ def _is_param(arg, params: set[str]) -> bool:
 
 
 def _linear_weight(node: fx.Node, params: set[str]) -> str | None:
-    if node.target in (aten.linear.default,):
+    if node.target is grouped_linear:
+        w = node.args[1]
+    elif node.target in (aten.linear.default,):
         w = node.args[1]
     elif node.target == aten.addmm.default:
         w = node.args[2]
@@ -112,7 +116,7 @@ def annotate(gm: fx.GraphModule) -> dict[str, Annotation]:
         t = node.target
         kind, weight = "other", None
         if node.op == "call_function":
-            if t in LINEAR_OPS and _linear_weight(node, params):
+            if (t in LINEAR_OPS or t is grouped_linear) and _linear_weight(node, params):
                 kind, weight = "linear", _linear_weight(node, params)
             elif t in NORM_OPS:
                 kind = "norm"

@@ -1,6 +1,6 @@
 """The planning pipeline after capture: pad, propagate, then the activation trace.
 
-``capture → pad → annotate → propagate → trace → rewrite``: the vocabulary is
+``capture → fold experts → pad → annotate → propagate → trace → rewrite``: the vocabulary is
 padded to the mode's split (:mod:`~autoshard.passes.pad`; the rewrite must take
 the padded module, :func:`prepare`); annotation runs inside
 propagation (the rules read it); the trace is its own pass over the finished
@@ -13,6 +13,7 @@ from autoshard.plan import ShardingPlan
 from autoshard.policies.base import Policy
 
 from .capture import Captured
+from .experts import fold_grouped_weights
 from .pad import pad_vocab
 from .propagate import propagate
 from .trace import trace
@@ -21,9 +22,11 @@ __all__ = ["plan_captured", "prepare"]
 
 
 def prepare(captured: Captured, policy: Policy) -> Captured:
-    """``captured`` as ``policy`` plans it: its vocabulary padded to the mode's split
-    (the same object where nothing is padded). Plan and rewrite this one."""
-    return pad_vocab(captured, policy.vocab_multiple())
+    """``captured`` as ``policy`` plans it: grouped expert matmuls with their
+    parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
+    padded to the mode's split (the same object where nothing changes). Plan and
+    rewrite this one."""
+    return pad_vocab(fold_grouped_weights(captured), policy.vocab_multiple())
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

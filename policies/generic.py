@@ -473,7 +473,7 @@ def index_tensor(ctx: RuleContext) -> Choice:
     at = sum(1 for d in kept if d < taken[0]) if adjacent else 0
     bshape = out_shape[at:at + nb]
     bd = [()] * nb
-    inputs = {(0,): s.with_partial(())}
+    inputs = {(0,): s}          # a gather is linear in x: a partial sum passes (MoE's un-permuting gather)
     for j, i in enumerate(idx):
         if i is None:
             continue
@@ -492,7 +492,7 @@ def index_tensor(ctx: RuleContext) -> Choice:
     flat = [a for d in dims for a in d]
     if len(flat) != len(set(flat)):          # the batch split arrives through both x and the index
         raise NeedReplicate((0,), next(d for d in kept if s.dims[d]), "index block and a kept dim share a split")
-    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs)), inputs=inputs)
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial), inputs=inputs)
 
 
 def gather_op(ctx: RuleContext) -> Choice:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from autoshard.grouped import grouped_linear, grouped_weight_dims
+
 aten = torch.ops.aten
 
 __all__ = ["linear_operands"]
@@ -14,8 +16,11 @@ def linear_operands(node):
     weight's ``n_dim`` is its output features and ``k_dim`` its input features.
 
     ``aten.linear(x, w[n,k], b)``; ``aten.addmm(b, x, w[k,n])`` (GPT-2 Conv1D);
-    ``aten.mm/matmul(x, w[k,n])``."""
+    ``aten.mm/matmul(x, w[k,n])``; :func:`~autoshard.grouped.grouped_linear` ``(x, w[E,n,k]
+    or w[E,k,n], offs)``, a Linear per expert (its weight is 3-D)."""
     t = node.target
+    if t is grouped_linear:
+        return (0,), (1,), None, *grouped_weight_dims(node)
     if t == aten.linear.default:
         b = (2,) if len(node.args) > 2 and node.args[2] is not None else None
         return (0,), (1,), b, 0, 1

@@ -14,6 +14,7 @@ import torch
 
 from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
+from autoshard.grouped import grouped_linear
 from autoshard.kernels import RowLinear, VocabEmbedding
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
@@ -68,8 +69,8 @@ class OneD(Policy):
         rseg = sx.segments[:-1]
 
         def wspec(n_axes=(), k_axes=(), m=1):
-            d = [(), ()]
-            sg = [1, 1]
+            d = [()] * len(wshape)          # a per-expert weight [E, n, k] keeps E whole
+            sg = [1] * len(wshape)
             d[nd], d[kd] = n_axes, k_axes
             sg[nd] = m if n_axes else 1
             return ShardSpec(dims=tuple(d), segments=tuple(sg))
@@ -114,6 +115,14 @@ class OneD(Policy):
             ins.append((bp, ShardSpec(dims=((),))))
         out = ShardSpec(dims=sx.dims[:-1] + ((),), segments=sx.segments[:-1] + (1,))
         nd = linear_operands(ctx.node)[3]
+        if ctx.node.target is grouped_linear:
+            # per expert, the local product is a partial sum over tp: it stays partial
+            # through the ops linear in it (routing weights, the un-permuting gather,
+            # the top-k sum) and is all-reduced where a consumer needs it whole
+            ins.append(((2,), ShardSpec(dims=((),))))
+            return Choice(out=out.with_partial(tp), inputs=dict(ins),
+                          weight=f"row: in features / {self.mesh.size(tp)} per expert",
+                          notes=("partial sum, reduced where a consumer needs it whole",))
         return Choice.run(RowLinear(axes=tp, x=xp, w=wp, b=bp, n_dim=nd, in_specs=tuple(ins), out_spec=out),
                           weight=f"row: in features / {self.mesh.size(tp)}")
 

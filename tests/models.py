@@ -39,6 +39,14 @@ TINY = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                       num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                                       vocab_size=128, max_position_embeddings=64)),
+    # mixture of experts (Mixtral: router Linear, top-2 of 4 experts, grouped expert matmuls),
+    # the router's load-balancing loss in the loss
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(hidden_size=64, intermediate_size=128,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=4, vocab_size=128,
+                                                          max_position_embeddings=64, num_local_experts=4,
+                                                          num_experts_per_tok=2, output_router_logits=True,
+                                                          router_aux_loss_coef=0.02)),
 }
 # vocabularies no split divides (131 is prime): padded to the split (autoshard/passes/pad.py)
 for _name in ("gpt2", "llama", "bert"):
@@ -116,6 +124,10 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
 
     cmp("loss", out.loss, out_d.loss)
     cmp("logits", out.logits, ref_logits)
+    if getattr(out_d, "aux_loss", None) is not None:          # MoE: the router's load-balancing loss
+        cmp("aux_loss", out.aux_loss, out_d.aux_loss)
+        for i, (got, ref) in enumerate(zip(out.router_logits, out_d.router_logits)):
+            cmp(f"router_logits[{i}]", got, ref.view(4 * dp, -1, ref.shape[-1])[rows].reshape(got.shape))
     dparams = dict(dense.named_parameters(remove_duplicate=False))
     sparams = dict(sharded.named_parameters(remove_duplicate=False))
     grad_err = 0.0

@@ -1,0 +1,92 @@
+"""Grouped (per-expert) matmuls with a parameter operand become Linear-like nodes.
+
+A mixture-of-experts layer exported by Hugging Face runs its experts as one
+grouped matmul: the routed tokens, sorted by expert, times a 3-D weight
+``[E, k, n]`` whose group ``e`` multiplies the rows ``offs[e-1]:offs[e]``
+(``aten._grouped_mm``, or transformers' ``grouped_mm_fallback`` custom op on
+CPU). The weight reaches the op through a ``transpose`` of the stored parameter
+(``[E, n, k]``, the ``nn.Linear`` layout per expert), so the planner, which
+splits a parameter where it is consumed, would see a view and leave the
+experts whole.
+
+This pass folds ``op(x, transpose(P, -2, -1), offs)`` (or ``op(x, P, offs)``)
+into :func:`~autoshard.grouped.grouped_linear` ``(x, P, offs, transposed, impl)`` with the
+parameter as a direct operand. Annotation then counts it as a ``linear`` (it
+appears in the plan table like any Linear), and the Linear rules split its
+output features (column) or its input features (row) per expert, as for a
+dense MLP: Megatron-style expert tensor parallelism. The graph computes the
+same values: ``grouped_linear`` calls the op it replaced.
+
+    >>> import transformers
+    >>> from autoshard.passes.capture import capture
+    >>> cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...     num_attention_heads=4, num_key_value_heads=4, vocab_size=64, num_local_experts=4)
+    >>> cap = fold_grouped_weights(capture(transformers.MixtralForCausalLM(cfg)))
+    >>> sorted(n.args[1].target for n in cap.module.graph.nodes if n.target is grouped_linear)
+    ['model.layers.0.mlp.experts.down_proj', 'model.layers.0.mlp.experts.gate_up_proj']
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import fx
+
+from autoshard.grouped import grouped_linear, grouped_ops
+
+from .capture import Captured
+
+aten = torch.ops.aten
+
+__all__ = ["fold_grouped_weights"]
+
+
+def _param_operand(w, params: set[str]) -> tuple[fx.Node, bool] | None:
+    """The parameter behind ``w`` and whether ``w`` is its transpose over the last two dims."""
+    if isinstance(w, fx.Node) and w.op == "get_attr" and w.target in params:
+        return w, False
+    if isinstance(w, fx.Node) and w.target == aten.transpose.int and len(w.args) == 3:
+        p, a, b = w.args
+        if isinstance(p, fx.Node) and p.op == "get_attr" and p.target in params and \
+                {a % 3, b % 3} == {1, 2} and p.meta["val"].dim() == 3:
+            return p, True
+    return None
+
+
+def fold_grouped_weights(cap: Captured) -> Captured:
+    """``cap`` with every grouped matmul whose weight is a parameter (or its transpose)
+    rewritten as :func:`grouped_linear`; the same ``cap`` where there is none. ``cap``
+    itself is not changed: the result holds a copy of the graph module sharing
+    every parameter."""
+    ops = {v: k for k, v in grouped_ops().items()}
+    gm = cap.module
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+
+    def foldable(n):
+        return n.op == "call_function" and n.target in ops and len(n.args) >= 3 and \
+            n.args[2] is not None and _param_operand(n.args[1], params) is not None and \
+            not n.args[3:] and not n.kwargs.get("bias") and n.kwargs.get("out_dtype") is None
+
+    if not any(foldable(n) for n in gm.graph.nodes):
+        return cap
+    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
+            + list(gm.named_buffers(remove_duplicate=False))}
+    new = copy.deepcopy(gm, memo)
+    g = new.graph
+    for n in list(g.nodes):
+        if not foldable(n):
+            continue
+        p, transposed = _param_operand(n.args[1], params)
+        with g.inserting_before(n):
+            r = g.call_function(grouped_linear, (n.args[0], p, n.args[2], transposed, ops[n.target]))
+        r.meta = dict(n.meta)
+        n.replace_all_uses_with(r)
+        w = n.args[1]
+        g.erase_node(n)
+        if w is not p and not w.users:
+            g.erase_node(w)
+    g.lint()
+    new.recompile()
+    return dataclasses.replace(cap, module=new)
