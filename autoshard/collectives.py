@@ -143,6 +143,7 @@ def sim_group(size: int) -> str:
     return f"{_SIM}{int(size)}"
 
 
+@torch.compiler.assume_constant_result      # torch.compile: a constant of the traced graph, no break
 def group_rank_size(group: str) -> tuple[int, int]:
     """(this process's rank in ``group``, its size); ``(0, n)`` for :func:`sim_group` names."""
     if group.startswith(_SIM):

@@ -54,6 +54,8 @@ class ShardedModule(nn.Module):
         self._hooks = []
         self.debug = debug
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
+        self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
+        self._compiled: dict = {}
         self._config = None
         self._generation_config = None
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -163,8 +165,34 @@ class ShardedModule(nn.Module):
         if self.debug:
             self._check_same_inputs(full, g.input_names)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
-            out = g.gm(**full)
+            out = self._runner(g)(**full)
         return trim_rows(out, b, padded) if padded != b else out
+
+    def compile(self, **kwargs) -> "ShardedModule":
+        """Run every graph of this module (those captured later too) through
+        :func:`torch.compile` (``kwargs`` go to it, e.g. ``mode="max-autotune"``); the
+        input checks and batch padding around them stay eager, so the graphs compile
+        without a break. The collectives are custom ops with fake kernels: each stays
+        one node of the compiled graph. Returns the module (in place, like
+        :meth:`torch.nn.Module.compile`).
+
+        Example (under ``torchrun``)::
+
+            sharded = autoshard.shard(model, mode="1d").compile()
+            sharded(**batch).loss.backward()          # the first call compiles
+        """
+        self._compile_kw = dict(kwargs)
+        self._compiled = {}
+        return self
+
+    def _runner(self, g):
+        """``g``'s graph module, compiled once per graph after :meth:`compile`."""
+        if self._compile_kw is None:
+            return g.gm
+        fn = self._compiled.get(id(g))
+        if fn is None:
+            fn = self._compiled[id(g)] = torch.compile(g.gm, **self._compile_kw)
+        return fn
 
     def _graph_for(self, kwargs: dict):
         """The graph whose captured signature this call matches, and the call's full
