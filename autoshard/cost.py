@@ -393,8 +393,12 @@ def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device:
 
 
 def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
-             activation_dtype_bytes: int | None = None) -> CostEstimate:
+             activation_dtype_bytes: int | None = None, zero: int = 0) -> CostEstimate:
     """Predict one training step of ``plan`` on ``cluster`` for one rank.
+
+    ``zero=1`` (:class:`autoshard.zero.ZeroAdamW`): the optimizer state is split
+    over the ``dp`` replicas; ``zero=2``: the gradients too. The bytes on the wire
+    stay those of the dp all-reduce (a reduce-scatter plus an all-gather).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -433,6 +437,14 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         obytes = 2 * 4 * trainable
     else:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose 'adamw', 'adam', 'sgd' or None")
+    gbytes = pbytes
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"zero={zero!r}: the valid choices are 0 (off), 1 (optimizer state over dp), 2 (gradients too)")
+    if zero and plan.dp > 1:
+        obytes = -(-obytes // plan.dp)
+        if zero == 2:
+            gbytes = -(-pbytes // plan.dp)
+        notes.append(f"ZeRO-{zero}: optimizer state{' and gradients' if zero == 2 else ''} split over dp={plan.dp}")
     if plan.fallbacks:
         notes.append(f"{len(plan.fallbacks)} fallback node(s)")
     return CostEstimate(
@@ -441,7 +453,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
         comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
         inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
-        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=pbytes, optimizer_bytes=obytes,
+        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=gbytes, optimizer_bytes=obytes,
         activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
         memory_limit=cluster.memory_bytes,
         notes=tuple(notes), comms=tuple(timed))

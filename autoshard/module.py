@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx, nn
 
@@ -13,7 +15,7 @@ from .recapture import capture_graph
 from .signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
 from .validate import Problem as _P
 
-__all__ = ["ShardedModule"]
+__all__ = ["ShardedModule", "unique_params", "replicas"]
 
 
 class ShardedModule(nn.Module):
@@ -58,11 +60,27 @@ class ShardedModule(nn.Module):
         self._compiled: dict = {}
         self._config = None
         self._generation_config = None
+        self.set_grad_sync()
+
+    def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
+        """(Re-)register the gradient hooks that all-reduce each parameter's gradient
+        over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
+        reduce-scatters the ``dp`` part itself: :mod:`autoshard.zero`). Collective when
+        a new axes subset needs a process group (call on every rank)."""
+        from .groups import axes_label, mesh_group
+
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         params = dict(self.named_parameters(remove_duplicate=False))
-        for pp in plan.params:
-            if pp.grad_sync and pp.name in params:
-                group = groups[",".join(pp.grad_sync)]
-                self._hooks.append(params[pp.name].register_hook(_sync_hook(group)))
+        for pp in self.plan.params:
+            axes = tuple(a for a in pp.grad_sync if a not in exclude)
+            if not axes or pp.name not in params:
+                continue
+            label = axes_label(axes)
+            if label not in self.groups:
+                self.groups[label] = mesh_group(self.mesh, axes, self.rank).group_name
+            self._hooks.append(params[pp.name].register_hook(_sync_hook(self.groups[label])))
 
     # -- looks like the Hugging Face model
     @property
@@ -299,3 +317,24 @@ def _sync_hook(group: str):
     def hook(grad):
         return C.all_reduce(grad, group, "sum")
     return hook
+
+
+def unique_params(sharded):
+    """(ParamPlan, local parameter) once per tensor (tied aliases counted once)."""
+    params = dict(sharded.named_parameters(remove_duplicate=False))
+    seen = set()
+    for pp in sharded.plan.params:
+        if pp.is_buffer or pp.name not in params:
+            continue
+        p = params[pp.name]
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        yield pp, p
+
+
+def replicas(pp, mesh) -> int:
+    """Ranks holding an identical copy of this rank's block: product of the sizes of
+    the mesh axes the parameter is not split over (dp included)."""
+    split = set(pp.spec.axes)
+    return math.prod(s for a, s in zip(mesh.axes, mesh.sizes) if a not in split)

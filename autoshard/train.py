@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from .module import replicas, unique_params
+
 __all__ = ["clip_grad_norm_", "grad_norm", "replica_batches", "local_rows", "make_optimizer",
            "warmup_cosine", "train_step", "train", "local_rows_for", "save_state", "load_state",
            "last_complete_state", "collectives_guard"]
@@ -61,34 +63,13 @@ def collectives_guard(what: str):
             f"{first[:300]}") from e
 
 
-def _unique_params(sharded):
-    """(ParamPlan, local parameter) once per tensor (tied aliases counted once)."""
-    params = dict(sharded.named_parameters(remove_duplicate=False))
-    seen = set()
-    for pp in sharded.plan.params:
-        if pp.is_buffer or pp.name not in params:
-            continue
-        p = params[pp.name]
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        yield pp, p
-
-
-def _copies(pp, mesh) -> int:
-    """Ranks holding an identical copy of this rank's block: product of the sizes of
-    the mesh axes the parameter is not split over (dp included)."""
-    split = set(pp.spec.axes)
-    return math.prod(s for a, s in zip(mesh.axes, mesh.sizes) if a not in split)
-
-
 def grad_norm(sharded) -> torch.Tensor:
     """The global L2 norm of all gradients, each dense entry counted once (collective)."""
     total = torch.zeros((), dtype=torch.float64)
-    for pp, p in _unique_params(sharded):
+    for pp, p in unique_params(sharded):
         if p.grad is None:
             continue
-        total += p.grad.detach().double().pow(2).sum() / _copies(pp, sharded.mesh)
+        total += p.grad.detach().double().pow(2).sum() / replicas(pp, sharded.mesh)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()
@@ -101,7 +82,7 @@ def clip_grad_norm_(sharded, max_norm: float) -> torch.Tensor:
     norm = grad_norm(sharded)
     coef = min(1.0, float(max_norm) / (norm.item() + 1e-6))
     if coef < 1.0:
-        for _, p in _unique_params(sharded):
+        for _, p in unique_params(sharded):
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm.float()
@@ -153,6 +134,8 @@ def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None =
     from .sharded_format import save_checkpoint
 
     path = Path(path)
+    if optimizer is not None and hasattr(optimizer, "gathered"):     # ZeRO: store the whole TP-local state
+        optimizer = optimizer.gathered()
     if _rank() == 0:
         (path / _STATE).unlink(missing_ok=True)
     save_checkpoint(sharded, path, optimizer)      # barriers: rank 0's unlink happened before
@@ -203,10 +186,12 @@ def last_complete_state(root) -> Path:
 
 
 def load_state(path, model, *, mode: str, depth: int | None = None, dp: int = 1, example_inputs: dict,
-               lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0, min_ratio: float = 0.0):
+               lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0, min_ratio: float = 0.0,
+               zero: int = 0):
     """Rebuild ``(sharded, optimizer, scheduler, step)`` from :func:`save_state`'s folder
-    (any mode / world size the checkpoint module supports). A folder whose save was
-    killed is refused before any process group is touched."""
+    (any mode / world size the checkpoint module supports; ``zero=1|2`` resumes with
+    the state sharded over this run's ``dp``, whatever the saving run used). A folder
+    whose save was killed is refused before any process group is touched."""
     from .load import load_checkpoint
 
     step = _state_step(Path(path))
@@ -214,6 +199,10 @@ def load_state(path, model, *, mode: str, depth: int | None = None, dp: int = 1,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay))
     for g in opt.param_groups:
         g["initial_lr"] = lr
+    if zero:
+        from .zero import ZeroAdamW
+
+        opt = ZeroAdamW.from_optimizer(sharded, opt, stage=zero)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, warmup, min_ratio), last_epoch=step - 1)
     return sharded, opt, sched, step
 
@@ -251,9 +240,16 @@ def warmup_cosine(steps: int, warmup: int = 0, min_ratio: float = 0.0) -> Callab
 
 
 def make_optimizer(module: torch.nn.Module, *, lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0,
-                   betas=(0.9, 0.999), min_ratio: float = 0.0):
-    """AdamW over the local shards + LambdaLR(linear warmup, cosine decay)."""
-    opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+                   betas=(0.9, 0.999), min_ratio: float = 0.0, zero: int = 0):
+    """AdamW over the local shards + LambdaLR(linear warmup, cosine decay).
+    ``zero=1`` shards the AdamW state over the data-parallel replicas, ``zero=2``
+    the gradients too (:class:`autoshard.zero.ZeroAdamW`; collective)."""
+    if zero:
+        from .zero import ZeroAdamW
+
+        opt = ZeroAdamW(module, stage=zero, lr=lr, betas=betas, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, warmup, min_ratio))
     return opt, sched
 
@@ -280,7 +276,9 @@ def train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, 
         total += loss.detach().float().item() / accum
     norm = None
     if clip is not None:
-        if _is_sharded(module):
+        if hasattr(optimizer, "clip_grad_norm_"):        # autoshard.zero.ZeroAdamW: the norm of its chunks
+            norm = optimizer.clip_grad_norm_(clip).item()
+        elif _is_sharded(module):
             norm = clip_grad_norm_(module, clip).item()
         else:
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item()

@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
+                   help="shard the AdamW state over the --dp replicas (1), and the gradients too (2); "
+                        "checkpoints stay resumable at any dp")
     p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (all shards, once each)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = CPU autocast")
@@ -223,11 +226,11 @@ def main(argv=None):
         src = T.last_complete_state(args.checkpoint_dir)      # newest step_* folder whose save completed
         sharded, opt, sched, start = T.load_state(src, model, mode=args.mode, depth=args.depth,
                                                   dp=args.dp, example_inputs=example, lr=args.lr, steps=args.steps,
-                                                  warmup=args.warmup)
+                                                  warmup=args.warmup, zero=args.zero)
         log(f"resumed from {src} at step {start}")
     else:
         sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example)
-        opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup)
+        opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup, zero=args.zero)
     if args.activation_checkpointing:
         from autoshard.passes.remat import checkpoint_blocks
 
