@@ -26,7 +26,7 @@ from .heartbeat import start as start_heartbeat
 from .hf_fill import open_folder
 from .groups import plan_groups
 from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
-                       check_model, raise_problems, timeout_seconds)
+                       check_model, check_seq, raise_problems, timeout_seconds)
 
 __all__ = ["shard", "plan", "validate", "MODES"]
 
@@ -84,7 +84,8 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
 def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
-          activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None) -> ShardedModule:
+          activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
+          sequence_parallel: bool = False) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -125,12 +126,20 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     ``dropout="dense"``: every dropout draws the mask of the whole tensor and keeps
     its slice, so the run equals a dense run seeded alike (on CPU; a check, slower).
 
+    ``sequence_parallel=True`` (with ``mode="1d"``; the same as ``mode="1d-sp"``)
+    splits the activations between the tensor-parallel blocks on the sequence
+    (residual stream, norms, dropout: ``1/tp`` of the memory), with an all-gather
+    before each column-parallel block and a reduce-scatter after each row-parallel
+    one in place of the all-reduce (:mod:`autoshard.policies.one_d_sp`); a call's
+    sequence length must divide ``tp``.
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
         out = sharded(input_ids=ids, labels=ids.clone())
         out.loss.backward()
     """
+    mode = _sp_mode(mode, sequence_parallel, "autoshard.shard")
     if isinstance(model, (str, os.PathLike)):
         if weights is not None:
             raise ConfigError("shard(path) reads the weights from the folder: pass weights= only with a model")
@@ -175,6 +184,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if b % split and blocker is not None:
         raise_problems(check_batch(b, split, f"{label}; padding the batch would not be exact: {blocker}",
                                    source="example_inputs['input_ids']"), f"autoshard.shard(mode={pol.name!r})")
+    raise_problems(check_seq(int(ids.shape[1]), pol.seq_split(), source="example_inputs['input_ids']"),
+                   f"autoshard.shard(mode={pol.name!r})")
     b += -b % split         # an example batch that does not divide plans as its padded size
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
@@ -201,11 +212,22 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                        batch_inputs=batch_inputs(cap.module, cap.batch_symbol),
                        pad_blocker=blocker)
     sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
+    sm._seq_split = pol.seq_split()
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     hi = cap.seq_range[1]
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
         sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return sm
+
+
+def _sp_mode(mode: str, sequence_parallel: bool, where: str) -> str:
+    """``mode`` with ``sequence_parallel`` folded in (1d + sequence parallelism is ``"1d-sp"``)."""
+    if not sequence_parallel:
+        return mode
+    if mode in ("1d", "1d-sp"):
+        return "1d-sp"
+    raise ConfigError(f"{where}(mode={mode!r}, sequence_parallel=True): sequence parallelism is a 1d layout; "
+                      f"valid choices: mode='1d' (or mode='1d-sp'), or sequence_parallel=False")
 
 
 def _warn_placement(mesh, world: int) -> None:
@@ -258,7 +280,7 @@ def _input_limits(config) -> dict:
 
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
-         cluster=None, dropout: str = "sharded") -> ShardingPlan:
+         cluster=None, dropout: str = "sharded", sequence_parallel: bool = False) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -271,8 +293,10 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
 
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
-    dp are searched unless given (dp > 1 pins dp).
+    dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
+    ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`).
     """
+    mode = _sp_mode(mode, sequence_parallel, "autoshard.plan")
     if mode == "auto":
         from .search import search
 
@@ -283,7 +307,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")
-    raise_problems(check_batch(batch_size, split, label, source="batch_size"), f"autoshard.plan(mode={mode!r})")
+    raise_problems(check_batch(batch_size, split, label, source="batch_size")
+                   + check_seq(seq_len, pol.seq_split(), source="seq_len"), f"autoshard.plan(mode={mode!r})")
     model = model_from(model_or_config)
     model.train()
     cap = capture_cached(model, example_inputs=example_inputs)

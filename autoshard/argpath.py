@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import operator
+
 __all__ = ["get_arg", "set_arg", "apply_patches"]
 
 
@@ -53,7 +55,13 @@ def apply_patches(node, patches) -> None:
     for path, value in patches:
         if isinstance(value, dict):
             sizes = list(get_arg(node, path))
-            for j, v in value["at"]:
+            for j, v in value.get("at", ()):
                 sizes[j] = v
+            for j, n in value.get("div", ()):         # a whole symbolic size: its local part at run time
+                if hasattr(sizes[j], "graph"):          # an fx node: divide it in the graph
+                    with node.graph.inserting_before(node):
+                        sizes[j] = node.graph.call_function(operator.floordiv, (sizes[j], n))
+                else:
+                    sizes[j] = sizes[j] // n
             value = sizes
         set_arg(node, path, value)

@@ -16,7 +16,7 @@ __all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes
 
 # Named here so `autoshard --help` needs no torch (policies and the cost model import it);
 # tests/test_cli.py checks them against POLICIES and CLUSTERS.
-MODE_NAMES = ("auto", "1d", "2d", "2.5d", "3d")
+MODE_NAMES = ("auto", "1d", "1d-sp", "2d", "2.5d", "3d")
 CLUSTER_NAMES = ("dgx-a100", "h100-sxm", "cpu-gloo", "tesseract-paper")
 
 

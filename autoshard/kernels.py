@@ -174,13 +174,23 @@ class _SumsOutput(Kernel):
 
 @dataclass(frozen=True, kw_only=True)
 class RowLinear(_SumsOutput, _Linear):
-    """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias."""
+    """1D row-parallel Linear: local partial product, all-reduce over ``axes``, bias.
+    With ``scatter_dim`` (1d-sp) the product is reduce-scattered on that dim (the
+    sequence) instead: forward reduce-scatter, backward all-gather."""
 
     n_dim: int
+    scatter_dim: int | None = None
     name: ClassVar[str] = "row_linear"
 
+    def comms(self, io):
+        if self.scatter_dim is None:
+            return super().comms(io)
+        whole = io.out_numel * io.mesh.size(self.axes)
+        return (KComm("fwd", "reduce_scatter", self.axes, whole), KComm("bwd", "all_gather", self.axes, whole))
+
     def bind(self, node, group, size):
-        return _ops().row_linear, self.operands(node), {"group": group(self.axes), "n_dim": self.n_dim}
+        return _ops().row_linear, self.operands(node), {"group": group(self.axes), "n_dim": self.n_dim,
+                                                         "scatter_dim": self.scatter_dim}
 
 
 @dataclass(frozen=True, kw_only=True)

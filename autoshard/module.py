@@ -56,6 +56,7 @@ class ShardedModule(nn.Module):
         self._hooks = []
         self.debug = debug
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
+        self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
         self._compiled: dict = {}
         self._config = None
@@ -246,6 +247,9 @@ class ShardedModule(nn.Module):
             s = ids.shape[1]
             if s < 2:
                 problems.append(_P("input_ids", f"sequence length {s}: the graph was captured for seq >= 2"))
+            if self._seq_split > 1 and s % self._seq_split:
+                from .validate import check_seq
+                problems += check_seq(s, self._seq_split, source="input_ids")
             lim = self._limits.get("max_positions")
             if lim and s > lim[1]:
                 problems.append(_P("input_ids", f"sequence length {s} exceeds the model's {lim[0]}={lim[1]}"))

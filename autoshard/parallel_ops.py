@@ -29,6 +29,7 @@ _STEPS = {
     "all_reduce_both": lambda x, g, dim, m, f: C.all_reduce_both(x, g),
     "reduce_scatter": lambda x, g, dim, m, f: C.reduce_scatter_to(x, dim, g),
     "gather": lambda x, g, dim, m, f: _on_segments(C.gather_from, x, dim, g, m),
+    "gather_partial": lambda x, g, dim, m, f: _on_segments(C.gather_partial, x, dim, g, m),
     "scatter": lambda x, g, dim, m, f: _on_segments(C.scatter_to, x, dim, g, m),
     "scale": lambda x, g, dim, m, f: x * f,
 }
@@ -52,9 +53,11 @@ def _matmul(x, w, n_dim: int):
     return x @ (w.t() if n_dim == 0 else w)
 
 
-def row_linear(x, w, b, *, group: str, n_dim: int):
-    """Row-parallel: local partial product, all-reduce, then the (replicated) bias."""
-    y = C.reduce_from(_matmul(x, w, n_dim), group)
+def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = None):
+    """Row-parallel: local partial product, all-reduce (or reduce-scatter on
+    ``scatter_dim``: sequence parallelism), then the (replicated) bias."""
+    y = _matmul(x, w, n_dim)
+    y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
     return y if b is None else y + b
 
 

@@ -63,8 +63,10 @@ class Step:
             c("fwd", "all_reduce", loc)
             if needs_grad:
                 c("bwd", "all_reduce", loc)
-        elif self.op == "gather":          # gathers the inner axes of the dim's split
+        elif self.op in ("gather", "gather_partial"):     # gathers the inner axes of the dim's split
             c("fwd", "all_gather", loc * p)
+            if self.op == "gather_partial" and needs_grad:     # its gradient arrives partial: reduce-scattered
+                c("bwd", "reduce_scatter", loc * p)
             have = s.dims[self.dim]
             s = s.with_dim(self.dim, have[:len(have) - len(self.axes)], s.segments[self.dim])
         elif self.op == "scatter":         # splits further over inner axes

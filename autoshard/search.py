@@ -103,7 +103,7 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
     the one way to express the layout: pure data parallelism is ``1d [1] × dp``.
 
     >>> [c.label for c in candidates(4)]
-    ['1d [4]', '1d [2] × dp2', '1d [1] × dp4', '2d [2,2]']
+    ['1d [4]', '1d [2] × dp2', '1d [1] × dp4', '1d-sp [4]', '1d-sp [2] × dp2', '2d [2,2]']
     """
     from .policies import POLICIES
 

@@ -35,7 +35,7 @@ from .errors import AutoshardWarning, ConfigError
 from .mesh import Mesh
 
 __all__ = ["Problem", "check_environment", "check_group", "check_model", "check_dims", "check_example_inputs",
-           "raise_problems", "dims_of", "timeout_seconds", "DEFAULT_TIMEOUT_S", "check_batch"]
+           "raise_problems", "dims_of", "timeout_seconds", "DEFAULT_TIMEOUT_S", "check_batch", "check_seq"]
 
 # A dead or stuck rank turns into an error on the others after this long (seconds);
 # AUTOSHARD_TIMEOUT overrides it. Long enough for a first NCCL/gloo connect and a
@@ -284,6 +284,19 @@ def check_batch(batch: int, split: int, label: str, *, source: str) -> list[Prob
     sug = ", ".join(str(x) for x in (lo, lo + split) if x > 0)
     return [Problem("batch", f"batch size {batch} of {source} is not divisible by the batch split {split} "
                              f"({label}); use a multiple of {split}, e.g. {sug}")]
+
+
+def check_seq(seq: int, split: int, *, source: str) -> list[Problem]:
+    """A sequence of ``seq`` tokens against 1d-sp's sequence split.
+
+    >>> [str(p) for p in check_seq(6, 4, source="input_ids")]
+    ["sequence length 6 of input_ids is not divisible by the sequence split 4 (1d-sp splits the sequence over tp[4]); pad the sequence to a multiple of 4, e.g. 8, or use mode='1d'"]
+    """
+    if split <= 1 or seq % split == 0:
+        return []
+    return [Problem("seq", f"sequence length {seq} of {source} is not divisible by the sequence split {split} "
+                           f"(1d-sp splits the sequence over tp[{split}]); pad the sequence to a multiple of "
+                           f"{split}, e.g. {seq + split - seq % split}, or use mode='1d'")]
 
 
 def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3) -> None:

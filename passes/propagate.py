@@ -18,6 +18,7 @@ Runs with no process group, on meta weights, for any world size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -596,8 +597,14 @@ class _Engine:
             if a.op == "get_attr" and a.target in self.params:
                 self.st.param_uses.setdefault(a.target, []).append((node.name, path, frozenset(rep)))
             else:
-                step = Step(op="copy_to", axes=rep)
-                steps = dict(arg_steps).get(path, ()) + (step,)
+                steps = dict(arg_steps).get(path, ())
+                last = steps[-1] if steps else None
+                if last is not None and last.op == "gather" and tuple(last.axes) == tuple(rep):
+                    # gathered, then summed in backward over the same axes: one all-gather
+                    # whose backward reduce-scatters (1d-sp's input to a column block)
+                    steps = steps[:-1] + (dataclasses.replace(last, op="gather_partial"),)
+                else:
+                    steps = steps + (Step(op="copy_to", axes=rep),)
                 arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
         # identical re-layouts of one value are made once and shared (one backward
         # all-reduce for q, k and v reading the same normed hidden state)
@@ -608,6 +615,8 @@ class _Engine:
                 continue
             self.st.relayouts.add(key)
             comms += self._step_comms(a, ctx.spec(a), steps, a.name in self.needs_grad)
+        if choice.post and choice.kernel is not None:      # re-layouts of the kernel's output (1d-sp's reduce-scatter)
+            comms += self._step_comms(node, choice.kernel.out_spec, choice.post, node.name in self.needs_grad)
         for kc in self._kernel_comms(node, choice, in_specs):
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad

@@ -47,7 +47,7 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     >>> make_policy("4d", 8)
     Traceback (most recent call last):
     ...
-    autoshard.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '2d', '2.5d', '3d'
+    autoshard.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'
     """
     from autoshard.errors import ConfigError
 

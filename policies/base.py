@@ -210,6 +210,11 @@ class Policy:
         ``vocab_size``) is cut into on this mesh, and a label (``"q=2"``)."""
         raise NotImplementedError
 
+    def seq_split(self) -> int:
+        """How many blocks the sequence is cut into (1d-sp: the TP size); a call's
+        sequence length must divide it."""
+        return 1
+
     def vocab_multiple(self) -> int:
         """What the vocabulary is padded to a multiple of (:mod:`autoshard.passes.pad`)."""
         return self.dim_splits()[0].get("vocab_size", 1)

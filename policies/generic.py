@@ -222,16 +222,31 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
     return ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=in_spec.partial), {}
 
 
+def _is_seq_size(size: int) -> bool:
+    """A size that is a multiple of the sequence and involves no batch (the whole
+    sequence, read from an input that is not split on it)."""
+    return size % SymbolicSizes.SEQ == 0 and size % SymbolicSizes.BATCH != 0
+
+
 def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
     """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
-    (positions, never values: a symbolic or -1 entry is left alone)."""
+    (positions, never values: a -1 entry is left alone). A symbolic entry is read at run
+    time from an input: local already where the split is the batch split (the batch
+    input is split), else the whole size, divided at run time: ``"div": [[pos, n], ...]``
+    (1d-sp's sequence split)."""
     if not isinstance(sizes, (list, tuple)):
         return {}
-    at = []
+    at, div = [], []
     for j, axes in enumerate(out_spec.dims):
-        if axes and j < len(sizes) and isinstance(sizes[j], int) and sizes[j] != -1:
+        if not axes or j >= len(sizes):
+            continue
+        if isinstance(sizes[j], int) and sizes[j] != -1:
             at.append([j, sizes[j] // ctx.mesh.size(axes)])
-    return {path: {"at": at}} if at else {}
+        elif isinstance(sizes[j], fx.Node) and not set(axes) <= set(ctx.batch_axes) and \
+                _is_seq_size(ctx.pshape(ctx.node)[j]):
+            div.append([j, ctx.mesh.size(axes)])
+    patch = ({"at": at} if at else {}) | ({"div": div} if div else {})
+    return {path: patch} if patch else {}
 
 
 def reshape(ctx: RuleContext) -> Choice:

@@ -57,9 +57,14 @@ class OneD(Policy):
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:
         node = ctx.node
+        return self._linear(ctx, ctx.spec(get_arg(node, linear_operands(node)[0])))
+
+    def _linear(self, ctx: RuleContext, sx: ShardSpec) -> Choice:
+        """The 1D choice for a Linear whose input arrives (or is to be re-laid out) as ``sx``."""
+        node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = get_arg(node, xp), get_arg(node, wp)
-        sx = ctx.spec(x).with_partial(())
+        sx = sx.with_partial(())
         wshape = ctx.pshape(w)
         n, k = wshape[nd], wshape[kd]
         tp = self.tp_axes

@@ -117,7 +117,7 @@ def test_help_imports_no_torch_and_names_match_the_registries():
                         "assert 'torch' not in sys.modules, 'torch imported'\n"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tensor-parallel mode, one of auto, 1d, 2d, 2.5d, 3d" in " ".join(r.stdout.split())
+    assert "tensor-parallel mode, one of auto, 1d, 1d-sp, 2d, 2.5d, 3d" in " ".join(r.stdout.split())
     from autoshard.cli import CLUSTER_NAMES, MODE_NAMES
     from autoshard.cost import CLUSTERS
     from autoshard.policies import POLICIES
@@ -141,7 +141,7 @@ def test_help_states_each_default_once(capsys):
 def test_bad_mode_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["check", "llama:tiny", "-w", "2", "--mode", "4d"])
-    assert e.value.code == 2 and "choose from auto, 1d, 2d, 2.5d, 3d" in capsys.readouterr().err
+    assert e.value.code == 2 and "choose from auto, 1d, 1d-sp, 2d, 2.5d, 3d" in capsys.readouterr().err
 
 
 def test_check_prints_verdict_first_and_groups_notes(capsys):

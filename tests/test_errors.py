@@ -53,7 +53,11 @@ class Case:
 
 CASES = [
     # --- mesh: world size vs mode ---------------------------------------------------------------
-    Case("unknown-mode", 2, "`mode='4d'`", "ConfigError", r"unknown mode '4d'; valid modes: '1d', '2d', '2.5d', '3d'"),
+    Case("unknown-mode", 2, "`mode='4d'`", "ConfigError", r"unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'"),
+    Case("sp-not-1d", 4, "`mode='2d', sequence_parallel=True`", "ConfigError",
+         r"sequence parallelism is a 1d layout; valid choices: mode='1d'"),
+    Case("sp-seq-not-divisible", 2, "`sequence_parallel=True`, sequence 5 on 2 ranks", "ConfigError",
+         r"sequence length 5 of example_inputs\['input_ids'\] is not divisible by the sequence split 2"),
     Case("2d-world-not-square", 2, "`mode='2d'` on 2 ranks", "ConfigError",
          r"2d needs a square world size q² \(q ≥ 2\); got 2\. Nearest valid: 4"),
     Case("3d-world-not-cube", 4, "`mode='3d'` on 4 ranks", "ConfigError",
@@ -224,6 +228,10 @@ def _do(cid: str, rank: int, ctx: dict) -> None:
     b = _batch()
     if cid == "unknown-mode":
         _shard(_llama(), mode="4d", example_inputs=b)
+    elif cid == "sp-not-1d":
+        _shard(_llama(), mode="2d", sequence_parallel=True, example_inputs=b)
+    elif cid == "sp-seq-not-divisible":
+        _shard(_llama(), mode="1d", sequence_parallel=True, example_inputs=_batch(s=5))
     elif cid == "2d-world-not-square":
         _shard(_llama(), mode="2d", example_inputs=b)
     elif cid == "3d-world-not-cube":

@@ -1,0 +1,90 @@
+"""1D tensor parallelism with sequence parallelism (Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models").
+
+The Megatron pairs of :class:`~autoshard.policies.one_d.OneD`, with the
+activations between them split on the sequence over ``tp``: the residual stream,
+norms, dropout and residual adds hold ``1/tp`` of the tokens. Found from the
+graph, as 1D is:
+
+- the vocabulary-parallel token lookup (and any other split lookup) is
+  reduce-scattered on the sequence instead of all-reduced;
+- a column-parallel Linear reading a sequence-split input gathers it first (the
+  re-layout the planner inserts: all-gather forward, its gradient summed in
+  backward);
+- a row-parallel Linear reduce-scatters its product on the sequence in place of
+  the all-reduce (:class:`~autoshard.kernels.RowLinear` with ``scatter_dim``);
+  where its output has no sequence dim of its own (tokens flattened, GPT-2's
+  Conv1D), it all-reduces and the stream takes its slice.
+
+Everything else (norms, dropout, pointwise ops) follows the generic rules, which
+keep the sequence split. The sequence must divide ``tp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from autoshard.argpath import get_arg
+from autoshard.kernels import RowLinear, VocabEmbedding
+from autoshard.plan import Step
+from autoshard.spec import ShardSpec
+
+from .base import Choice, RuleContext, SymbolicSizes
+from .linear_ops import linear_operands
+from .one_d import OneD
+
+__all__ = ["OneDSP"]
+
+aten = torch.ops.aten
+
+
+class OneDSP(OneD):
+    name = "1d-sp"
+    order = 1
+    size_unit = "tp sizes"
+
+    def seq_split(self) -> int:
+        return self.mesh.size(self.tp_axes)
+
+    # ------------------------------------------------------------------ linear
+    def linear(self, ctx: RuleContext) -> Choice:
+        node = ctx.node
+        sx = ctx.spec(get_arg(node, linear_operands(node)[0]))
+        tp = self.tp_axes
+        if any(d == tp for d in sx.dims[:-1]):
+            # a sequence-split input: gathered first (its re-layout), then the 1D rule
+            sx = ShardSpec(dims=tuple(() if d == tp else d for d in sx.dims),
+                           segments=tuple(1 if d == tp else g for d, g in zip(sx.dims, sx.segments)))
+        choice = self._linear(ctx, sx)
+        seq = _seq_dim(ctx.pshape(node))
+        if isinstance(choice.kernel, RowLinear) and seq is not None:
+            # reduce-scatter the row product on the sequence in place of the all-reduce
+            k = choice.kernel
+            k = dataclasses.replace(k, scatter_dim=seq, out_spec=k.out_spec.with_dim(seq, tp))
+            return choice.replace(out=k.out_spec, kernel=k, notes=choice.notes + ("reduce-scattered on the sequence",))
+        return choice
+
+    # --------------------------------------------------------------- embedding
+    def embedding(self, ctx: RuleContext) -> Choice:
+        choice = super().embedding(ctx)
+        k = choice.kernel
+        if not isinstance(k, VocabEmbedding):
+            return choice
+        seq = _seq_dim(ctx.pshape(ctx.node))
+        if seq is None:
+            return choice
+        tp = self.tp_axes
+        partial = k.out_spec.with_partial(tp)
+        kernel = VocabEmbedding(axes=tp, reduce=False, in_specs=k.in_specs, out_spec=partial)
+        out = partial.with_partial(()).with_dim(seq, tp)
+        return Choice(out=out, inputs=kernel.inputs, kernel=kernel, weight=choice.weight,
+                      post=(Step(op="reduce_scatter", axes=tp, dim=seq),),
+                      notes=("reduce-scattered on the sequence",))
+
+
+def _seq_dim(shape) -> int | None:
+    """The dim of a probe shape that is the sequence (its symbol's prime)."""
+    hits = [d for d, v in enumerate(shape) if v == SymbolicSizes.SEQ]
+    return hits[0] if len(hits) == 1 else None
