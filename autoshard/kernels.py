@@ -278,19 +278,24 @@ class VocabEmbedding(_SumsOutput):
     ``axes``; other rows read zero; all-reduce. With ``reduce=False`` the output
     stays partial over ``axes`` (its spec says so) and the plan reduces it where a
     consumer needs it whole: lookups summed first (token + position embeddings)
-    then cost one all-reduce together."""
+    then cost one all-reduce together. With ``scatter_dim`` (1d-sp) the sum is
+    reduce-scattered on that dim instead (backward: all-gather)."""
 
     reduce: bool = True
+    scatter_dim: int | None = None      # 1d-sp: reduce-scattered on this dim (the sequence)
     name: ClassVar[str] = "vocab_embedding"
 
     def comms(self, io):
+        if self.scatter_dim is not None:
+            whole = io.out_numel * io.mesh.size(self.axes)
+            return (KComm("fwd", "reduce_scatter", self.axes, whole), KComm("bwd", "all_gather", self.axes, whole))
         return super().comms(io) if self.reduce else ()
 
     def bind(self, node, group, size):
         pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         return _ops().vocab_embedding, (node.args[0], node.args[1]), \
             {"group": group(self.axes), "padding_idx": pad if pad is not None and pad >= 0 else None,
-             "reduce": self.reduce}
+             "reduce": self.reduce, "scatter_dim": self.scatter_dim}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -155,9 +155,11 @@ def partial_head(x, w, b, *, col: str):
 
 
 # --------------------------------------------------------------------- embedding
-def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool = True):
+def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool = True,
+                    scatter_dim: int | None = None):
     """Lookup in this rank's vocabulary range; other rows are zero; all-reduce
-    (``reduce=False``: the partial sum, reduced later by the plan)."""
+    (``reduce=False``: the partial sum, reduced later by the plan; ``scatter_dim``:
+    reduce-scattered on that dim, the sequence of 1d-sp)."""
     r, _ = C.group_rank_size(group)
     v_loc = w.shape[0]
     lo = r * v_loc
@@ -166,6 +168,8 @@ def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool =
     # the padding row gets no gradient, as in the dense lookup; it lives on one rank
     pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
     out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
+    if scatter_dim is not None:
+        return C.reduce_scatter_to(out, scatter_dim, group)
     return C.reduce_from(out, group) if reduce else out
 
 

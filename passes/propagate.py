@@ -615,8 +615,6 @@ class _Engine:
                 continue
             self.st.relayouts.add(key)
             comms += self._step_comms(a, ctx.spec(a), steps, a.name in self.needs_grad)
-        if choice.post and choice.kernel is not None:      # re-layouts of the kernel's output (1d-sp's reduce-scatter)
-            comms += self._step_comms(node, choice.kernel.out_spec, choice.post, node.name in self.needs_grad)
         for kc in self._kernel_comms(node, choice, in_specs):
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad

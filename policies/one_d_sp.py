@@ -7,10 +7,11 @@ norms, dropout and residual adds hold ``1/tp`` of the tokens. Found from the
 graph, as 1D is:
 
 - the vocabulary-parallel token lookup (and any other split lookup) is
-  reduce-scattered on the sequence instead of all-reduced;
-- a column-parallel Linear reading a sequence-split input gathers it first (the
-  re-layout the planner inserts: all-gather forward, its gradient summed in
-  backward);
+  reduce-scattered on the sequence instead of all-reduced
+  (:class:`~autoshard.kernels.VocabEmbedding` with ``scatter_dim``);
+- a column-parallel Linear reading a sequence-split input gathers it first: the
+  planner's re-layout, one all-gather whose backward reduce-scatters the
+  gradient (the ``gather_partial`` step), shared by the Linears reading it;
 - a row-parallel Linear reduce-scatters its product on the sequence in place of
   the all-reduce (:class:`~autoshard.kernels.RowLinear` with ``scatter_dim``);
   where its output has no sequence dim of its own (tokens flattened, GPT-2's
@@ -28,7 +29,6 @@ import torch
 
 from autoshard.argpath import get_arg
 from autoshard.kernels import RowLinear, VocabEmbedding
-from autoshard.plan import Step
 from autoshard.spec import ShardSpec
 
 from .base import Choice, RuleContext, SymbolicSizes
@@ -76,12 +76,9 @@ class OneDSP(OneD):
         if seq is None:
             return choice
         tp = self.tp_axes
-        partial = k.out_spec.with_partial(tp)
-        kernel = VocabEmbedding(axes=tp, reduce=False, in_specs=k.in_specs, out_spec=partial)
-        out = partial.with_partial(()).with_dim(seq, tp)
-        return Choice(out=out, inputs=kernel.inputs, kernel=kernel, weight=choice.weight,
-                      post=(Step(op="reduce_scatter", axes=tp, dim=seq),),
-                      notes=("reduce-scattered on the sequence",))
+        out = k.out_spec.with_partial(()).with_dim(seq, tp)
+        kernel = VocabEmbedding(axes=tp, scatter_dim=seq, in_specs=k.in_specs, out_spec=out)
+        return Choice.run(kernel, weight=choice.weight, notes=("reduce-scattered on the sequence",))
 
 
 def _seq_dim(shape) -> int | None:
