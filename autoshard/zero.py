@@ -36,8 +36,13 @@ __all__ = ["ZeroAdamW", "optimizer_state_bytes"]
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of tensor state this rank's ``optimizer`` holds (AdamW: both moments and the step)."""
-    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+    return sum(_local(v).numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
                if isinstance(v, torch.Tensor))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (PyTorch's own TP keeps its optimizer state as DTensors)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class ZeroAdamW(torch.optim.AdamW):

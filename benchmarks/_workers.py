@@ -196,3 +196,103 @@ def setup_time(rank: int, world: int, cfg_kw: dict, b: int, s: int, cache: str) 
     parallelize_module(ref, mesh, plan)
     out["parallelize_module"] = time.perf_counter() - t0
     return out
+
+
+def _dtensor_llama(cfg_kw: dict, world: int, sequence_parallel: bool):
+    """The tiny Llama under PyTorch's ``parallelize_module``: Colwise q/k/v/gate/up,
+    Rowwise o/down; with ``sequence_parallel`` the torchtitan layout (embedding output
+    and the Rowwise outputs Shard(1), ``SequenceParallel`` norms, the attention / MLP
+    inputs gathered by ``PrepareModuleInput``, the LM head reading Shard(1))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    ref = _tiny_llama(cfg_kw)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {}
+    if sequence_parallel:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        plan["model.norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    for i in range(cfg_kw["num_hidden_layers"]):
+        pre = f"model.layers.{i}"
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{pre}.{n}"] = ColwiseParallel()
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{pre}.{n}"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        if sequence_parallel:
+            plan[f"{pre}.input_layernorm"] = SequenceParallel()
+            plan[f"{pre}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{pre}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                          desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(ref, mesh, plan)
+    return ref
+
+
+def step_time_variants(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int,
+                       variants: list) -> dict:
+    """Forward + backward + AdamW step time of several layouts of the same tiny Llama,
+    same batch, same process group, timed alternately step by step. Variants:
+    ``("autoshard", mode, dp, zero)`` or ``("dtensor", sequence_parallel)``; an
+    autoshard variant with dp > 1 gives each replica its rows of the batch."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard import train as T
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    # explicit positions: PyTorch's sequence-parallel Llama sees only its part of the sequence
+    inputs_pos = {**inputs, "position_ids": torch.arange(s).expand(b, s)}
+    runs = {}
+    errors = {}
+    for v in variants:
+        label = "/".join(str(x) for x in v)
+        try:
+            if v[0] == "autoshard":
+                _, mode, dp, zero = v
+                rows = T.local_rows_for(dp, rank // (world // dp), inputs)
+                m = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, dp=dp, example_inputs=rows)
+                opt = T.make_optimizer(m, lr=1e-4, steps=10 ** 6, zero=zero)[0]
+                runs[label] = (m, opt, rows)
+            else:
+                m = _dtensor_llama(cfg_kw, world, v[1])
+                runs[label] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), inputs_pos if v[1] else inputs)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    def one(m, opt, x):
+        opt.zero_grad(set_to_none=True)
+        loss = m(**x).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    for label, (m, opt, x) in list(runs.items()):
+        try:
+            for _ in range(warmup):
+                one(m, opt, x)
+        except Exception as e:  # noqa: BLE001
+            errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            del runs[label]
+    times = {k: [] for k in runs}
+    losses = {}
+    for _ in range(steps):
+        for label, (m, opt, x) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = one(m, opt, x)
+            dist.barrier()
+            times[label].append(time.perf_counter() - t0)
+            loss = loss.detach()
+            losses[label] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+    from autoshard.zero import optimizer_state_bytes
+
+    opt_bytes = {k: optimizer_state_bytes(opt) for k, (_, opt, _) in runs.items()}
+    return {"times": times, "losses": losses, "errors": errors, "optimizer_bytes": opt_bytes}
