@@ -245,7 +245,7 @@ def _static_bytes(captured, optimizer: str | None) -> int:
 
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
-              static: int) -> Evaluated:
+              static: int, zero: int = 0) -> Evaluated:
     from .passes.pipeline import plan_captured
     from .validate import check_dims
 
@@ -268,7 +268,7 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    cost = estimate(plan, cluster, optimizer=optimizer)
+    cost = estimate(plan, cluster, optimizer=optimizer, zero=zero)
     if not cost.fits:
         return Evaluated(candidate=cand, plan=plan, cost=cost,
                          reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
@@ -305,19 +305,21 @@ def _captured(model_or_config, example_inputs):
 def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a100", batch_size: int = 8,
            seq_len: int = 128, modes=None, depth: int | None = None, dp: int | None = None,
            optimizer: str | None = "adamw", example_inputs: dict | None = None,
-           raise_if_none: bool = True) -> SearchResult:
+           raise_if_none: bool = True, zero: int = 0) -> SearchResult:
     """Rank every valid ``(mode, q, d, dp)`` for ``world_size`` on ``cluster``.
 
     ``model_or_config`` is a model, a config, a local path, or a
     :class:`~autoshard.passes.capture.Captured` graph (captured once, reused by
     every candidate). ``depth`` / ``dp`` pin those values. Raises ConfigError naming
     the smallest world size that fits when nothing fits (unless ``raise_if_none``
-    is False).
+    is False). ``zero=1|2`` prices the optimizer state (and with 2 the gradients)
+    split over each candidate's dp replicas (:class:`autoshard.zero.ZeroAdamW`);
+    ``mode="1d-sp"`` candidates carry sequence parallelism's smaller activations.
     """
     cluster = Cluster.preset(cluster)
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
-    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero)
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp)
     if not cands:
         raise ConfigError(f"no mode accepts {world_size} ranks"

@@ -134,3 +134,19 @@ def test_estimate_counts_zero():
     assert e2.grad_bytes == -(-e0.grad_bytes // 2) and e2.memory_bytes < e1.memory_bytes < e0.memory_bytes
     with pytest.raises(autoshard.ConfigError, match="valid choices"):
         estimate(p, "cpu-gloo", zero=3)
+
+
+def test_search_prices_zero_and_sequence_parallel():
+    """The auto search lists 1d-sp candidates and, with zero=2, prices the optimizer
+    state and gradients split over each candidate's dp."""
+    import autoshard
+
+    kw = dict(world_size=4, cluster="cpu-gloo", batch_size=8, seq_len=8, example_inputs=models.batch("llama"))
+    plain = autoshard.search(models.build("llama"), **kw)
+    zero = autoshard.search(models.build("llama"), zero=2, **kw)
+    labels = {e.candidate.label for e in plain.ranked}
+    assert "1d-sp [4]" in labels and "1d [2] × dp2" in labels, labels
+    by = lambda res: {e.candidate.label: e.cost for e in res.ranked}      # noqa: E731
+    a, b = by(plain)["1d [2] × dp2"], by(zero)["1d [2] × dp2"]
+    assert b.optimizer_bytes == -(-a.optimizer_bytes // 2) and b.grad_bytes < a.grad_bytes
+    assert by(zero)["1d [4]"].optimizer_bytes == by(plain)["1d [4]"].optimizer_bytes        # no dp: nothing to split
