@@ -137,7 +137,8 @@ def _optimizer_items(sharded, optimizer):
 def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     """Write a sharded checkpoint (one safetensors file per rank + ``manifest.json``).
 
-    Call on every rank. ``optimizer``: one built over ``sharded.parameters()``;
+    Call on every rank. ``optimizer``: one built over ``sharded.parameters()``, or
+    a :class:`~autoshard.zero.ZeroAdamW` (its state gathered over dp first);
     its tensor state (shaped like the parameter, or scalars such as ``step``) is
     stored with the parameter's layout, its param groups in the manifest. The
     module's config (or ``config=``) is written as ``config.json`` so
@@ -149,6 +150,8 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     if mesh.world_size != world:
         raise ConfigError(f"the module's mesh has {mesh.world_size} ranks, the process group {world}")
     entry_barrier("save_checkpoint")
+    if optimizer is not None and hasattr(optimizer, "gathered"):
+        optimizer = optimizer.gathered()    # ZeRO (autoshard.zero): the whole TP-local state, any dp can resume
     path = Path(path)
     config = config if config is not None else getattr(sharded, "config", None)
     if rank == 0:

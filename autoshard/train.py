@@ -134,8 +134,6 @@ def save_state(sharded, path, optimizer=None, *, step: int, extra: dict | None =
     from .sharded_format import save_checkpoint
 
     path = Path(path)
-    if optimizer is not None and hasattr(optimizer, "gathered"):     # ZeRO: store the whole TP-local state
-        optimizer = optimizer.gathered()
     if _rank() == 0:
         (path / _STATE).unlink(missing_ok=True)
     save_checkpoint(sharded, path, optimizer)      # barriers: rank 0's unlink happened before

@@ -18,8 +18,7 @@ import models
 from dist_pool import get_pool
 
 
-def _compiled_vs_eager(rank, world, name, mode):
-    depth = 2 if mode == "2.5d" else None
+def _compiled_vs_eager(rank, world, name, mode, backend):
     import time
 
     import torch._dynamo
@@ -28,48 +27,62 @@ def _compiled_vs_eager(rank, world, name, mode):
 
     torch.set_num_threads(1)
     torch._dynamo.reset()
+    depth = 2 if mode == "2.5d" else None
     dense = models.build(name)
     inputs = models.batch(name)
-    eager = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth, example_inputs=inputs)
-    comp = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth, example_inputs=inputs).compile()
-    out_e = eager(**inputs)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth, example_inputs=inputs)
+    # eager first, then the same module compiled: same weights, same inputs
+    out_e = sharded(**inputs)
     out_e.loss.backward()
+    ref = {"loss": out_e.loss.detach(), "logits": out_e.logits.detach(),
+           **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}}
+    sharded.zero_grad(set_to_none=True)
+    eager_t = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        sharded(**inputs).loss.backward()
+        eager_t.append(time.perf_counter() - t0)
+    sharded.zero_grad(set_to_none=True)
+    sharded.compile(backend=backend)
     t0 = time.perf_counter()
-    out_c = comp(**inputs)
+    out_c = sharded(**inputs)
     out_c.loss.backward()
     first = time.perf_counter() - t0
+    got = {"loss": out_c.loss.detach(), "logits": out_c.logits.detach(),
+           **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
     fails = []
-    for what, a, b in [("loss", out_c.loss, out_e.loss), ("logits", out_c.logits, out_e.logits)] + [
-            (f"grad {n}", pc.grad, pe.grad) for (n, pc), (_, pe) in
-            zip(comp.named_parameters(), eager.named_parameters())]:
+    for what, b in ref.items():
         try:
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got[what], b, atol=1e-5, rtol=1e-5)
         except AssertionError as e:
             fails.append(f"{what}: {str(e).splitlines()[0]}")
-    # three more steps each: time compiled vs eager (a figure, not asserted); explain() last (it resets dynamo)
-    times = {}
-    for key, mod in (("eager", eager), ("compiled", comp)):
+    comp_t = []
+    for _ in range(2):
         t0 = time.perf_counter()
-        for _ in range(3):
-            mod(**inputs).loss.backward()
-        times[key] = (time.perf_counter() - t0) / 3
-    g = comp._graphs[0]
-    full = g.accepts({k: v for k, v in inputs.items()})
-    explained = torch._dynamo.explain(g.gm)(**full)
+        sharded(**inputs).loss.backward()
+        comp_t.append(time.perf_counter() - t0)
+    # explain() last (it resets dynamo)
+    g = sharded._graphs[0]
+    explained = torch._dynamo.explain(g.gm)(**g.accepts(dict(inputs)))
     reasons = [f"{r.reason[:200]} @ {r.user_stack[-1] if r.user_stack else ''}" for r in explained.break_reasons]
     return {"failures": fails, "graph_breaks": explained.graph_break_count, "reasons": reasons,
-            "graphs": explained.graph_count, "first_call_s": first, "times": times}
+            "graphs": explained.graph_count, "first_call_s": first,
+            "times": {"eager": min(eager_t), "compiled": min(comp_t)}}
 
 
-@pytest.mark.parametrize("case", [("llama", "1d", 2), pytest.param(("llama", "2d", 4), marks=pytest.mark.slow),
-                                  pytest.param(("gpt2", "3d", 8), marks=pytest.mark.slow),
-                                  pytest.param(("bert", "2.5d", 8), marks=pytest.mark.slow)],
-                         ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+# inductor (the default backend: C++ codegen, minutes on 2 cores at 4+ ranks) where the
+# issue asks for it; the other modes through aot_eager, which traces the same graph with
+# dynamo and AOTAutograd (graph breaks, the collectives' fake kernels) without codegen
+
+@pytest.mark.parametrize("case", [("llama", "1d", 2, "inductor"), ("llama", "2d", 4, "inductor"),
+                                  pytest.param(("gpt2", "3d", 8, "aot_eager"), marks=pytest.mark.slow),
+                                  pytest.param(("bert", "2.5d", 8, "aot_eager"), marks=pytest.mark.slow)],
+                         ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-{c[3]}")
 def test_compiled_equals_eager(case):
-    name, mode, world = case
-    res = get_pool(world, timeout=900).run(_compiled_vs_eager, name, mode)
+    name, mode, world, backend = case
+    res = get_pool(world, timeout=900).run(_compiled_vs_eager, name, mode, backend)
     for rank, r in enumerate(res):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
-    print(f"\n{name} {mode}@{world}: compile (first call) {res[0]['first_call_s']:.1f} s; step "
+    print(f"\n{name} {mode}@{world} ({backend}): compile (first call) {res[0]['first_call_s']:.1f} s; step "
           f"eager {res[0]['times']['eager'] * 1e3:.1f} ms, compiled {res[0]['times']['compiled'] * 1e3:.1f} ms")
