@@ -202,22 +202,26 @@ class Summa(_Linear):
     col: tuple[str, ...]
     n_dim: int
     k_dim: int
+    offs: Path | None = None          # a grouped (per-expert) Linear: its group offsets
+    impl: str = ""                    # ... and the grouped matmul it runs (autoshard.grouped)
     name: ClassVar[str] = "summa"
 
     def groups(self):
         return (self.row, self.col)
 
     def comms(self, io):
-        q = io.mesh.size(self.col)
-        xg, wg = io.numel(self.x) * q, io.numel(self.w) * q      # gathered: N_loc·k and k·n/q
+        xg = io.numel(self.x) * io.mesh.size(self.col)           # gathered: N_loc·k
+        wg = io.numel(self.w) * io.mesh.size(self.row)           # ... and k·n/q
         C, R, xp, wp = self.col, self.row, self.x, self.w
         return (KComm("fwd", "all_gather", C, xg), KComm("fwd", "all_gather", R, wg),
                 KComm("bwd", "all_gather", R, wg, (xp,)), KComm("bwd", "all_gather", C, xg, (wp,)),
                 KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
 
     def bind(self, node, group, size):
-        return _ops().summa, self.operands(node), {"row": group(self.row), "col": group(self.col),
-                                                        "n_dim": self.n_dim, "k_dim": self.k_dim}
+        kw = {"row": group(self.row), "col": group(self.col), "n_dim": self.n_dim, "k_dim": self.k_dim}
+        if self.offs is not None:
+            kw.update(offs=_get(node, self.offs), impl=self.impl)
+        return _ops().summa, self.operands(node), kw
 
 
 @dataclass(frozen=True, kw_only=True)

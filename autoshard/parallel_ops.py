@@ -61,24 +61,54 @@ def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = Non
     return y if b is None else y + b
 
 
+def _grouped(x, w, offs, n_dim: int, impl: str):
+    """Per-expert product of rows ``x`` with ``w`` ``[E, n, k]`` (n_dim 1) or ``[E, k, n]``."""
+    from .grouped import grouped_linear
+
+    return grouped_linear(x, w, offs, n_dim == 1, impl)
+
+
+def _grouped_grads(x, w, offs, n_dim: int, impl: str, dy, need_x: bool, need_w: bool):
+    """dX and dW of :func:`_grouped` (its own autograd, on the gathered operands)."""
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(need_x)
+        wr = w.detach().requires_grad_(need_w)
+        y = _grouped(xr, wr, offs, n_dim, impl)
+        want = [t for t, need in ((xr, need_x), (wr, need_w)) if need]
+        got = iter(torch.autograd.grad(y, want, dy))
+    return (next(got) if need_x else None), (next(got) if need_w else None)
+
+
 class _Summa(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int):
-        ctx.save_for_backward(x, w)
-        ctx.cfg = (row, col, n_dim, k_dim)
+    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
+        ctx.save_for_backward(x, w, offs)
+        ctx.cfg = (row, col, n_dim, k_dim, impl)
         xg = C.all_gather(x, x.dim() - 1, col)       # [N_loc, k]
-        wg = C.all_gather(w, k_dim, row)             # [k, n/q] in math layout
+        wg = C.all_gather(w, k_dim, row)             # [k, n/q] in math layout (per expert when grouped)
+        if offs is not None:                         # groups of this rank's rows: the same along the row
+            return _grouped(xg, wg, offs, n_dim, impl)
         return _matmul(xg, wg, n_dim)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        row, col, n_dim, k_dim = ctx.cfg
+        x, w, offs = ctx.saved_tensors
+        row, col, n_dim, k_dim, impl = ctx.cfg
         dx = dw = None
         # re-gather instead of saving the gathered copies (DESIGN §9); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
         # under autocast dy is low precision while x / w are not: compute in dy's
         # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
+        if offs is not None:
+            nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            wg = C.all_gather(w, k_dim, row) if nx else w
+            xg = C.all_gather(x, x.dim() - 1, col) if nw else x
+            dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
+            if nx:
+                dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
+            if nw:
+                dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
+            return dx, dw, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             wg = C.all_gather(w, k_dim, row).to(dy.dtype)
             dxg = (dy @ (wg if n_dim == 0 else wg.t())).to(x.dtype)
@@ -89,12 +119,14 @@ class _Summa(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             dwg = (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(w.dtype)
             dw = C.reduce_scatter(dwg, k_dim, row)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
-def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int):
-    """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract)."""
-    y = _Summa.apply(x, w, row, col, n_dim, k_dim)
+def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
+    """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract). With
+    ``offs`` a grouped Linear (per expert, :mod:`autoshard.grouped`): the rows are
+    this rank's tokens sorted by expert, the same on every rank of the row group."""
+    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl)
     return y if b is None else y + b
 
 

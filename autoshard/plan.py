@@ -289,8 +289,8 @@ class ShardingPlan:
         """How much of the model the plan really splits.
 
         ``params_split``: the share of parameter elements split over a tensor-parallel
-        axis; ``vs_ideal``: parameter bytes per rank over the ideal (dense bytes / TP
-        size; 1.0 is perfect); ``replicated``: the largest parameters held whole, the
+        axis; ``vs_ideal``: parameter bytes per rank over the ideal (dense bytes /
+        :attr:`weight_ways`; 1.0 is perfect); ``replicated``: the largest parameters held whole, the
         ones that keep the plan from its ideal.
 
         >>> from autoshard.mesh import Mesh
@@ -308,8 +308,14 @@ class ShardingPlan:
         split = sum(math.prod(p.global_shape) for p in params if tp & set(p.spec.axes))
         dense = sum(math.prod(p.hf_shape) * p.dtype_bytes for p in params) or 1     # padding counts as cost
         whole = sorted((p for p in params if not tp & set(p.spec.axes)), key=lambda p: -math.prod(p.global_shape))
-        return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.tp_size),
+        return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.weight_ways),
                 "replicated": [p.name for p in whole[:8]]}
+
+    @property
+    def weight_ways(self) -> int:
+        """Into how many parts the mode ideally splits a weight: the TP size, except
+        2.5d, whose depth axis replicates the weights by design (DESIGN §4): q²."""
+        return self.tp_size // (self.mesh.size(("dep",)) if "dep" in self.mesh.axes else 1)
 
     def padding(self) -> list[dict]:
         """Where the vocabulary was padded (:mod:`autoshard.passes.pad`): per parameter,

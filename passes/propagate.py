@@ -36,6 +36,7 @@ from autoshard.policies.generic import rule_for
 from autoshard.spec import ShardSpec, replicated
 
 from .annotate import Annotation, annotate, param_names
+from .row_order import CONFLICT, RowFact, row_facts
 
 __all__ = ["propagate"]
 
@@ -140,6 +141,12 @@ class _Ctx:
 
     def is_batch_index(self, a) -> bool:
         return isinstance(a, fx.Node) and a.name in self.e.st.batch_index
+
+    def row_fact(self, a, i: int | None = None) -> RowFact:
+        f = self.e.rows.get(a.name, RowFact()) if isinstance(a, fx.Node) else RowFact()
+        if isinstance(f, tuple):
+            return f[i] if i is not None else RowFact()
+        return f
 
     def forced_replicate(self, node) -> bool:
         return node.name in self.e.forced
@@ -385,6 +392,7 @@ class _Engine:
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
         self.st = _State({}, {}, {}, set(), {}, set(), {})
+        self.rows = row_facts(self.gm, self.shapes.probe, SymbolicSizes.is_rows)
         self.st_pending: set[str] = set()       # Linears to replicate in the next pass
         nodes: list[NodePlan] = []
         for node in self.gm.graph.nodes:
@@ -477,8 +485,24 @@ class _Engine:
             self.st.specs[node.name] = None
             return None
         ctx = _Ctx(self, node)
+        self._check_row_order(node, ctx)
         choice = self._choose(node, ann, ctx)
         return self._apply(node, ann, ctx, choice)
+
+    def _check_row_order(self, node, ctx):
+        """Rows a sort put in a rank-local order (:mod:`.row_order`) are exact only
+        through ops that treat rows one by one or index them by their own positions."""
+        f = self.rows.get(node.name)
+        if not self.batch_axes or not any(isinstance(x, RowFact) and x.order == CONFLICT
+                                          for x in (f if isinstance(f, tuple) else (f,))):
+            return
+        split = [a.name for a in node.all_input_nodes if isinstance(ctx.spec(a), ShardSpec) and ctx.spec(a).ndim
+                 and set(ctx.spec(a).dims[0]) & set(self.batch_axes)]
+        if split:
+            raise ShardingError(f"rows sorted on each rank's own tokens (a rank-local order) reach an op that "
+                                f"does not treat rows one by one or meets rows of another order ({', '.join(split)}); "
+                                f"with the batch split over {','.join(self.batch_axes)} its local result would not "
+                                f"be a block of the dense one", node=node)
 
     def _placeholder(self, node, ann) -> NodePlan | None:
         v = node.meta.get("val")
@@ -579,6 +603,11 @@ class _Engine:
                 continue
             cur = ctx.spec(a)
             steps = _redistribute(cur, req, self.mesh)
+            if steps and cur.ndim and req.ndim and cur.dims[0] != req.dims[0] \
+                    and ctx.row_fact(a).order is not None:
+                raise ShardingError(f"input {a.name} holds its rows in a rank-local order (sorted on each rank's "
+                                    f"own tokens); re-laying its rows from {cur.dims[0] or 'whole'} to "
+                                    f"{req.dims[0] or 'whole'} would mix the ranks' orders", node=node)
             if steps:
                 arg_steps.append((path, tuple(steps)))
             in_specs[path] = req

@@ -107,6 +107,7 @@ class RuleContext(Protocol):
     def local_numel(self, a, spec: ShardSpec) -> int: ...
     def local_size(self, a, spec: ShardSpec, d: int) -> int: ...
     def is_batch_index(self, a) -> bool: ...                # an arange over the (split) batch rows
+    def row_fact(self, a, i: int | None = None) -> Any: ...  # rank-local row order (passes/row_order.py)
     def forced_replicate(self, node) -> bool: ...           # a re-plan asked this Linear to stay whole
     def default_out_spec(self, node) -> Any: ...            # replicated, batch rows kept split
     def output_segments(self, node) -> int: ...             # fused blocks a later split cuts the output in

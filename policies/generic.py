@@ -478,8 +478,16 @@ def index_tensor(ctx: RuleContext) -> Choice:
     taken = [d for d, i in enumerate(idx) if i is not None]
     if not taken:
         return identity_like(ctx)
+    if taken[0] == 0 and ctx.row_fact(node).local_gather and s.dims[0] and ctx.row_fact(x).order is None:
+        rows = ctx.spec(idx[0]).dims[0] if ctx.spec(idx[0]).ndim else ()
+        if rows and rows != s.dims[0] and ctx.mesh.size(rows) == ctx.mesh.size(s.dims[0]):
+            # x's rows split over other axes (3d's swapped layout): re-lay them as the index's
+            s = ShardSpec(dims=(rows,) + tuple(tuple(a for a in d if a not in rows) for d in s.dims[1:]),
+                          partial=s.partial)
     for d in taken:
-        if s.dims[d] and not (s.dims[d] == ctx.batch_axes and ctx.is_batch_index(idx[d])):
+        # positions among the rank's own rows, split as x's rows are (the same local order)
+        local = d == 0 and ctx.row_fact(node).local_gather and ctx.spec(idx[0]).dims[:1] == (s.dims[0],)
+        if s.dims[d] and not (s.dims[d] == ctx.batch_axes and (ctx.is_batch_index(idx[d]) or local)):
             raise NeedReplicate((0,), d, f"dim {d} is split and indexed by a value other than a batch index")
     kept = [d for d in range(s.ndim) if d not in taken]
     out_shape = ctx.pshape(node)
@@ -508,6 +516,118 @@ def index_tensor(ctx: RuleContext) -> Choice:
     if len(flat) != len(set(flat)):          # the batch split arrives through both x and the index
         raise NeedReplicate((0,), next(d for d in kept if s.dims[d]), "index block and a kept dim share a split")
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial), inputs=inputs)
+
+
+def index_put(ctx: RuleContext) -> Choice:
+    """``y[i] = v`` with one index on the rows: rank-local when ``i`` is a permutation
+    of the rank's own rows (a sort's indices) and ``y``, ``i``, ``v`` are split alike
+    over the batch axes (:mod:`autoshard.passes.row_order`); otherwise on whole tensors."""
+    node = ctx.node
+    y, idx, v = node.args[:3]
+    sy = ctx.spec(y)
+    if ctx.row_fact(node).local_scatter and sy.dims[0] == ctx.batch_axes and ctx.batch_axes:
+        req = ShardSpec(dims=(ctx.batch_axes,) + ((),) * (sy.ndim - 1))
+        sv = ctx.spec(v)
+        return Choice(out=req, inputs={(0,): req, (1, 0): ShardSpec(dims=(ctx.batch_axes,)),
+                                       (2,): ShardSpec(dims=(ctx.batch_axes,) + ((),) * (sv.ndim - 1))},
+                      notes=("scatter by positions among the rank's own rows",))
+    return all_replicated_or_fallback(ctx, "index_put on split rows other than a rank-local permutation")
+
+
+def sort(ctx: RuleContext) -> Choice:
+    """A sort along a dim that is whole, or along the batch-split rows: each rank
+    sorts its own rows (a rank-local order the row-order analysis follows)."""
+    node = ctx.node
+    x = node.args[0]
+    s = ctx.spec(x).with_partial(())
+    d = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 and node.target == aten.sort.default else -1)
+    d = d % max(s.ndim, 1)
+    if d == 0 and s.dims[0] and s.dims[0] != ctx.batch_axes and len(s.dims[0]) == len(ctx.batch_axes) \
+            and ctx.mesh.size(s.dims[0]) == ctx.mesh.size(ctx.batch_axes):
+        s = ShardSpec(dims=(ctx.batch_axes,) + ((),) * (s.ndim - 1))   # 3d's swapped rows: re-laid as the batch
+    if s.dims[d] and not (d == 0 and s.dims[0] == ctx.batch_axes):
+        s = _need_unsplit(s, [d])
+    return Choice(out=(s, s), inputs={(0,): s}, notes=("rank-local sort of the rows",) if s.dims[d] else ())
+
+
+def topk(ctx: RuleContext) -> Choice:
+    node = ctx.node
+    s = ctx.spec(node.args[0])
+    d = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % max(s.ndim, 1)
+    req = _need_unsplit(s, [d]).with_partial(())
+    return Choice(out=(req, req), inputs={(0,): req})
+
+
+def histc(ctx: RuleContext) -> Choice:
+    """Counts of split rows are the rank's counts: a partial sum (over the batch axes)
+    of the dense counts."""
+    s = ctx.spec(ctx.node.args[0])
+    rows = s.dims[0] if s.ndim == 1 and s.dims[0] == ctx.batch_axes and not s.partial else ()
+    req = ShardSpec(dims=(rows,)) if s.ndim == 1 else replicated(s.ndim)
+    part = tuple(a for a in ctx.mesh.axes if a in rows)
+    return Choice(out=ShardSpec(dims=((),), partial=part), inputs={(0,): req},
+                  notes=(f"the rank's counts: partial over {','.join(part)}",) if part else ())
+
+
+def cumsum(ctx: RuleContext) -> Choice:
+    """Linear: a partial sum passes (the group offsets of a rank's counts)."""
+    ch = dimwise(ctx)
+    s = ctx.spec(ctx.node.args[0])
+    if not s.partial:
+        return ch
+    req = ch.out.with_partial(s.partial)
+    return Choice(out=req, inputs={(0,): req})
+
+
+def like(ctx: RuleContext) -> Choice:
+    """``empty_like`` / ``zeros_like`` ...: the input's layout, fresh values."""
+    s = ctx.spec(ctx.node.args[0])
+    return Choice(out=s.with_partial(()), inputs={(0,): s})
+
+
+def repeat_interleave(ctx: RuleContext) -> Choice:
+    """``x.repeat_interleave(k)`` of a 1-D tensor (or on dim 0): each row becomes ``k``
+    rows in place, so a block of rows stays the matching block."""
+    node = ctx.node
+    s = ctx.spec(node.args[0])
+    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if s.ndim == 1 or d in (0, -s.ndim):
+        req = _need_unsplit(s, range(1, s.ndim)).with_partial(())
+        return Choice(out=req, inputs={(0,): req})
+    req = replicated(s.ndim) if d is None else _need_unsplit(s, [d % s.ndim]).with_partial(())
+    return Choice(out=req if d is not None else replicated(1), inputs={(0,): req})
+
+
+def _batch_rows(ctx, a, s: ShardSpec) -> ShardSpec | None:
+    """``s`` with its rows re-laid over the batch axes when they are split over others
+    of the same size (3d's swapped layout), the other dims giving those axes up; ``s``
+    itself when its rows are already the batch's; ``None`` when its rows are not split."""
+    ba = ctx.batch_axes
+    if not ba or not s.ndim or not s.dims[0] or not SymbolicSizes.is_rows(ctx.pshape(a)[0]):
+        return None
+    if s.dims[0] == ba:
+        return s
+    if ctx.mesh.size(s.dims[0]) != ctx.mesh.size(ba):
+        return None
+    return ShardSpec(dims=(ba,) + tuple(tuple(x for x in d if x not in ba) for d in s.dims[1:]), partial=s.partial)
+
+
+def scatter_add(ctx: RuleContext) -> Choice:
+    """``y.scatter_add(0, i, v)`` of rows ``i`` / ``v`` split over the batch into a fresh
+    zero ``y``: the rank's sums, a partial sum over the batch axes of the dense ones."""
+    node = ctx.node
+    y, d, idx, v = node.args[:4]
+    sy, si, sv = ctx.spec(y), ctx.spec(idx), ctx.spec(v)
+    zero = isinstance(y, fx.Node) and y.target in (aten.zeros.default, aten.new_zeros.default,
+                                                   aten.zeros_like.default)
+    si, sv = _batch_rows(ctx, idx, si) or si, _batch_rows(ctx, v, sv) or sv
+    rows = si.dims[0] if si.ndim and si.dims[0] == ctx.batch_axes and ctx.batch_axes else ()
+    if zero and rows and sy.is_replicated and si.ndim == sv.ndim == 1 and sv.dims[0] == rows \
+            and not sv.partial and d in (0, -1):
+        part = tuple(a for a in ctx.mesh.axes if a in rows)
+        return Choice(out=sy.with_partial(part), inputs={(0,): sy, (2,): si, (3,): sv},
+                      notes=(f"the rank's sums: partial over {','.join(part)}",))
+    return all_replicated_or_fallback(ctx, "scatter_add other than split rows summed into fresh zeros")
 
 
 def gather_op(ctx: RuleContext) -> Choice:
@@ -717,27 +837,31 @@ def cross_entropy(ctx: RuleContext) -> Choice:
 # ------------------------------------------------------------ creation / misc
 def creation(ctx: RuleContext) -> Choice:
     shape = ctx.pshape(ctx.node)
-    dims = tuple(ctx.batch_axes if (v == ctx.BATCH and ctx.batch_axes) else () for v in shape)
+    # a size read from the local batch: the batch, or rows of it leading an arange (its
+    # length comes from local sizes at run time)
+    lead_rows = ctx.node.target in (aten.arange.default,) and shape and SymbolicSizes.is_rows(shape[0])
+    dims = tuple(ctx.batch_axes if ctx.batch_axes and (v == ctx.BATCH or (i == 0 and lead_rows)) else ()
+                 for i, v in enumerate(shape))
     return Choice(out=ShardSpec(dims=dims), inputs={p: ctx.spec(a) for p, a in _tensor_args(ctx)})
 
 
-def all_replicated_or_fallback(ctx: RuleContext) -> Choice:
+def all_replicated_or_fallback(ctx: RuleContext, reason: str = "") -> Choice:
     """Unknown op: local when every input is replicated; otherwise gather what is
     split (except the batch dim, which ops without a rule are assumed to treat row by row)."""
     targs = _tensor_args(ctx)
     specs = [ctx.spec(a) for _, a in targs]
     if all(s.is_replicated for s in specs):
         return Choice(out=ctx.default_out_spec(ctx.node))
-    return _fallback(ctx, f"no rule for {ctx.node.target}")
+    return _fallback(ctx, reason or f"no rule for {ctx.node.target}")
 
 
 def _fallback(ctx, reason: str) -> Choice:
     inputs = {}
     for path, a in _tensor_args(ctx):
         s = ctx.spec(a)
-        keep = tuple(s.dims[d] if (d == 0 and s.dims[d] == ctx.batch_axes and ctx.batch_axes
-                                   and SymbolicSizes.is_rows(ctx.pshape(a)[0])) else () for d in range(s.ndim))
-        inputs[path] = ShardSpec(dims=keep)
+        rows = _batch_rows(ctx, a, s)        # the batch split stays (re-laid as the batch's when swapped)
+        inputs[path] = ShardSpec(dims=((rows.dims[0] if rows else ()),) + ((),) * (s.ndim - 1)) if s.ndim \
+            else ShardSpec(dims=())
     return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True,
                   notes=(f"fallback: {reason}; inputs gathered to replicated",))
 
@@ -750,7 +874,8 @@ _POINTWISE_EXTRA = {aten.__and__.Tensor, aten.__or__.Tensor, aten.where.self, at
                     aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
                     aten.masked_fill.Tensor, aten.pow.Tensor_Scalar, aten.gelu.default, aten.silu.default,
                     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.rsqrt.default,
-                    aten.lift_fresh_copy.default}
+                    aten.lift_fresh_copy.default, aten.floor_divide.default, aten.remainder.Scalar,
+                    aten.remainder.Tensor}
 
 _FUNCTIONAL_POINTWISE = {"aten::masked_fill", "aten::fill", "aten::zero", "aten::clamp"}
 
@@ -769,7 +894,13 @@ RULES = {
     operator.getitem: getitem,
     aten.cat.default: cat, aten.stack.default: stack, aten.pad.default: pad,
     aten.index.Tensor: index_tensor, aten.gather.default: gather_op,
-    aten.cumsum.default: dimwise, aten.diff.default: dimwise,
+    aten.cumsum.default: cumsum, aten.diff.default: dimwise,
+    aten.sort.default: sort, aten.sort.stable: sort, aten.topk.default: topk, aten.histc.default: histc,
+    aten.index_put_.default: index_put, aten.index_put.default: index_put,
+    aten.empty_like.default: like, aten.zeros_like.default: like, aten.ones_like.default: like,
+    aten.full_like.default: like,
+    aten.repeat_interleave.self_int: repeat_interleave,
+    aten.scatter_add_.default: scatter_add, aten.scatter_add.default: scatter_add,
     aten.softmax.int: softmax, aten._softmax.default: softmax, aten.log_softmax.int: softmax,
     aten._log_softmax.default: softmax,
     aten.mean.dim: reduce_, aten.sum.dim_IntList: reduce_, aten.amax.default: reduce_,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from autoshard.grouped import grouped_linear, grouped_weight_dims
+from autoshard.spec import ShardSpec
 
 aten = torch.ops.aten
 
-__all__ = ["linear_operands"]
+__all__ = ["grouped_offs_spec", "linear_operands"]
 
 
 def linear_operands(node):
@@ -27,3 +28,10 @@ def linear_operands(node):
     if t == aten.addmm.default:
         return (1,), (2,), (0,), 1, 0
     return (0,), (1,), None, 1, 0
+
+
+def grouped_offs_spec(mesh, rows_axes) -> ShardSpec:
+    """The group offsets a grouped Linear needs: for rows split over ``rows_axes``,
+    this rank's counts (a partial sum over those axes of the dense offsets, as the
+    ``histc`` rule gives them); whole rows need the dense offsets."""
+    return ShardSpec(dims=((),), partial=tuple(a for a in mesh.axes if a in rows_axes))

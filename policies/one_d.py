@@ -20,7 +20,7 @@ from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext
-from .linear_ops import linear_operands
+from .linear_ops import grouped_offs_spec, linear_operands
 
 __all__ = ["OneD"]
 
@@ -83,6 +83,8 @@ class OneD(Policy):
         def local(note=""):
             req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
             ins = {xp: req, wp: wspec()}
+            if node.target is grouped_linear:
+                ins[(2,)] = grouped_offs_spec(self.mesh, rows[0] if rows else ())
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated", notes=(note,) if note else ())
@@ -107,6 +109,8 @@ class OneD(Policy):
         tp = self.tp_axes
         req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
         ins = {xp: req, wp: ws}
+        if ctx.node.target is grouped_linear:
+            ins[(2,)] = grouped_offs_spec(self.mesh, rows[0] if rows else ())
         if bp:
             ins[bp] = ShardSpec(dims=(tp,), segments=(m,))
         out = ShardSpec(dims=rows + (tp,), segments=rseg + (m,))
@@ -124,7 +128,7 @@ class OneD(Policy):
             # per expert, the local product is a partial sum over tp: it stays partial
             # through the ops linear in it (routing weights, the un-permuting gather,
             # the top-k sum) and is all-reduced where a consumer needs it whole
-            ins.append(((2,), ShardSpec(dims=((),))))
+            ins.append(((2,), grouped_offs_spec(self.mesh, sx.dims[0] if sx.ndim > 1 else ())))
             return Choice(out=out.with_partial(tp), inputs=dict(ins),
                           weight=f"row: in features / {self.mesh.size(tp)} per expert",
                           notes=("partial sum, reduced where a consumer needs it whole",))

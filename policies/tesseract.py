@@ -20,12 +20,13 @@ import math
 
 from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
+from autoshard.grouped import grouped_linear
 from autoshard.kernels import Summa
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext, tied_head_choice
-from .linear_ops import linear_operands
+from .linear_ops import grouped_offs_spec, linear_operands
 
 __all__ = ["Tesseract", "TwoD"]
 
@@ -95,15 +96,18 @@ class Tesseract(Policy):
         fixed = ctx.fixed_param_spec(w)
         rows, rseg = sx.dims[:-1], sx.segments[:-1]
 
+        grouped = node.target is grouped_linear
+        offs = {(2,): grouped_offs_spec(self.mesh, rows[0] if rows else ())} if grouped else {}
+
         def wspec(n_axes=(), k_axes=(), m=1):
-            d, sg = [(), ()], [1, 1]
+            d, sg = [()] * ctx.pshape(w).__len__(), [1] * ctx.pshape(w).__len__()   # [E, n, k] keeps E whole
             d[nd], d[kd] = n_axes, k_axes
             sg[nd] = m if n_axes else 1
             return ShardSpec(dims=tuple(d), segments=tuple(sg))
 
         if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q:
             req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
-            ins = {xp: req, wp: wspec()}
+            ins = {xp: req, wp: wspec(), **offs}
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated",
@@ -114,22 +118,23 @@ class Tesseract(Policy):
         if n % (q * m):
             m = 1
         if n % q:
-            return self._tied_like_fallback(ctx, xp, wp, bp, rows, rseg, wspec)
+            return self._tied_like_fallback(ctx, xp, wp, bp, rows, rseg, wspec, offs)
         xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
-        ins = [(xp, xreq), (wp, wspec(C, R, m))]
+        ins = [(xp, xreq), (wp, wspec(C, R, m)), *offs.items()]
         if bp:
             ins.append((bp, ShardSpec(dims=(C,), segments=(m,))))
         out = ShardSpec(dims=rows + (C,), segments=rseg + (m,))
-        k = Summa(row=R, col=C, x=xp, w=wp, b=bp, n_dim=nd, k_dim=kd, in_specs=tuple(ins), out_spec=out)
+        k = Summa(row=R, col=C, x=xp, w=wp, b=bp, n_dim=nd, k_dim=kd, in_specs=tuple(ins), out_spec=out,
+                  **(dict(offs=(2,), impl=node.args[4]) if grouped else {}))
         return Choice.run(k, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
                           + (", replicated over dep" if self.d > 1 else ""))
 
     def _tied_head(self, ctx, xp, wp, bp, rows, rseg, ws, n):
         return tied_head_choice(ctx, xp, wp, bp, rows, rseg, self.col, ws, self.q)
 
-    def _tied_like_fallback(self, ctx, xp, wp, bp, rows, rseg, wspec):
+    def _tied_like_fallback(self, ctx, xp, wp, bp, rows, rseg, wspec, offs):
         req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
-        ins = {xp: req, wp: wspec()}
+        ins = {xp: req, wp: wspec(), **offs}
         if bp:
             ins[bp] = ShardSpec(dims=((),))
         return Choice(out=req, inputs=ins, weight="replicated", notes=("out features not divisible by q",))

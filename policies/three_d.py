@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from autoshard.argpath import get_arg
 from autoshard.errors import ConfigError
-from autoshard.kernels import ThreeDLinear
+from autoshard.grouped import grouped_linear
+from autoshard.kernels import Summa, ThreeDLinear
 from autoshard.mesh import Mesh
 from autoshard.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext, tied_head_choice
-from .linear_ops import linear_operands
+from .linear_ops import grouped_offs_spec, linear_operands
 
 __all__ = ["ThreeD"]
 
@@ -93,7 +94,7 @@ class ThreeD(Policy):
         nrow = sx.ndim - 1
 
         def wspec(n_axes=(), k_axes=(), m=1):
-            d, sg = [(), ()], [1, 1]
+            d, sg = [()] * len(ctx.pshape(w)), [1] * len(ctx.pshape(w))     # [E, n, k] keeps E whole
             d[nd], d[kd] = n_axes, k_axes
             sg[nd] = m if n_axes else 1
             return ShardSpec(dims=tuple(d), segments=tuple(sg))
@@ -104,15 +105,24 @@ class ThreeD(Policy):
         m = ctx.output_segments(node)
         if n % (q * q * m):
             m = 1
-        if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q or n % (q * q):
+        grouped = node.target is grouped_linear
+        if grouped:
+            m = ctx.output_segments(node)
+            m = m if n % (q * m) == 0 else 1
+        if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or \
+                (k % (q * q) or n % q if grouped else k % q or n % (q * q)):
             rows = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
             req = ShardSpec(dims=rows + ((),))
             ins = {xp: req, wp: wspec()}
+            if grouped:
+                ins[(2,)] = grouped_offs_spec(self.mesh, rows[rd])
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated",
                           notes=("replicated weight: features not divisible by q / q² or split could not pass",))
         rows_in = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
+        if grouped:
+            return self._grouped(ctx, node, xp, wp, rows_in, wspec, m, A, B, C)
         rows_out = tuple(outer + (A, C) if i == rd else () for i in range(nrow))
         xreq = ShardSpec(dims=rows_in + ((C,),))
         ins = [(xp, xreq), (wp, wspec((B, A), (C,), m))]
@@ -124,6 +134,22 @@ class ThreeD(Policy):
         return Choice.run(k, weight=f"[k/{q} over {C}, n/{q * q} over ({B},{A})]"
                           + (f", {m} fused blocks" if m > 1 else ""),
                           notes=(f"rows ({A},{B})→({A},{C}), features {C}→{B}",))
+
+    def _grouped(self, ctx, node, xp, wp, rows, wspec, m, A, B, C):
+        """A grouped (per-expert) Linear keeps its rows where they are: they are the
+        rank's tokens sorted by expert, a rank-local order that the 3D swap of the row
+        axes would mix. SUMMA on the ``(A,B) × C`` grid keeps them: X gathered over
+        ``C``, W (``k`` over ``(A,B)``, ``n`` over ``C``: still split q³ ways) gathered
+        over ``(A,B)``; the output has the input's layout."""
+        q = self.q
+        xreq = ShardSpec(dims=rows + ((C,),))
+        ins = ((xp, xreq), (wp, wspec((C,), (A, B), m)), ((2,), grouped_offs_spec(self.mesh, rows[0])))
+        out = ShardSpec(dims=rows + ((C,),), segments=(1,) * len(rows) + (m,))
+        kern = Summa(row=(A, B), col=(C,), x=xp, w=wp, b=None, n_dim=linear_operands(node)[3],
+                     k_dim=linear_operands(node)[4], offs=(2,), impl=node.args[4], in_specs=ins, out_spec=out)
+        return Choice.run(kern, weight=f"[k/{q * q} over ({A},{B}), n/{q} over {C}] per expert"
+                          + (f", {m} fused blocks" if m > 1 else ""),
+                          notes=("grouped: rows stay in the rank's sorted order",))
 
     def _tied_head(self, ctx, xp, wp, bp, sx, ws, C):
         rows = tuple(tuple(a for a in d if a != C) for d in sx.dims[:-1])

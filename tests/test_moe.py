@@ -48,12 +48,19 @@ def test_fold_keeps_the_values():
         torch.testing.assert_close(folded.module.get_parameter(name).grad, p.grad, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_moe_1d_equals_dense(world):
-    """1d@2 and 1d@4: logits, loss (with the router's auxiliary loss), router logits,
+@pytest.mark.parametrize("mode,world,depth,ways", [("1d", 2, None, 2), ("1d", 4, None, 4), ("2d", 4, None, 4),
+                                                   ("2.5d", 8, 2, 4), ("3d", 8, None, 8)])
+def test_moe_equals_dense(mode, world, depth, ways):
+    """Every mode: logits, loss (with the router's auxiliary loss), router logits,
     every local gradient and 2 AdamW steps equal dense; ledger = plan; the experts
-    are split, so the parameter bytes per rank are within 1.15x of dense / p."""
-    results = get_pool(world, timeout=600).run(models.check, "mixtral", "1d", None, 2)
+    are split, so the parameter bytes per rank are within 1.15x of dense / the
+    mode's weight split (p; q² in 2.5d, whose depth replicates the weights).
+
+    With the batch split (2d, 2.5d, 3d) each rank routes its own tokens: the sort
+    by expert, the gathers / scatters by its indices and the per-expert counts are
+    rank-local (``passes/row_order.py``), and the counts are summed where a
+    consumer needs the dense ones (the load-balancing loss)."""
+    results = get_pool(world, timeout=600).run(models.check, "mixtral", mode, depth, 2)
     for rank, r in enumerate(results):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["param_bytes"] == r["plan_param_bytes"]
@@ -62,7 +69,7 @@ def test_moe_1d_equals_dense(world):
         for a, b in zip(r["losses"], r["dense_losses"]):
             assert abs(a - b) <= 1e-5, (r["losses"], r["dense_losses"])
     dense_bytes = sum(p.numel() * 4 for p in models.build("mixtral").parameters())
-    assert results[0]["param_bytes"] <= 1.15 * dense_bytes / world, (results[0]["param_bytes"], dense_bytes)
+    assert results[0]["param_bytes"] <= 1.15 * dense_bytes / ways, (results[0]["param_bytes"], dense_bytes)
 
 
 def test_moe_plan_shows_the_experts():

@@ -111,9 +111,12 @@ def test_summary(case):
     assert per_rank == {s["param_bytes_per_rank"]}
     total = sum(p.dtype_bytes * _numel(p.global_shape) for p in plan.params if not p.is_buffer)
     assert total / world <= s["param_bytes_per_rank"] < total
-    # the parallel fraction: bytes per rank against dense / TP size, and the split share
+    # the parallel fraction: bytes per rank against dense / the mode's weight split (the
+    # TP size; q² in 2.5d, whose depth replicates the weights), and the split share
     f = s["parallel_fraction"]
-    assert f["vs_ideal"] == s["param_bytes_per_rank"] / (total / world) >= 1
+    ways = world // (depth or 1) if mode == "2.5d" else world
+    assert plan.weight_ways == ways
+    assert f["vs_ideal"] == s["param_bytes_per_rank"] / (total / ways) >= 1
     split = sum(_numel(p.global_shape) for p in plan.params if not p.is_buffer and p.spec.axes)
     assert f["params_split"] == split / sum(_numel(p.global_shape) for p in plan.params if not p.is_buffer) > 0.5
     assert all(not plan.param(n).spec.axes for n in f["replicated"])
