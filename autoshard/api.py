@@ -10,7 +10,7 @@ from .log import warn
 import torch
 import torch.distributed as dist
 
-from .errors import AutoshardWarning, ConfigError
+from .errors import AutoshardWarning, ConfigError, ShardingError
 from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .signature import Recipe, batch_inputs, pad_blocker
@@ -312,4 +312,11 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     model = model_from(model_or_config)
     model.train()
     cap = capture_cached(model, example_inputs=example_inputs)
-    return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+    try:
+        return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+    except ShardingError as e:
+        name, most = _input_limits(getattr(model, "config", None)).get("max_positions", ("", seq_len))
+        if seq_len > most:        # a learned-position table shorter than the planned sequence
+            raise ConfigError(f"autoshard.plan: seq_len={seq_len} is longer than the model's {name}={most}; "
+                              f"plan with seq_len <= {most} (planning failed at: {str(e).splitlines()[0]})") from e
+        raise

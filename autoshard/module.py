@@ -12,6 +12,7 @@ from . import parallel_ops
 from .errors import ConfigError
 from .plan import ShardingPlan
 from .recapture import capture_graph
+from .selfcheck import run_checked
 from .signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
 from .validate import Problem as _P
 
@@ -55,6 +56,10 @@ class ShardedModule(nn.Module):
         self.coords = plan.mesh.coords(rank)
         self._hooks = []
         self.debug = debug
+        # the first call of each graph (every call under debug) runs node by node and checks
+        # every local shape against the plan (autoshard.selfcheck); False skips it
+        self.self_check = True
+        self._checked: set[int] = set()
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
         self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
@@ -184,7 +189,11 @@ class ShardedModule(nn.Module):
         if self.debug:
             self._check_same_inputs(full, g.input_names)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
-            out = self._runner(g)(**full)
+            if self.self_check and (self.debug or id(g) not in self._checked):
+                out = run_checked(g.gm, self.mesh, full, self.plan.dp)      # every node's local shape vs the plan
+                self._checked.add(id(g))
+            else:
+                out = self._runner(g)(**full)
         return trim_rows(out, b, padded) if padded != b else out
 
     def compile(self, **kwargs) -> "ShardedModule":

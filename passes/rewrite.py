@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import collectives as C
-from autoshard import parallel_ops
+from autoshard import parallel_ops, selfcheck
 from autoshard.argpath import apply_patches, get_arg, set_arg
 from autoshard.groups import axes_label
 from autoshard.mesh import Mesh
@@ -85,6 +85,7 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             target = new
+        last = target
         if np_.post:
             users = [u for u in target.users if u.op != "call_module"]
             cur = target
@@ -93,6 +94,11 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                     cur = _step_node(graph, cur, st, groups)
             for u in users:
                 u.replace_input_with(target, cur)
+            last = cur
+        if target.op == "call_function" and np_.out_spec is not None:
+            last.meta[selfcheck.META] = (np_.name, np_.out_spec)        # the runtime self-check's promise
+            if last is not target:
+                last.meta.setdefault("val", target.meta.get("val"))
     # dtype checks baked in at capture would pin the captured dtype: a module run
     # under autocast (or fed another dtype) must not fail them
     for node in list(graph.nodes):

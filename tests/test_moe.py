@@ -60,7 +60,7 @@ def test_moe_equals_dense(mode, world, depth, ways):
     by expert, the gathers / scatters by its indices and the per-expert counts are
     rank-local (``passes/row_order.py``), and the counts are summed where a
     consumer needs the dense ones (the load-balancing loss)."""
-    results = get_pool(world, timeout=600).run(models.check, "mixtral", mode, depth, 2)
+    results = get_pool(world, timeout=600).run(models.check, "mixtral", mode, depth, 2, None, 1, True)
     for rank, r in enumerate(results):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["param_bytes"] == r["plan_param_bytes"]
