@@ -25,7 +25,7 @@ PYTEST_RC_FILE ?=
 # it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast bench clean distclean
+.PHONY: venv demo test test-fast test-extended bench clean distclean
 
 venv: $(STAMP)
 
@@ -58,12 +58,16 @@ demo: venv
 	$(VPY) examples/shard_and_inspect.py
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests || rc=$$?; \
+	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 -m "not extended" tests || rc=$$?; \
 	if [ -n "$(PYTEST_RC_FILE)" ]; then echo $$rc > "$(PYTEST_RC_FILE)"; fi; \
 	exit $$rc
 
 test-fast: venv
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not extended" tests
+
+# the architecture matrix's 8-rank cells of the round-2 architectures (docs/support.md ‡)
+test-extended: venv
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m extended tests
 
 bench: venv
 	@set -e; found=0; for f in benchmarks/*.py; do \

@@ -177,7 +177,7 @@ def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     out = torch.empty((p * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", group, out.numel() * out.element_size())
     dist.all_gather_into_tensor(out, src, group=pg)
-    return out.movedim(0, dim).contiguous()
+    return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
 
 
 @all_gather.register_fake
@@ -196,7 +196,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     out = torch.empty((src.shape[0] // p,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     _record("reduce_scatter", group, src.numel() * src.element_size())
     dist.reduce_scatter_tensor(out, src, group=pg)
-    return out.movedim(0, dim).contiguous()
+    return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
 
 
 @reduce_scatter.register_fake

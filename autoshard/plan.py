@@ -146,6 +146,7 @@ class NodePlan:
     notes: tuple = ()
     fallback: bool = False
     saved: tuple | None = None    # (SavedTensor, ...); None: not traced
+    flops: int = 0                # a Linear's dense forward FLOPs, 2·rows·k·n (parallel_fraction)
 
     @property
     def comm_bytes(self) -> float:
@@ -289,9 +290,11 @@ class ShardingPlan:
         """How much of the model the plan really splits.
 
         ``params_split``: the share of parameter elements split over a tensor-parallel
-        axis; ``vs_ideal``: parameter bytes per rank over the ideal (dense bytes /
-        :attr:`weight_ways`; 1.0 is perfect); ``replicated``: the largest parameters held whole, the
-        ones that keep the plan from its ideal.
+        axis; ``flops_split``: the share of the Linears' dense FLOPs (2·rows·k·n each)
+        run with a split weight; ``vs_ideal``: parameter bytes per rank over the ideal
+        (dense bytes / :attr:`weight_ways`; 1.0 is perfect); ``replicated``: the largest
+        parameters held whole; ``held_back``: the parameters whose bytes per rank exceed
+        their ideal share the most (whole, or split fewer ways than the mode allows).
 
         >>> from autoshard.mesh import Mesh
         >>> from autoshard.spec import ShardSpec
@@ -299,8 +302,8 @@ class ShardingPlan:
         ...                  batch_axes=(), batch_size=1, seq_len=1, nodes=(), params=(
         ...     ParamPlan(name="w", global_shape=(4, 4), spec=ShardSpec(dims=(("tp",), ())), grad_sync=()),
         ...     ParamPlan(name="b", global_shape=(4,), spec=ShardSpec(dims=((),)), grad_sync=())))
-        >>> f = p.parallel_fraction(); f["params_split"], f["vs_ideal"], f["replicated"]
-        (0.8, 1.2, ['b'])
+        >>> f = p.parallel_fraction(); f["params_split"], f["vs_ideal"], f["replicated"], f["held_back"]
+        (0.8, 1.2, ['b'], ['b'])
         """
         params = [p for p in self.params if not p.is_buffer]
         total = sum(math.prod(p.global_shape) for p in params) or 1
@@ -308,8 +311,16 @@ class ShardingPlan:
         split = sum(math.prod(p.global_shape) for p in params if tp & set(p.spec.axes))
         dense = sum(math.prod(p.hf_shape) * p.dtype_bytes for p in params) or 1     # padding counts as cost
         whole = sorted((p for p in params if not tp & set(p.spec.axes)), key=lambda p: -math.prod(p.global_shape))
+        ways = self.weight_ways
+        excess = sorted(((math.prod(p.local_shape(self.mesh)) - math.prod(p.hf_shape) / ways) * p.dtype_bytes, p.name)
+                        for p in params)
+        lin = [n for n in self.nodes if n.kind == "linear" and n.flops]
+        flops = sum(n.flops for n in lin)
         return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.weight_ways),
-                "replicated": [p.name for p in whole[:8]]}
+                "flops_split": sum(n.flops for n in lin if not n.weight.startswith("replicated")) / flops
+                if flops else 0.0,
+                "replicated": [p.name for p in whole[:8]],
+                "held_back": [name for b, name in reversed(excess[-5:]) if b > 0]}
 
     @property
     def weight_ways(self) -> int:
@@ -459,7 +470,7 @@ class ShardingPlan:
                 comms=tuple(Comm(**{**c, "axes": tuple(c["axes"])}) for c in n["comms"]),
                 global_shape=tup(n["global_shape"]), local_shape=tup(n["local_shape"]),
                 weight=n["weight"], param_bytes=n["param_bytes"], notes=tuple(n["notes"]),
-                fallback=n["fallback"],
+                fallback=n["fallback"], flops=n.get("flops", 0),
                 saved=None if n.get("saved") is None else tuple(
                     SavedTensor(key=k, nbytes=b, dtype=t, shape=tuple(sh), role=r) for k, b, t, sh, r in n["saved"])))
         params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),

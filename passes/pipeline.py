@@ -14,6 +14,7 @@ from autoshard.policies.base import Policy
 
 from .capture import Captured
 from .experts import fold_grouped_weights
+from .linear_fold import fold_transposed_weights
 from .pad import pad_vocab
 from .propagate import propagate
 from .trace import trace
@@ -22,11 +23,12 @@ __all__ = ["plan_captured", "prepare"]
 
 
 def prepare(captured: Captured, policy: Policy) -> Captured:
-    """``captured`` as ``policy`` plans it: grouped expert matmuls with their
+    """``captured`` as ``policy`` plans it: ``x @ W.T`` as ``linear(x, W)``
+    (:mod:`~autoshard.passes.linear_fold`), grouped expert matmuls with their
     parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
     padded to the mode's split (the same object where nothing changes). Plan and
     rewrite this one."""
-    return pad_vocab(fold_grouped_weights(captured), policy.vocab_multiple())
+    return pad_vocab(fold_grouped_weights(fold_transposed_weights(captured)), policy.vocab_multiple())
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

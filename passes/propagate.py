@@ -33,6 +33,7 @@ from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
 from autoshard.policies.base import Choice, NeedReplicate, Policy, SymbolicSizes
 from autoshard.policies.generic import rule_for
+from autoshard.policies.linear_ops import linear_operands
 from autoshard.spec import ShardSpec, replicated
 
 from .annotate import Annotation, annotate, param_names
@@ -672,7 +673,15 @@ class _Engine:
             if a.op == "get_attr" and a.target in self.params and ann.kind in ("linear", "embedding", "norm"):
                 pbytes += math.prod(req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)) * \
                     a.meta["val"].element_size()
-        return NodePlan(name=node.name, op=_op_name(node), kind=ann.kind if ann.kind in (
+        flops = 0
+        if ann.kind == "linear" and gshape:
+            _, wp, _, nd, kd = linear_operands(node)
+            w = _get(node, wp)
+            if isinstance(w, fx.Node) and _is_tensor_val(w.meta.get("val")):
+                ws = self.shapes.concrete(w.meta["val"].shape)
+                if len(ws) > max(nd, kd):
+                    flops = 2 * math.prod(gshape[:-1]) * ws[nd] * ws[kd]
+        return NodePlan(name=node.name, op=_op_name(node), flops=flops, kind=ann.kind if ann.kind in (
             "linear", "norm", "attention", "embedding", "loss") else "other", module=ann.module, out_spec=out,
             kernel=choice.kernel, arg_steps=tuple(arg_steps),
             post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),

@@ -19,41 +19,14 @@ TINY = {
     "bert": ("BertForMaskedLM", "BertConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                    num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-    # local attention whose code guards seq != max_positions (capture excludes the maximum)
-    "gptneo": ("GPTNeoForCausalLM", "GPTNeoConfig", dict(hidden_size=64, num_layers=2, num_heads=4, vocab_size=128,
-                                                         max_position_embeddings=64, window_size=4,
-                                                         attention_types=[[["global", "local"], 1]],
-                                                         embed_dropout=0.0, attention_dropout=0.0,
-                                                         resid_dropout=0.0)),
-    # disentangled relative attention: a position index expanded to [heads·batch, s, s]
-    "debertav2": ("DebertaV2ForMaskedLM", "DebertaV2Config", dict(hidden_size=64, intermediate_size=128,
-                                                                  num_hidden_layers=2, num_attention_heads=4,
-                                                                  vocab_size=128, max_position_embeddings=64,
-                                                                  hidden_dropout_prob=0.0,
-                                                                  attention_probs_dropout_prob=0.0,
-                                                                  relative_attention=True, position_buckets=8,
-                                                                  max_relative_positions=16,
-                                                                  pos_att_type=["p2c", "c2p"],
-                                                                  position_biased_input=False)),
-    # per-head RMSNorm on q and k between the projections and attention
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                                                      vocab_size=128, max_position_embeddings=64)),
-    # mixture of experts (Mixtral: router Linear, top-2 of 4 experts, grouped expert matmuls),
-    # the router's load-balancing loss in the loss
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(hidden_size=64, intermediate_size=128,
-                                                          num_hidden_layers=2, num_attention_heads=4,
-                                                          num_key_value_heads=4, vocab_size=128,
-                                                          max_position_embeddings=64, num_local_experts=4,
-                                                          num_experts_per_tok=2, output_router_logits=True,
-                                                          router_aux_loss_coef=0.02)),
 }
 # vocabularies no split divides (131 is prime): padded to the split (autoshard/passes/pad.py)
 for _name in ("gpt2", "llama", "bert"):
     _cls, _cfg, _kw = TINY[_name]
     TINY[f"{_name}-v131"] = (_cls, _cfg, {**_kw, "vocab_size": 131})
 TINY["gpt2-v130"] = (TINY["gpt2"][0], TINY["gpt2"][1], {**TINY["gpt2"][2], "vocab_size": 130})   # 2 divides, 4 not
-# the architecture matrix (tests/test_arch_matrix.py) adds its own tiny configs
+# the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
+# mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
 
 

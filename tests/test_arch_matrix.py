@@ -46,8 +46,8 @@ def test_matrix_covers_the_issue(cells):
     archs = {a for a, _ in cells}
     assert len(archs) >= 10
     assert set(cells) == {(a, m) for a in M.ARCHS for m, _, _ in M.MODES}
-    got = {k: (c.status, c.reason) for k, c in cells.items()}
-    assert got == {k: (M.expected_status(*k), "") for k in cells}
+    assert {k: c.status for k, c in cells.items()} == {k: M.expected_status(*k) for k in cells}
+    assert all(("(node: %" in c.reason) == (c.status == "refused") for c in cells.values())
 
 
 def test_cells_left_to_the_equivalence_tests_are_run_there():
@@ -64,8 +64,23 @@ def test_cells_left_to_the_equivalence_tests_are_run_there():
 
 
 CASES = [(a, m) for a in M.ARCHS for m, _, _ in M.MODES if (a, m) not in M.IN_EQUIVALENCE]
-PARAMS = [pytest.param(a, m, id=f"{a}-{m}", marks=[pytest.mark.slow] if M.is_slow(a, m) else [])
+PARAMS = [pytest.param(a, m, id=f"{a}-{m}", marks=([pytest.mark.slow] if M.is_slow(a, m) else [])
+                       + ([pytest.mark.extended] if M.is_extended(a, m) else []))
           for a, m in CASES]
+
+
+def _refuses(rank, world, arch, mode, depth):
+    """shard() on the ranks: the ShardingError's text (or a note that it did not raise)."""
+    import copy
+
+    import autoshard
+
+    model = models.build(arch)
+    try:
+        autoshard.shard(copy.deepcopy(model), mode=mode, depth=depth, example_inputs=models.batch(arch))
+    except autoshard.ShardingError as e:
+        return str(e)
+    return "did not refuse"
 
 
 @pytest.mark.parametrize("arch,mode", PARAMS)
@@ -73,6 +88,11 @@ def test_arch_mode_equals_dense(arch, mode, cells):
     cell = cells[arch, mode]
     assert cell.status == M.expected_status(arch, mode), (cell.status, cell.reason)
     _, world, depth = next(x for x in M.MODES if x[0] == mode)
+    if cell.status == "refused":        # shard() refuses on every rank alike, naming the node
+        msgs = get_pool(world, timeout=600).run(_refuses, arch, mode, depth)
+        assert len(set(msgs)) == 1 and "\n  node: %" in msgs[0], msgs[0]
+        assert msgs[0].splitlines()[0] in cell.reason, (msgs[0], cell.reason)
+        return
     results = get_pool(world, timeout=600).run(models.check, arch, mode, depth, 0, None, 1, True)
     for rank, r in enumerate(results):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
