@@ -37,6 +37,9 @@ MESH = {"1d": "tp=4", "2d": "q=2", "2.5d": "q=2, d=2", "3d": "q=2"}
 # model, batch, mode and mesh, the same comparisons, fallbacks == [] and AdamW
 # steps on top): test_arch_matrix.py does not run them a second time.
 IN_EQUIVALENCE = {(a, m) for a in ("gpt2", "llama", "bert") for m, _, _ in MODES}
+# mixtral in every mode is a case of tests/test_moe.py (the same comparisons, AdamW steps and
+# the parameter-bytes bound on top): not run a second time here
+IN_MOE = {("mixtral", m) for m, _, _ in MODES}
 
 # cells run by the default selection; the rest are @pytest.mark.slow (8-rank runs
 # cost 20-60 s each on a 2-core box).
@@ -60,11 +63,11 @@ def expected_status(arch: str, mode: str) -> str:
 
 
 def is_extended(arch: str, mode: str) -> bool:
-    return arch in ROUND2 and dict((m, w) for m, w, _ in MODES)[mode] == 8
+    return arch in ROUND2 and dict((m, w) for m, w, _ in MODES)[mode] == 8 and (arch, mode) not in IN_MOE
 
 
 def is_slow(arch: str, mode: str) -> bool:
-    if (arch, mode) in IN_EQUIVALENCE:
+    if (arch, mode) in IN_EQUIVALENCE or (arch, mode) in IN_MOE:
         return False
     return dict((m, w) for m, w, _ in MODES)[mode] == 8 and (arch, mode) not in EIGHT_RANK_DEFAULT
 
@@ -187,7 +190,8 @@ def render(cells: dict) -> str:
         "to the plan; a refused cell is checked to refuse on the ranks too. Cells marked † are "
         "`@pytest.mark.slow`, ‡ are outside `make test` (`make test-extended` runs them); the gpt2, "
         "llama and bert cells are cases of `tests/test_equivalence.py` (which adds AdamW steps in 2d, "
-        "2.5d and 3d).",
+        "2.5d and 3d), the mixtral cells of `tests/test_moe.py` (AdamW steps, the router's loss and "
+        "logits).",
         "",
         "- **pass**: every node has an exact rule; no re-layout to a whole tensor.",
         "- **fallbacks**: exact, but the named ops gather a split input (a rule would keep it split); "

@@ -63,7 +63,18 @@ def test_cells_left_to_the_equivalence_tests_are_run_there():
         assert M.expected_status(a, m) == "pass", (a, m)
 
 
-CASES = [(a, m) for a in M.ARCHS for m, _, _ in M.MODES if (a, m) not in M.IN_EQUIVALENCE]
+def test_moe_cells_are_run_by_test_moe():
+    """The mixtral cells are cases of test_moe.py: the same config, mode, world and depth."""
+    import test_moe
+
+    cases = {(m, w, d) for m, w, d, _ in (p.values for p in test_moe.CASES)}
+    for a, m in M.IN_MOE:
+        _, world, depth = next(x for x in M.MODES if x[0] == m)
+        assert (m, world, depth) in cases, m
+        assert models.TINY[a] == M.ARCHS[a][:3]
+
+
+CASES = [(a, m) for a in M.ARCHS for m, _, _ in M.MODES if (a, m) not in M.IN_EQUIVALENCE | M.IN_MOE]
 PARAMS = [pytest.param(a, m, id=f"{a}-{m}", marks=([pytest.mark.slow] if M.is_slow(a, m) else [])
                        + ([pytest.mark.extended] if M.is_extended(a, m) else []))
           for a, m in CASES]
