@@ -9,6 +9,8 @@ real and meta weights.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import re
 from dataclasses import dataclass
@@ -162,3 +164,35 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
                     seq_range=(lo, hi),
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))
+
+
+def fold_nodes(cap: "Captured", foldable, fold) -> "Captured":
+    """``cap`` with every node ``n`` for which ``foldable(n)`` holds replaced by
+    ``fold(n)``, the ``(target, args)`` of a call computing the same values (the
+    graph-normalising passes: :mod:`~autoshard.passes.experts`,
+    :mod:`~autoshard.passes.linear_fold`). Operands the replaced node alone used are
+    erased. ``cap`` itself when no node matches; otherwise ``cap`` is not changed:
+    the result holds a copy of its graph module sharing every parameter and buffer."""
+    gm = cap.module
+    if not any(foldable(n) for n in gm.graph.nodes):
+        return cap
+    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
+            + list(gm.named_buffers(remove_duplicate=False))}
+    new = copy.deepcopy(gm, memo)
+    g = new.graph
+    for n in list(g.nodes):
+        if not foldable(n):
+            continue
+        target, args = fold(n)
+        with g.inserting_before(n):
+            r = g.call_function(target, args)
+        r.meta = dict(n.meta)
+        n.replace_all_uses_with(r)
+        old = [a for a in n.all_input_nodes if a.op == "call_function"]
+        g.erase_node(n)
+        for a in old:
+            if not a.users:
+                g.erase_node(a)
+    g.lint()
+    new.recompile()
+    return dataclasses.replace(cap, module=new)

@@ -28,15 +28,12 @@ same values: ``grouped_linear`` calls the op it replaced.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import torch
 from torch import fx
 
 from autoshard.grouped import grouped_linear, grouped_ops
 
-from .capture import Captured
+from .capture import Captured, fold_nodes
 
 aten = torch.ops.aten
 
@@ -69,24 +66,8 @@ def fold_grouped_weights(cap: Captured) -> Captured:
             n.args[2] is not None and _param_operand(n.args[1], params) is not None and \
             not n.args[3:] and not n.kwargs.get("bias") and n.kwargs.get("out_dtype") is None
 
-    if not any(foldable(n) for n in gm.graph.nodes):
-        return cap
-    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
-            + list(gm.named_buffers(remove_duplicate=False))}
-    new = copy.deepcopy(gm, memo)
-    g = new.graph
-    for n in list(g.nodes):
-        if not foldable(n):
-            continue
+    def fold(n):
         p, transposed = _param_operand(n.args[1], params)
-        with g.inserting_before(n):
-            r = g.call_function(grouped_linear, (n.args[0], p, n.args[2], transposed, ops[n.target]))
-        r.meta = dict(n.meta)
-        n.replace_all_uses_with(r)
-        w = n.args[1]
-        g.erase_node(n)
-        if w is not p and not w.users:
-            g.erase_node(w)
-    g.lint()
-    new.recompile()
-    return dataclasses.replace(cap, module=new)
+        return grouped_linear, (n.args[0], p, n.args[2], transposed, ops[n.target])
+
+    return fold_nodes(cap, foldable, fold)

@@ -23,13 +23,10 @@ a direct operand, which computes the same values (``linear`` without bias is
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import torch
 from torch import fx
 
-from .capture import Captured
+from .capture import Captured, fold_nodes
 
 aten = torch.ops.aten
 
@@ -65,23 +62,4 @@ def fold_transposed_weights(cap: Captured) -> Captured:
             and _transposed_param(n.args[1], params) is not None \
             and isinstance(n.args[0], fx.Node) and n.args[0].meta["val"].dim() >= 2
 
-    if not any(foldable(n) for n in gm.graph.nodes):
-        return cap
-    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
-            + list(gm.named_buffers(remove_duplicate=False))}
-    new = copy.deepcopy(gm, memo)
-    g = new.graph
-    for n in list(g.nodes):
-        if not foldable(n):
-            continue
-        w = n.args[1]
-        p = _transposed_param(w, params)
-        with g.inserting_before(n):
-            r = g.call_function(aten.linear.default, (n.args[0], p))
-        r.meta = dict(n.meta)
-        n.replace_all_uses_with(r)
-        g.erase_node(n)
-        g.erase_node(w)
-    g.lint()
-    new.recompile()
-    return dataclasses.replace(cap, module=new)
+    return fold_nodes(cap, foldable, lambda n: (aten.linear.default, (n.args[0], _transposed_param(n.args[1], params))))

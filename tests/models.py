@@ -126,6 +126,19 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     return res
 
 
+def assert_same_values(cap, folded, inputs: dict) -> None:
+    """A graph-normalising pass kept the values: loss, logits and every parameter's
+    gradient of ``folded`` bit-equal to those of the captured graph ``cap``."""
+    kw = {**inputs, **cap.constants}
+    a, b = cap.module(**kw), folded.module(**kw)
+    torch.testing.assert_close(b[0], a[0], atol=0, rtol=0)
+    torch.testing.assert_close(b[1], a[1], atol=0, rtol=0)
+    a[0].backward()
+    b[0].backward()
+    for name, p in cap.module.named_parameters():
+        torch.testing.assert_close(folded.module.get_parameter(name).grad, p.grad, atol=0, rtol=0)
+
+
 def shared_capture(name: str, model, inputs: dict):
     """One export per model and input shapes per worker: the rewrite copies the
     captured module, so planning several modes from it leaves it untouched."""

@@ -24,8 +24,6 @@ from autoshard.passes.experts import fold_grouped_weights
 def test_fold_keeps_the_values():
     """The folded graph (parameters as direct operands of grouped_linear) gives the
     dense logits, loss and gradients, and every grouped matmul is a Linear."""
-    import torch
-
     from autoshard.passes.annotate import annotate
 
     model = models.build("mixtral")
@@ -38,14 +36,7 @@ def test_fold_keeps_the_values():
     ann = annotate(folded.module)
     assert {ann[n.name].kind for n in grouped} == {"linear"}
     assert fold_grouped_weights(folded) is folded
-    kw = {**inputs, **cap.constants}
-    a, b = cap.module(**kw), folded.module(**kw)
-    torch.testing.assert_close(b[0], a[0], atol=0, rtol=0)
-    torch.testing.assert_close(b[1], a[1], atol=0, rtol=0)
-    a[0].backward()
-    b[0].backward()
-    for name, p in cap.module.named_parameters():
-        torch.testing.assert_close(folded.module.get_parameter(name).grad, p.grad, atol=0, rtol=0)
+    models.assert_same_values(cap, folded, inputs)
 
 
 # (mode, world, depth, the mode's weight split); the mixtral cells of the support matrix
