@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import fx, nn
@@ -57,8 +58,8 @@ class ShardedModule(nn.Module):
         self._hooks = []
         self.debug = debug
         # the first call of each graph (every call under debug) runs node by node and checks
-        # every local shape against the plan (autoshard.selfcheck); False skips it
-        self.self_check = True
+        # every local shape against the plan (autoshard.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
+        self.self_check = os.environ.get("AUTOSHARD_SELF_CHECK", "1") != "0"
         self._checked: set[int] = set()
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
         self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())

@@ -21,7 +21,7 @@ itself is local: no collective beyond the graph's own.
     >>> from autoshard.spec import ShardSpec
     >>> gm = fx.symbolic_trace(lambda x: x * 2)
     >>> node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    >>> node.meta.update(val=torch.empty(4, 6), autoshard_check=(node.name, ShardSpec(dims=((), ("tp",)))))
+    >>> node.meta[META] = (node.name, ShardSpec(dims=((), ("tp",))), torch.empty(4, 6))
     >>> mesh = Mesh(axes=("tp",), sizes=(2,))
     >>> try:
     ...     run_checked(gm, mesh, {"x": torch.ones(4, 6)})
@@ -40,7 +40,7 @@ from .spec import ShardSpec
 
 __all__ = ["PlanCheckError", "expected_local_shape", "run_checked"]
 
-META = "autoshard_check"        # node.meta key the rewrite sets: (plan node name, its out spec)
+META = "autoshard_check"        # node.meta key the rewrite sets: (plan node name, out spec, capture value)
 
 
 class PlanCheckError(ShardingError):
@@ -95,8 +95,7 @@ class _Checker(fx.Interpreter):
         out = super().run_node(n)
         tag = n.meta.get(META)
         if tag is not None:
-            name, spec = tag
-            vals, specs = (n.meta.get("val"), spec)
+            name, specs, vals = tag
             pairs = zip(vals, specs) if isinstance(specs, tuple) and isinstance(vals, (tuple, list)) \
                 else [(vals, specs)]
             outs = out if isinstance(specs, tuple) and isinstance(out, (tuple, list)) else [out]

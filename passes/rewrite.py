@@ -96,9 +96,8 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
                 u.replace_input_with(target, cur)
             last = cur
         if target.op == "call_function" and np_.out_spec is not None:
-            last.meta[selfcheck.META] = (np_.name, np_.out_spec)        # the runtime self-check's promise
-            if last is not target:
-                last.meta.setdefault("val", target.meta.get("val"))
+            # the runtime self-check's promise: the value's global (capture) shape and its spec
+            last.meta[selfcheck.META] = (np_.name, np_.out_spec, target.meta.get("val"))
     # dtype checks baked in at capture would pin the captured dtype: a module run
     # under autocast (or fed another dtype) must not fail them
     for node in list(graph.nodes):
