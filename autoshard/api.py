@@ -15,7 +15,7 @@ from .kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .signature import Recipe, batch_inputs, pad_blocker
 from .plan import ShardingPlan
-from .capture_share import capture_cached, capture_shared
+from .capture_share import capture_for_plan, capture_shared
 from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
@@ -311,7 +311,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                    + check_seq(seq_len, pol.seq_split(), source="seq_len"), f"autoshard.plan(mode={mode!r})")
     model = model_from(model_or_config)
     model.train()
-    cap = capture_cached(model, example_inputs=example_inputs)
+    cap = capture_for_plan(model, example_inputs=example_inputs)
     try:
         return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
     except ShardingError as e:

@@ -34,7 +34,7 @@ import torch
 from .errors import CaptureError
 from .passes.capture import Captured, capture
 
-__all__ = ["capture_shared", "capture_cached", "pack", "unpack", "cache_dir", "cache_key"]
+__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key"]
 
 
 def _meta_state(ep) -> dict:
@@ -191,6 +191,24 @@ def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None
     """:func:`~autoshard.passes.capture.capture` through the disk cache, in this process
     alone (no collective: for planning, which may run on one rank of a job)."""
     return unpack(_capture_blob(model, example_inputs), model)
+
+
+def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
+    """The capture planning reads, for a model on meta: exported with three layers per
+    repeated stack and stamped to its depth (:mod:`~autoshard.passes.stamp`; a 7B Llama
+    in seconds instead of a 32-layer export), through the disk cache. A model with
+    real weights, or whose layers stamping cannot prove identical, is captured whole.
+    ``AUTOSHARD_STAMP=0`` turns stamping off."""
+    from .builder import model_from
+    from .passes.stamp import capture_stamped
+
+    if os.environ.get("AUTOSHARD_STAMP", "1").strip().lower() in ("0", "off", "false", "no"):
+        return capture_cached(model, example_inputs=example_inputs)
+
+    def build(config):
+        return model_from(config).train(model.training)
+
+    return capture_stamped(model, build=build, capture_fn=capture_cached, example_inputs=example_inputs)
 
 
 def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:

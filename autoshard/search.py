@@ -290,7 +290,7 @@ def _rank(evals: list[Evaluated]) -> list[Evaluated]:
 
 
 def _captured(model_or_config, example_inputs):
-    from .capture_share import capture_cached
+    from .capture_share import capture_for_plan
     from .passes.capture import Captured
 
     if isinstance(model_or_config, Captured):
@@ -299,7 +299,7 @@ def _captured(model_or_config, example_inputs):
 
     model = model_from(model_or_config)
     model.train()
-    return capture_cached(model, example_inputs=example_inputs)
+    return capture_for_plan(model, example_inputs=example_inputs)
 
 
 def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a100", batch_size: int = 8,

@@ -65,12 +65,12 @@ def cached_capture(model, **kw):
 
 @contextlib.contextmanager
 def memo_capture():
-    orig = _api.capture_cached
-    _api.capture_cached = cached_capture
+    orig = _api.capture_for_plan
+    _api.capture_for_plan = cached_capture
     try:
         yield
     finally:
-        _api.capture_cached = orig
+        _api.capture_for_plan = orig
 
 
 def meta_model(name: str):
