@@ -23,10 +23,12 @@ A capture that fails on rank 0 raises the same error on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import pickle
+import typing
 from pathlib import Path
 
 import torch
@@ -64,10 +66,52 @@ def pack(cap: Captured) -> bytes:
     return pickle.dumps({"program": buf.getvalue(), "facts": facts})
 
 
+_LOADED: dict[str, object] = {}       # sha256 of a packed program -> its ExportedProgram (this process)
+_LOADED_MAX = 8
+
+
+@contextlib.contextmanager
+def _type_hints_memo():
+    """``typing.get_type_hints`` remembered per (class, namespace) while a program loads:
+    torch's deserializer asks it again for every node's dataclasses (5,000 calls, 40% of
+    loading a tiny Llama). Classes do not change during a load; other calls pass through."""
+    orig = typing.get_type_hints
+    memo: dict = {}
+
+    def hints(obj, globalns=None, localns=None, include_extras=False):
+        if not isinstance(obj, type) or localns is not None:
+            return orig(obj, globalns, localns, include_extras)
+        key = (obj, id(globalns), include_extras)
+        if key not in memo:
+            memo[key] = orig(obj, globalns, localns, include_extras)
+        return memo[key]
+
+    typing.get_type_hints = hints
+    try:
+        yield
+    finally:
+        typing.get_type_hints = orig
+
+
+def _load_program(data: bytes):
+    """The ExportedProgram of ``torch.export.save``'s bytes. A process that loads the same
+    program again (a second shard() of one model, a test worker) reuses the first load:
+    each caller gets its own graph module from ``ep.module()``, which copies the graph."""
+    key = hashlib.sha256(data).hexdigest()
+    ep = _LOADED.get(key)
+    if ep is None:
+        with _type_hints_memo():
+            ep = torch.export.load(io.BytesIO(data))
+        while len(_LOADED) >= _LOADED_MAX:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = ep
+    return ep
+
+
 def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
     """The :class:`Captured` of :func:`pack`'s bytes, bound to ``model``'s own parameters and buffers."""
     d = pickle.loads(blob)
-    ep = torch.export.load(io.BytesIO(d["program"]))
+    ep = _load_program(d["program"])
     gm = ep.module()
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update(model.named_buffers(remove_duplicate=False))

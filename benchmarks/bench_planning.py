@@ -3,7 +3,10 @@ ranks, mode 2.5d (a valid depth) and 1d; each plan in a fresh interpreter.
 
 The child process reports the time of ``import autoshard`` and of one
 ``autoshard.plan(...)`` call (meta device: no weights), its peak RSS, and the
-number of nodes and fallbacks. Target: the 70B plan at 4096 ranks in < 60 s.
+number of nodes and fallbacks. Targets (issue 22; wall time of the whole child: interpreter,
+imports and plan, on the idle 2-core machine): 7B at 64 ranks <= 8 s, 70B at 4096 ranks <= 15 s,
+peak RSS < 1 GiB. A deep model is planned from a 3-layer export stamped to its depth
+(autoshard.passes.stamp); the first plan of a shape exports, later ones hit the capture cache.
 
     python benchmarks/bench_planning.py [--models llama:7b llama:70b] [--worlds 64 4096] [--modes 2.5d 1d]
 """
@@ -19,7 +22,9 @@ import time
 
 import _common
 
-TARGET_S = 60.0
+TARGET_S = 60.0                                              # the round-1 bound, kept in the JSON
+TARGETS_WALL_S = {("llama:7b", 64): 8.0, ("llama:70b", 4096): 15.0}
+RSS_TARGET_B = 1 << 30
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -113,9 +118,11 @@ def main(argv=None) -> int:
     for r in rows:
         if "plan_s" in r:
             note = ""
-            if r["model"] == "llama:70b" and r["world"] == 4096:
-                note = ("[green]< 60 s target met[/green]" if r["plan_s"] < TARGET_S
-                        else f"[red]MISSES the {TARGET_S:.0f} s target[/red]")
+            goal = TARGETS_WALL_S.get((r["model"], r["world"]))
+            if goal is not None:
+                ok = r["wall_s"] <= goal and r["rss_peak"] < RSS_TARGET_B
+                note = (f"[green]<= {goal:.0f} s wall, < 1 GiB: met[/green]" if ok
+                        else f"[red]MISSES <= {goal:.0f} s wall / < 1 GiB[/red]")
             t.add_row(r["model"], str(r["world"]), r["mode"], r["mesh"], str(r["kw"]["batch_size"]),
                       f"{r['import_s']:.1f}", f"{r['plan_s']:.1f}", f"{r['wall_s']:.1f}",
                       _common.human_bytes(r["rss_peak"]), str(r["nodes"]), str(r["fallbacks"]), note)
@@ -123,7 +130,9 @@ def main(argv=None) -> int:
             t.add_row(r["model"], str(r["world"]), r["mode"], "-", "-", "-", "-", f"{r.get('wall_s', 0):.1f}", "-",
                       "-", "-", f"[red]{r['error']}[/red]")
     con.print(t)
-    path = _common.write_result(args.name, {"rows": rows, "target_s": TARGET_S, "partial": False})
+    path = _common.write_result(args.name, {"rows": rows, "target_s": TARGET_S, "partial": False,
+                                            "targets_wall_s": {f"{m}@{w}": v for (m, w), v in TARGETS_WALL_S.items()},
+                                            "rss_target_b": RSS_TARGET_B})
     con.print(f"wrote {path}")
     return 0
 
