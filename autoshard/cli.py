@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Automatic tensor parallelism for Hugging Face models: print the sharding plan of a "
                     "model on a mesh (1d / 2d / 2.5d / 3d or auto), or check that it can be sharded.",
         epilog="run `autoshard plan --help` or `autoshard check --help` for the options and examples")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check,diff}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check,diff,export,profile}")
     pp = sub.add_parser("plan", formatter_class=_Help, help="print the plan table, summary and cost",
                         description="Plan MODEL_OR_CONFIG on WORLD_SIZE ranks and print the per-node plan table, "
                                     "a per-rank summary (parameter, gradient, optimizer and activation bytes, "
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(cp, mode_default=None)
     _add_diff(sub)
     _add_export(sub)
+    _add_profile(sub)
     return ap
 
 
@@ -173,6 +174,41 @@ def _add_export(sub) -> None:
                     help="split the weights into files of at most SIZE (e.g. 500MB)")
     ep.add_argument("--model-class", default=None, metavar="CLASS",
                     help="transformers class to name in config.json (default: the class that was sharded)")
+
+
+def _add_profile(sub) -> None:
+    pp = sub.add_parser("profile", formatter_class=_Help,
+                        help="measure this machine's Cluster (run under torchrun) and save it as JSON",
+                        description="Time collectives, a matmul at several sizes, the per-op dispatch cost and "
+                                    "the per-call cost of a collective on the ranks of this torchrun job "
+                                    "(autoshard.profile), and write the Cluster that the cost model and "
+                                    "--mode auto read: reuse it with `autoshard plan --cluster FILE` or "
+                                    "shard(mode='auto', cluster=Cluster.load(FILE)).",
+                        epilog="example:\n  torchrun --nproc-per-node 8 -m autoshard.cli profile --out cluster.json\n"
+                               "  autoshard plan llama:tiny -w 8 -m auto --cluster cluster.json")
+    pp.add_argument("--out", "-o", default="cluster.json", metavar="FILE", help="where rank 0 writes the JSON")
+    pp.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                    help="ranks sharing a node (default: torchrun's LOCAL_WORLD_SIZE)")
+
+
+def cmd_profile(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise _UsageError("autoshard profile measures the ranks of a torchrun job: run it as "
+                          "`torchrun --nproc-per-node N -m autoshard.cli profile --out cluster.json`")
+    from . import profile
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cluster = profile(ranks_per_node=args.ranks_per_node)
+    if dist.get_rank() == 0:
+        cluster.save(args.out)
+        print(f"wrote {args.out}: {cluster.describe()}; per collective call {cluster.call_overhead * 1e6:.0f} µs, "
+              f"per op {cluster.op_overhead * 1e6:.1f} µs")
+    dist.barrier()
+    return 0
 
 
 def _add_diff(sub) -> None:
@@ -225,9 +261,7 @@ def _cluster(arg):
     if arg is None:
         return Cluster.preset("dgx-a100")
     if os.path.isfile(arg):
-        with open(arg) as f:
-            d = json.load(f)
-        return Cluster(**{k: v for k, v in d.items() if k in Cluster.__dataclass_fields__})
+        return Cluster.load(arg)
     return Cluster.preset(arg)
 
 
@@ -493,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_diff(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "profile":
+            return cmd_profile(args)
         return cmd_check(args)
     except _UsageError as e:
         print(f"autoshard: error: {e}", file=sys.stderr)

@@ -84,6 +84,13 @@ class Cluster:
         name: preset name or ``"custom"`` / ``"measured"``.
         device: ``"cuda"`` or ``"cpu"``: which fused attention kernel the
             activation prediction assumes (:func:`autoshard.activations.attention_saved`).
+        call_overhead: seconds every collective call costs on top of its ring steps
+            (the Python op, the launch, the backend's handshake).
+        op_overhead: seconds one graph node costs per step (forward and backward
+            dispatch of one small op), whatever it computes.
+        flops_curve: ``((edge, FLOP/s), ...)``: the matmul rate by size (the cube
+            root of ``m·k·n``), measured by :func:`profile`; a Linear is timed at the
+            rate of its own size (interpolated), ``flops`` where the curve is empty.
     """
 
     ranks_per_node: int
@@ -95,12 +102,15 @@ class Cluster:
     memory_bytes: int
     name: str = "custom"
     device: str = "cuda"
+    call_overhead: float = 0.0
+    op_overhead: float = 0.0
+    flops_curve: tuple = ()
 
     def __post_init__(self) -> None:
         for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"Cluster.{f} must be > 0, got {getattr(self, f)!r}")
-        for f in ("intra_latency", "inter_latency"):
+        for f in ("intra_latency", "inter_latency", "call_overhead", "op_overhead"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
         if self.device not in ("cuda", "cpu"):
@@ -109,13 +119,75 @@ class Cluster:
     @classmethod
     def preset(cls, name: str) -> "Cluster":
         """One of :data:`CLUSTERS` by name (``dgx-a100``, ``h100-sxm``, ``cpu-gloo``,
-        ``tesseract-paper``)."""
+        ``tesseract-paper``), or the path of a ``.json`` cluster file (:meth:`save`)."""
         if isinstance(name, Cluster):
             return name
+        if isinstance(name, str) and name.endswith(".json"):
+            return cls.load(name)
         try:
             return CLUSTERS[name]
         except KeyError:
             raise ConfigError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTERS)}") from None
+
+    def rate(self, flop: float) -> float:
+        """FLOP/s of a matmul of ``flop`` FLOPs (``2·m·k·n``): :attr:`flops_curve` at its
+        size ``(m·k·n)^(1/3)``, else :attr:`flops`.
+
+        >>> c = CLUSTERS["cpu-gloo"].replace(flops_curve=((64, 1e9), (256, 4e9)))
+        >>> [round(c.rate(2 * e ** 3) / 1e9, 3) for e in (32, 64, 128, 1024)]
+        [1.0, 1.0, 2.0, 4.0]
+        """
+        curve = sorted(self.flops_curve)
+        if not curve:
+            return self.flops
+        size = max(flop / 2, 1) ** (1 / 3)
+        if size <= curve[0][0]:
+            return curve[0][1]
+        for (x0, r0), (x1, r1) in zip(curve, curve[1:]):
+            if size <= x1:
+                f = math.log(size / x0) / math.log(x1 / x0)
+                return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    def to_dict(self) -> dict:
+        """The fields as JSON-ready data (:meth:`from_dict` reads them back)."""
+        d = dataclasses.asdict(self)
+        d["flops_curve"] = [list(x) for x in self.flops_curve]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cluster":
+        """A Cluster from :meth:`to_dict`'s data (e.g. a ``cluster.json`` of ``autoshard profile --out``);
+        a ConfigError names an unknown or missing field."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"cluster file: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        d = dict(d)
+        d["flops_curve"] = tuple(tuple(x) for x in d.get("flops_curve", ()))
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"cluster file: {e}") from None
+
+    @classmethod
+    def load(cls, path) -> "Cluster":
+        """The Cluster saved at ``path`` (JSON, :meth:`save`)."""
+        import json
+
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the cluster file {path}: {e}") from None
+
+    def save(self, path) -> str:
+        """Write this Cluster as JSON to ``path`` (reuse it with ``--cluster path`` / :meth:`load`)."""
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        return str(path)
 
     def replace(self, **changes) -> "Cluster":
         """A copy with some fields changed (e.g. ``memory_bytes``)."""
@@ -217,7 +289,7 @@ def collective_time(c: Comm, mesh: Mesh, cluster: Cluster) -> tuple[float, str]:
         return 0.0, "none"
     steps = 2 * (p - 1) if c.kind == "all_reduce" else (p - 1)
     link, alpha, bw = _link(mesh, c.axes, cluster)
-    return steps * alpha + c.bytes_per_rank / bw, link
+    return cluster.call_overhead + steps * alpha + c.bytes_per_rank / bw, link
 
 
 def broadcast_time(nbytes: float, group_size: int, axes, mesh: Mesh, cluster: Cluster) -> float:
@@ -413,7 +485,12 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     cluster = Cluster.preset(cluster)
     mesh = plan.mesh
     params = _param_index(plan)
-    flops = sum(node_flops(n, plan, params) for n in plan.nodes)
+    per_node = [node_flops(n, plan, params) for n in plan.nodes]
+    flops = sum(per_node)
+    # backward ≈ 2 × forward; each node's matmul at the rate of its size; every node
+    # pays the dispatch overhead once per step (forward and backward together)
+    compute_s = sum(3.0 * f / cluster.rate(f) for f in per_node if f)
+    compute_s += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind != "input")
     timed: list[CommTime] = []
     for n in plan.nodes:
         for c in n.comms:
@@ -448,7 +525,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     if plan.fallbacks:
         notes.append(f"{len(plan.fallbacks)} fallback node(s)")
     return CostEstimate(
-        cluster=cluster.name, flops_fwd=flops, compute_s=3.0 * flops / cluster.flops,
+        cluster=cluster.name, flops_fwd=flops, compute_s=compute_s,
         comm_s_fwd=sum(t.seconds for t in timed if t.comm.phase == "fwd"),
         comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
         comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
@@ -548,8 +625,10 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(world // rpn)]
     slot_groups = [dist.new_group(list(range(s, world, rpn))) for s in range(rpn)] if world > rpn else []
     intra = inter = None
+    intra_samples: list = []
     if rpn > 1:
-        intra = _fit_alpha_beta(_time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters))
+        intra_samples = _time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters)
+        intra = _fit_alpha_beta(intra_samples)
     if slot_groups:
         a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters))
         inter = (a, b * rpn)       # all rpn slots ran at once: the node's links carried rpn flows
@@ -558,20 +637,85 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     if inter is None:
         inter = intra
 
-    n = matmul_size or (4096 if cuda else 512)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    a_ = torch.randn(n, n, device=device, dtype=dtype)
-    b_ = torch.randn(n, n, device=device, dtype=dtype)
-    a_ @ b_
-    if cuda:
-        torch.cuda.synchronize()
-    reps = 10 if cuda else 3
-    t0 = time.perf_counter()
-    for _ in range(reps):
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def per_call(fn, window: float = 0.05) -> float:
+        """Seconds per call of ``fn``, every rank looping at once for ``window`` seconds:
+        ranks that share cores measure their share, as they get it while a layout runs
+        (a short loop would catch a core to itself between the others' time slices)."""
+        dist.barrier()
+        n_, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n_ += 1
+            if n_ % 4 == 0:
+                sync()
+                dt = time.perf_counter() - t0
+                if dt >= window:
+                    return dt / n_
+
+    def rate_at(n: int) -> float:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        a_ = torch.randn(n, n, device=device, dtype=dtype)
+        b_ = torch.randn(n, n, device=device, dtype=dtype)
         a_ @ b_
-    if cuda:
-        torch.cuda.synchronize()
-    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+        sync()
+        return 2 * n ** 3 / per_call(lambda: a_ @ b_)
+
+    n = matmul_size or (4096 if cuda else 512)
+    flops = rate_at(n)
+    edges = (1024, 2048, 4096, 8192) if cuda else (32, 64, 128, 256, 512)
+    curve = [(e, flops if e == n else rate_at(e)) for e in edges if not matmul_size or e <= n]
+
+    # per node: forward + backward of a chain of small elementwise ops (dispatch, autograd)
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+
+    def chain(k: int = 50) -> None:
+        y = x
+        for _ in range(k):
+            y = y * 1.0001
+        y.sum().backward()
+
+    chain()
+    op = per_call(chain) / 52
+
+    # per collective call and per ring step: tiny all-reduces on groups of 2, 4, ... ranks of a
+    # node (every group at once), through autoshard's own collective op as the rewritten graph
+    # calls it, fitted as t = call + 2(p-1)·α; the byte fits above keep β
+    from . import collectives as C
+
+    call = 0.0
+    sizes_p = sorted({g for g in (2, 4, 8, 16, 32, rpn) if 2 <= g <= rpn and rpn % g == 0})
+    tiny_t = []
+    tiny = torch.ones(16, device=device)
+    for g in sizes_p:
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
+        mine = groups[rank // g].group_name
+        C.all_reduce(tiny, mine, "sum")
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(max(iters, 10)):
+            C.all_reduce(tiny, mine, "sum")
+        sync()
+        tiny_t.append((2 * (g - 1), (time.perf_counter() - t0) / max(iters, 10)))
+    if len(tiny_t) >= 2:
+        n_ = len(tiny_t)
+        mx = sum(x for x, _ in tiny_t) / n_
+        my = sum(y for _, y in tiny_t) / n_
+        sxx = sum((x - mx) ** 2 for x, _ in tiny_t)
+        a = max(sum((x - mx) * (y - my) for x, y in tiny_t) / sxx, 0.0) if sxx else 0.0
+        call = max(my - a * mx, 0.0)
+        # β from the largest messages once the fixed costs are known (median over them)
+        big = max((b_ for _, b_, _ in intra_samples), default=0)
+        rates = sorted(b_ / (t_ - call - s_ * a) for s_, b_, t_ in intra_samples
+                       if b_ == big and t_ - call - s_ * a > 0)
+        intra = (a, rates[len(rates) // 2] if rates else intra[1])
+        if not slot_groups:
+            inter = intra
+    elif tiny_t:
+        call = max(tiny_t[0][1] - tiny_t[0][0] * intra[0], 0.0)
 
     if memory_bytes is None:
         if cuda:
@@ -579,10 +723,11 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
         else:
             memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
     # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory
-    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes)],
-                        dtype=torch.float64)
+    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes), call, op]
+                        + [-r for _, r in curve], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     v = vals.tolist()
     return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
                    inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]),
-                   device="cuda" if cuda else "cpu")
+                   device="cuda" if cuda else "cpu", call_overhead=v[6], op_overhead=v[7],
+                   flops_curve=tuple((e, -r) for (e, _), r in zip(curve, v[8:])))

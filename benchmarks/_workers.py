@@ -296,3 +296,53 @@ def step_time_variants(rank: int, world: int, cfg_kw: dict, b: int, s: int, step
 
     opt_bytes = {k: optimizer_state_bytes(opt) for k, (_, opt, _) in runs.items()}
     return {"times": times, "losses": losses, "errors": errors, "optimizer_bytes": opt_bytes}
+
+
+def auto_choice(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int,
+                cands: list, profile_kw: dict) -> dict:
+    """Every candidate layout of one world size, measured in one run: the cluster
+    profiled first (:func:`autoshard.profile`, all ranks at once, as the layouts run),
+    then each candidate sharded and timed (forward + backward + AdamW, ``steps`` after
+    ``warmup``, each step between barriers) with the global batch ``b`` cut over its
+    dp replicas; rank 0 also predicts each step with :func:`autoshard.cost.estimate`."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.cost import estimate
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    cluster = autoshard.profile(**profile_kw)
+    full = _batch(cfg_kw["vocab_size"], b, s)
+    out = {"cluster": cluster.__dict__ if hasattr(cluster, "__dict__") else str(cluster), "runs": []}
+    for mode, depth, dp, label in cands:
+        rows = b // dp
+        replica = (rank // (world // dp)) if dp > 1 else 0
+        inputs = {k: v[replica * rows:(replica + 1) * rows] for k, v in full.items()}
+        model = _tiny_llama(cfg_kw)
+        sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs)
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+
+        def one():
+            opt.zero_grad(set_to_none=True)
+            loss = sharded(**inputs).loss
+            loss.backward()
+            opt.step()
+
+        for _ in range(warmup):
+            one()
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            one()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        est = estimate(sharded.plan, cluster) if rank == 0 else None
+        out["runs"].append({"label": label, "mode": mode, "depth": depth, "dp": dp, "times": times,
+                            "predicted_s": est.step_s if est else None,
+                            "predicted": est.to_dict() if est else None})
+    return out

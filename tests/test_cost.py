@@ -7,6 +7,7 @@ search itself does across candidates.
 from __future__ import annotations
 
 import io
+import os
 import math
 
 import pytest
@@ -224,5 +225,57 @@ def test_profile_and_shard_auto_on_gloo():
     (c0, r0), (c1, _) = out
     assert c0 == c1 and c0.name == "measured" and c0.ranks_per_node == 2
     assert c0.intra_bw > 0 and c0.flops > 0 and c0.memory_bytes > 0
+    assert c0.op_overhead > 0 and c0.call_overhead >= 0
+    assert [e for e, _ in c0.flops_curve] == [32, 64, 128] and all(r > 0 for _, r in c0.flops_curve)
     assert r0["failures"] == [], r0["failures"]
     assert r0["ledger_bytes"] == pytest.approx(r0["plan_bytes"])
+
+
+# ------------------------------------------------------------------ measured overheads (issue 22)
+
+def test_cluster_file_round_trip(tmp_path):
+    c = CLUSTERS["cpu-gloo"].replace(name="measured", call_overhead=2e-4, op_overhead=3e-5,
+                                     flops_curve=((32, 1e9), (128, 8e9)))
+    path = c.save(tmp_path / "cluster.json")
+    assert Cluster.load(path) == c
+    assert Cluster.preset(str(path)) == c                       # a .json path where a preset name goes
+    (tmp_path / "bad.json").write_text('{"flops": 1, "warp_drive": 9}')
+    with pytest.raises(ConfigError, match="warp_drive.*valid"):
+        Cluster.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="call_overhead must be >= 0"):
+        c.replace(call_overhead=-1.0)
+
+
+def test_rate_follows_the_measured_curve():
+    c = CLUSTERS["cpu-gloo"].replace(flops_curve=((32, 1e9), (512, 16e9)))
+    small, mid, big = (c.rate(2.0 * e ** 3) for e in (16, 128, 4096))
+    assert small == 1e9 and big == 16e9
+    assert 1e9 < mid < 16e9
+    assert CLUSTERS["cpu-gloo"].rate(2.0 * 128 ** 3) == CLUSTERS["cpu-gloo"].flops     # no curve: flops
+
+
+def test_call_and_op_overheads_enter_the_estimate(cap):
+    """Each collective call pays call_overhead, each planned node op_overhead: the step
+    grows by exactly calls × call_overhead + nodes × op_overhead."""
+    from autoshard.passes.pipeline import plan_captured
+
+    p = plan_captured(cap, POLICIES["1d"](Mesh(axes=("tp",), sizes=(2,))),
+                                                batch_size=B, seq_len=S)
+    base = CLUSTERS["cpu-gloo"]
+    e0 = estimate(p, base)
+    e1 = estimate(p, base.replace(call_overhead=1e-3, op_overhead=1e-5))
+    nodes = sum(1 for n in p.nodes if n.kind != "input")
+    assert e1.comm_s - e0.comm_s == pytest.approx(e0.collective_calls * 1e-3)
+    assert e1.compute_s - e0.compute_s == pytest.approx(nodes * 1e-5)
+    assert e0.collective_calls > 0 and nodes > 50
+
+
+def test_profile_cli_needs_torchrun(capsys):
+    from autoshard.cli import main
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        assert main(["profile", "--out", "x.json"]) == 2
+    finally:
+        os.environ.update(env)
+    assert "torchrun --nproc-per-node" in capsys.readouterr().err
