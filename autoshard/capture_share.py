@@ -36,7 +36,8 @@ import torch
 from .errors import CaptureError
 from .passes.capture import Captured, capture
 
-__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key"]
+__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key",
+           "forget_loaded"]
 
 
 def _meta_state(ep) -> dict:
@@ -91,6 +92,12 @@ def _type_hints_memo():
         yield
     finally:
         typing.get_type_hints = orig
+
+
+def forget_loaded() -> None:
+    """Drop the programs this process has loaded: the next load reads the bytes again,
+    as a new process would (benchmarks of a second launch)."""
+    _LOADED.clear()
 
 
 def _load_program(data: bytes):
