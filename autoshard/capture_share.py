@@ -94,6 +94,31 @@ def _type_hints_memo():
         typing.get_type_hints = orig
 
 
+@contextlib.contextmanager
+def _sympify_memo():
+    """``sympy.sympify`` of a string remembered while a program loads: the deserialiser parses
+    the same symbolic sizes (``s0``, ``s0*s1``, ...) once per tensor, each parse a full
+    ``parse_expr``. Within one load a name always resolves to the one symbol it cached at
+    first sight, so a repeated string gives the same expression; the memo ends with the load."""
+    import sympy
+
+    orig = sympy.sympify
+    memo: dict = {}
+
+    def sympify(a, locals=None, *args, **kw):
+        if not isinstance(a, str) or locals is None or args or kw:
+            return orig(a, locals, *args, **kw)
+        if a not in memo:
+            memo[a] = orig(a, locals=locals)
+        return memo[a]
+
+    sympy.sympify = sympify
+    try:
+        yield
+    finally:
+        sympy.sympify = orig
+
+
 def forget_loaded() -> None:
     """Drop the programs this process has loaded: the next load reads the bytes again,
     as a new process would (benchmarks of a second launch)."""
@@ -107,7 +132,7 @@ def _load_program(data: bytes):
     key = hashlib.sha256(data).hexdigest()
     ep = _LOADED.get(key)
     if ep is None:
-        with _type_hints_memo():
+        with _type_hints_memo(), _sympify_memo():
             ep = torch.export.load(io.BytesIO(data))
         while len(_LOADED) >= _LOADED_MAX:
             _LOADED.pop(next(iter(_LOADED)))
