@@ -205,7 +205,7 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
                 if tags.get(x) == (p, t - 1):       # the layer before: its counterpart in copy i-1
                     tx = prev_of[p][x]
                     return env[tx] if i - 1 == t else copy_of[(i - 1, tx)]
-                return env[x]
+                return outside(x)
             for n in run:
                 args, kwargs = fx.map_arg(n.args, arg), fx.map_arg(n.kwargs, arg)
                 if n.op == "get_attr":
@@ -217,7 +217,9 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
                 r.meta = _rename_stack(n.meta, p, t, i)
                 copy_of[(i, n)] = r
 
-    def late(x: fx.Node) -> fx.Node:
+    def outside(x: fx.Node) -> fx.Node:
+        """A value from outside the stack being emitted: a finished stack's template layer
+        stands for its last copy (a decoder reading the encoder's last layer, the head)."""
         tx = tags.get(x)
         if tx is not None and tx[0] in closed:
             if tx[1] != t:
@@ -239,13 +241,13 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
                     len(run) != sum(1 for m in layer[p] if (m.op == "get_attr") == (run[0].op == "get_attr")):
                 raise StampRefused(f"layer {t} of {p} is not one contiguous run of nodes")
             for m in run:
-                env[m] = create(m, fx.map_arg(m.args, env.__getitem__), fx.map_arg(m.kwargs, env.__getitem__), m.name)
+                env[m] = create(m, fx.map_arg(m.args, outside), fx.map_arg(m.kwargs, outside), m.name)
             emit_copies(p, run)
             if run[0].op != "get_attr":
                 closed.add(p)
             k = j
             continue
-        env[n] = create(n, fx.map_arg(n.args, late), fx.map_arg(n.kwargs, late), n.name)
+        env[n] = create(n, fx.map_arg(n.args, outside), fx.map_arg(n.kwargs, outside), n.name)
         k += 1
     g.lint()
     new.graph = g

@@ -26,7 +26,7 @@ from autoshard.passes.stamp import KEEP, capture_stamped, shrink_config, stamp
 from autoshard.policies import make_policy
 
 DEPTH = KEEP + 2        # two stamped layers: the second reads the first copy, not the template
-DEPTHS = {"t5": KEEP + 1}   # one stamped layer per stack: T5's full export costs 40 s at depth 5 under load
+DEPTHS = {"t5": KEEP + 1, "bart": KEEP + 1}   # one stamped layer per stack: T5's full export costs 40 s at depth 5 under load
 
 _LAYER_KEYS = {"gpt2": "n_layer", "t5": "num_layers", "gptneo": "num_layers"}
 
@@ -36,6 +36,9 @@ def _config(arch: str, depth: int = DEPTH):
     kw = dict(kw, **{_LAYER_KEYS.get(arch, "num_hidden_layers"): depth}, architectures=[cls])
     if arch == "t5":
         kw["num_decoder_layers"] = depth
+    if arch == "bart":          # the decoder's cross-attention reads the encoder's last layer itself
+        kw.pop("num_hidden_layers", None)
+        kw.update(encoder_layers=depth, decoder_layers=depth)
     if arch == "gptneo":
         kw["attention_types"] = [[["global", "local"], depth // 2]] if depth % 2 == 0 else [[["global"], depth]]
     return getattr(transformers, cfg_cls)(**kw)
@@ -89,7 +92,7 @@ def _captures(arch: str):
     return _CASES[arch]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "t5", "bart"])
 def test_stamped_graph_is_the_full_export(arch):
     full, stamped = _captures(arch)
     assert stamped.program is None, "stamping did not happen: the full model was exported"
@@ -102,7 +105,7 @@ def test_stamped_graph_is_the_full_export(arch):
     assert n_layer > 10, "the last stamped layer has no nodes"
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "t5", "bart"])
 @pytest.mark.parametrize("mode", ["1d", "2d"])
 def test_stamped_plan_equals_full_plan(arch, mode):
     full, stamped = _captures(arch)
