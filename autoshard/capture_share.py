@@ -72,51 +72,40 @@ _LOADED_MAX = 8
 
 
 @contextlib.contextmanager
-def _type_hints_memo():
-    """``typing.get_type_hints`` remembered per (class, namespace) while a program loads:
-    torch's deserializer asks it again for every node's dataclasses (5,000 calls, 40% of
-    loading a tiny Llama). Classes do not change during a load; other calls pass through."""
-    orig = typing.get_type_hints
+def _memoised(owner, name: str, key):
+    """``owner.name`` remembered by ``key(*args, **kwargs)`` until the block ends (a call
+    whose key is None passes through)."""
+    orig = getattr(owner, name)
     memo: dict = {}
 
-    def hints(obj, globalns=None, localns=None, include_extras=False):
-        if not isinstance(obj, type) or localns is not None:
-            return orig(obj, globalns, localns, include_extras)
-        key = (obj, id(globalns), include_extras)
-        if key not in memo:
-            memo[key] = orig(obj, globalns, localns, include_extras)
-        return memo[key]
+    def fn(*args, **kwargs):
+        k = key(*args, **kwargs)
+        if k is None:
+            return orig(*args, **kwargs)
+        if k not in memo:
+            memo[k] = orig(*args, **kwargs)
+        return memo[k]
 
-    typing.get_type_hints = hints
+    setattr(owner, name, fn)
     try:
         yield
     finally:
-        typing.get_type_hints = orig
+        setattr(owner, name, orig)
 
 
-@contextlib.contextmanager
-def _sympify_memo():
-    """``sympy.sympify`` of a string remembered while a program loads: the deserialiser parses
-    the same symbolic sizes (``s0``, ``s0*s1``, ...) once per tensor, each parse a full
-    ``parse_expr``. Within one load a name always resolves to the one symbol it cached at
-    first sight, so a repeated string gives the same expression; the memo ends with the load."""
-    import sympy
+def _hints_key(obj, globalns=None, localns=None, include_extras=False):
+    """``typing.get_type_hints`` of a class per namespace: torch's deserialiser asks it again
+    for every node's dataclasses (5,000 calls, 40% of loading a tiny Llama); classes do
+    not change during a load."""
+    return (obj, id(globalns), include_extras) if isinstance(obj, type) and localns is None else None
 
-    orig = sympy.sympify
-    memo: dict = {}
 
-    def sympify(a, locals=None, *args, **kw):
-        if not isinstance(a, str) or locals is None or args or kw:
-            return orig(a, locals, *args, **kw)
-        if a not in memo:
-            memo[a] = orig(a, locals=locals)
-        return memo[a]
-
-    sympy.sympify = sympify
-    try:
-        yield
-    finally:
-        sympy.sympify = orig
+def _sympify_key(a, locals=None, *args, **kwargs):
+    """``sympy.sympify`` of a string: the deserialiser parses the same symbolic sizes (``s0``,
+    ``s0*s1``, ...) once per tensor, each a full ``parse_expr``. Within one load a name always
+    resolves to the one symbol it cached at first sight, so a repeated string gives the same
+    expression."""
+    return a if isinstance(a, str) and locals is not None and not args and not kwargs else None
 
 
 def forget_loaded() -> None:
@@ -132,7 +121,9 @@ def _load_program(data: bytes):
     key = hashlib.sha256(data).hexdigest()
     ep = _LOADED.get(key)
     if ep is None:
-        with _type_hints_memo(), _sympify_memo():
+        import sympy
+
+        with _memoised(typing, "get_type_hints", _hints_key), _memoised(sympy, "sympify", _sympify_key):
             ep = torch.export.load(io.BytesIO(data))
         while len(_LOADED) >= _LOADED_MAX:
             _LOADED.pop(next(iter(_LOADED)))

@@ -355,7 +355,7 @@ def cmd_plan(args) -> int:
     if args.svg:
         console.print(f"wrote {plan.draw(args.svg)}")
     if args.json:
-        out = {"summary": summary(plan, cost), "cluster": cluster.__dict__, "plan": json.loads(plan.to_json())}
+        out = {"summary": summary(plan, cost), "cluster": cluster.to_dict(), "plan": json.loads(plan.to_json())}
         if res is not None:
             out["search"] = res.to_dict()
         with open(args.json, "w") as f:

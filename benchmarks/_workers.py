@@ -322,7 +322,7 @@ def auto_choice(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int,
     torch.set_num_threads(1)
     cluster = autoshard.profile(**profile_kw)
     full = _batch(cfg_kw["vocab_size"], b, s)
-    out = {"cluster": cluster.__dict__ if hasattr(cluster, "__dict__") else str(cluster), "runs": []}
+    out = {"cluster": cluster.to_dict(), "runs": []}
     for mode, depth, dp, label in cands:
         rows = b // dp
         replica = (rank // (world // dp)) if dp > 1 else 0

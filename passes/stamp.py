@@ -7,14 +7,14 @@ their graph. :func:`capture_stamped` exports the model with each repeated stack
 layer ``T`` are copied once per missing layer, their parameters renamed
 (``layers.2.`` → ``layers.7.``), their inputs from layer ``T-1`` taken from the copy
 before, everything else (the stem's rotary tables and masks, T5's position bias
-from layer 0) shared, and the head re-attached to the last copy. Node names follow
-export's own numbering (each name's counter advances by the same stride per
-layer), so the result is the graph a full export gives, down to its names
-(checked against full exports of GPT-2, Llama, BERT and T5 in
-``tests/passes/test_stamp.py``).
+from layer 0) shared, and the head (or a later stack: BART's decoder reading the
+encoder's last layer) re-attached to the last copy. The result is the graph a full
+export gives, node by node, except for the names of the copied nodes (export numbers
+names with gaps left by nodes it erased while tracing); checked against full exports
+of GPT-2, Llama, BERT, T5 and BART in ``tests/passes/test_stamp.py``.
 
-Stamping is refused (``None``: the caller exports the whole model) unless it is
-provably a copy: layers ``T-1`` and ``T`` must have the same ops with inputs in the
+Stamping is refused (:class:`StampRefused`; :func:`capture_stamped` then exports the
+whole model) unless it is provably a copy: layers ``T-1`` and ``T`` must have the same ops with inputs in the
 same places, per-layer config lists (``layer_types``) must be uniform past layer 0,
 the head must read no layer but the last, and the stamped module must hold
 exactly the full model's parameter and buffer names and shapes.
@@ -46,9 +46,8 @@ KEEP = 3                    # layers captured per stack: 0 (may differ: T5's bia
 _SUFFIX = re.compile(r"^(.*?)_(\d+)$")
 
 
-def _layer_keys(config, counts: set[int]) -> dict[str, int]:
-    """The config's layer counts: int entries named ``*layer*`` equal to a ModuleList's length."""
-    d = config.to_dict()
+def _layer_keys(d: dict, counts: set[int]) -> dict[str, int]:
+    """The layer counts of a config's dict: int entries named ``*layer*`` equal to a ModuleList's length."""
     return {k: v for k, v in d.items()
             if "layer" in k and isinstance(v, int) and not isinstance(v, bool) and v in counts}
 
@@ -57,10 +56,10 @@ def shrink_config(config, full: nn.Module, keep: int = KEEP):
     """``(config with every stack cut to keep layers, {list prefix: full length})``, or
     ``None`` when the model's layers cannot be shown uniform from the config."""
     lists = {name: len(m) for name, m in full.named_modules() if isinstance(m, nn.ModuleList) and len(m) > keep}
-    keys = _layer_keys(config, set(lists.values()))
+    d = config.to_dict()
+    keys = _layer_keys(d, set(lists.values()))
     if not keys:
         return None
-    d = config.to_dict()
     for k, v in d.items():      # per-layer lists (layer_types, ...): uniform past layer 0, then cut
         if isinstance(v, (list, tuple)) and len(v) in set(keys.values()) and len(v) > keep:
             if any(x != v[1] for x in v[1:]):
@@ -145,7 +144,6 @@ def _same_layer(prev: list[fx.Node], cur: list[fx.Node], prefix: str, t: int, ta
                 raise StampRefused(f"{a.name} / {b.name}: input {x.name} vs {y.name}")
 
 
-
 def _shape_free(n: fx.Node):
     """A node's non-node arguments (the structure compared between two layers)."""
     return fx.map_arg((n.args, n.kwargs), lambda x: None)
@@ -169,8 +167,7 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
     prev_of = {p: {a: b for a, b in zip(before[p], layer[p])} for p in grow}   # layer T-1 node -> layer T's
     params = dict(gm.named_parameters(remove_duplicate=False))
     buffers = dict(gm.named_buffers(remove_duplicate=False))
-    new = gm                                   # grown in place: the capture is this call's own
-    g = fx.Graph()
+    g = fx.Graph()                             # gm grows in place: the capture is this call's own
     env: dict[fx.Node, fx.Node] = {}
     copy_of: dict[tuple[int, fx.Node], fx.Node] = {}
     closed: set[str] = set()                   # stacks whose layers are all emitted
@@ -182,7 +179,7 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
 
     def add_tensor(target: str, src) -> None:
         mod_path, _, attr = target.rpartition(".")
-        owner = new
+        owner = gm
         for part in mod_path.split(".") if mod_path else []:
             if part not in owner._modules:
                 owner._modules[part] = nn.Module()
@@ -237,22 +234,23 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
             while j < len(nodes) and tags[nodes[j]] == tg:
                 j += 1
             run = nodes[k:j]
-            if any(m.op != run[0].op and "get_attr" in (m.op, run[0].op) for m in run) or \
-                    len(run) != sum(1 for m in layer[p] if (m.op == "get_attr") == (run[0].op == "get_attr")):
+            attrs = run[0].op == "get_attr"      # a layer is two runs: its parameters, then its ops
+            if any((m.op == "get_attr") != attrs for m in run) or \
+                    len(run) != sum(1 for m in layer[p] if (m.op == "get_attr") == attrs):
                 raise StampRefused(f"layer {t} of {p} is not one contiguous run of nodes")
             for m in run:
                 env[m] = create(m, fx.map_arg(m.args, outside), fx.map_arg(m.kwargs, outside), m.name)
             emit_copies(p, run)
-            if run[0].op != "get_attr":
+            if not attrs:
                 closed.add(p)
             k = j
             continue
         env[n] = create(n, fx.map_arg(n.args, outside), fx.map_arg(n.kwargs, outside), n.name)
         k += 1
     g.lint()
-    new.graph = g
-    new.recompile()
-    return dataclasses.replace(cap, module=new, program=None)
+    gm.graph = g
+    gm.recompile()
+    return dataclasses.replace(cap, module=gm, program=None)
 
 
 def capture_stamped(full: nn.Module, *, build: Callable, capture_fn: Callable = capture, **kw) -> Captured:

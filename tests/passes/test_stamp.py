@@ -44,11 +44,8 @@ def _config(arch: str, depth: int = DEPTH):
     return getattr(transformers, cfg_cls)(**kw)
 
 
-def _model(config):
-    return model_from(config).train()
-
-
 def _build(config):
+    """The model of ``config`` on meta in train mode: the full model, and stamping's shallow one."""
     return model_from(config).train()
 
 
@@ -87,7 +84,7 @@ _CASES = {}
 
 def _captures(arch: str):
     if arch not in _CASES:
-        full = _model(_config(arch, DEPTHS.get(arch, DEPTH)))
+        full = _build(_config(arch, DEPTHS.get(arch, DEPTH)))
         _CASES[arch] = (capture_cached(full), capture_stamped(full, build=_build, capture_fn=capture_cached))
     return _CASES[arch]
 
@@ -135,7 +132,7 @@ def test_plan_uses_stamping_and_keeps_the_depth():
 def test_non_uniform_layers_are_exported_whole():
     """GPT-Neo alternates global and local attention: its per-layer list is not uniform,
     so nothing is stamped (the full export is used)."""
-    full = _model(_config("gptneo", depth=4))
+    full = _build(_config("gptneo", depth=4))
     assert shrink_config(full.config, full) is None
     cap = capture_stamped(full, build=_build, capture_fn=capture_cached)
     assert cap.program is not None
@@ -146,7 +143,7 @@ def test_layers_that_differ_are_refused():
     """A shallow capture whose last two layers differ is refused, not stamped."""
     from autoshard.passes import stamp as stamp_mod
 
-    full = _model(_config("llama"))
+    full = _build(_config("llama"))
     small_cfg, lists = shrink_config(full.config, full)
     cap = capture_cached(_build(small_cfg))
     for n in cap.module.graph.nodes:     # plant a difference: layer 2's SiLU becomes a GELU
