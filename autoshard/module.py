@@ -67,6 +67,7 @@ class ShardedModule(nn.Module):
         self._compiled: dict = {}
         self._config = None
         self._generation_config = None
+        self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self.set_grad_sync()
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
@@ -196,6 +197,63 @@ class ShardedModule(nn.Module):
             else:
                 out = self._runner(g)(**full)
         return trim_rows(out, b, padded) if padded != b else out
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_len: int | None = None, **kwargs):
+        """Hugging Face ``generate`` on this sharded causal LM, with a static KV cache that
+        is itself sharded as the plan shards attention (:mod:`autoshard.generate`).
+
+        Takes what ``model.generate`` takes (``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_k``, ``eos_token_id``, ``return_dict_in_generate``, ...) and
+        returns what it returns, identical on every rank. Batched prompts are left-padded
+        with their ``attention_mask``. ``max_len``: positions the cache holds (default:
+        prompt + new tokens, rounded up to a multiple of 64); the prefill and decode
+        graphs are captured once per ``max_len`` and reused. Sampling draws from the
+        default generator, which must be in the same state on every rank (seed it alike:
+        checked). Call on every rank with the same inputs.
+
+        Example (under ``torchrun``)::
+
+            out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32)
+        """
+        from .generate import LEN_QUANTUM, Generator, sharded_lm
+
+        if self._generator is None:
+            self._generator = Generator(self)
+        if input_ids.dim() != 2:
+            raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape {list(input_ids.shape)}")
+        b, p = input_ids.shape
+        gc = kwargs.get("generation_config") or self.generation_config
+        new = kwargs.get("max_new_tokens") or gc.max_new_tokens or max(int(gc.max_length or 20) - p, 1)
+        need = p + int(new)
+        if max_len is None:
+            max_len = -(-need // LEN_QUANTUM) * LEN_QUANTUM
+            lim = self._limits.get("max_positions")
+            if lim and max_len > lim[1]:
+                max_len = max(need, lim[1])
+        if need > max_len:
+            raise ConfigError(f"generate(): prompt {p} + {new} new tokens need {need} cache positions, "
+                              f"max_len={max_len}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if kwargs.get("do_sample") or getattr(gc, "do_sample", False) and kwargs.get("do_sample") is not False:
+            from .api import _check_same_rng
+
+            _check_same_rng(self.mesh.size(self.mesh.axes))
+        split = self.batch_split
+        padded = b + (-b % split)
+        if padded != b:         # rows beyond the batch: copies of the last prompt, cut from the output
+            idx = torch.cat([torch.arange(b), torch.full((padded - b,), b - 1)])
+            input_ids, attention_mask = input_ids[idx], attention_mask[idx]
+        lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
+        out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+        if padded == b:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out[:b]
+        out.sequences = out.sequences[:b]
+        return out
 
     def compile(self, **kwargs) -> "ShardedModule":
         """Run every graph of this module (those captured later too) through

@@ -32,14 +32,14 @@ from autoshard.kernels import KernelIO, check_dropout_mode
 from autoshard.mesh import Mesh
 from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
 from autoshard.policies.base import Choice, NeedReplicate, Policy, SymbolicSizes
-from autoshard.policies.generic import rule_for
+from autoshard.policies.generic import rule_for, writes_first_arg
 from autoshard.policies.linear_ops import linear_operands
 from autoshard.spec import ShardSpec, replicated
 
 from .annotate import Annotation, annotate, param_names
 from .row_order import CONFLICT, RowFact, row_facts
 
-__all__ = ["propagate"]
+__all__ = ["propagate", "state_inputs"]
 
 aten = torch.ops.aten
 _PRIME_BATCH = SymbolicSizes.BATCH
@@ -49,6 +49,23 @@ _get = get_arg
 
 def _is_tensor_val(v) -> bool:
     return isinstance(v, torch.Tensor)
+
+
+def state_inputs(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Graph inputs written in place before anything reads them: every use writes
+    into the input as its first argument (the static KV cache a prefill or decode
+    step updates with ``index_copy_``). Their layout is not the caller's: the first
+    write gives it (:func:`autoshard.policies.generic.index_copy`) and the caller
+    passes each rank's block, as :mod:`autoshard.generate` allocates it."""
+    out = []
+    for n in gm.graph.nodes:
+        uses = [u for u in n.users if u.op == "call_function"      # not export's _guards_fn
+                and u.target is not aten.sym_size.int]                  # a size read is no read
+        if n.op != "placeholder" or not _is_tensor_val(n.meta.get("val")) or not uses:
+            continue
+        if all(writes_first_arg(u.target) and u.args and u.args[0] is n for u in uses):
+            out.append(n.name)
+    return tuple(out)
 
 
 class _Shapes:
@@ -117,11 +134,17 @@ class _Ctx:
             return None
         if a.op == "get_attr" and a.target in self.e.params:
             return self.e.st.param_spec.get(a.target) or replicated(a.meta["val"].dim())
+        if self.is_free_state(a):
+            return replicated(a.meta["val"].dim())
         return self.e.st.specs.get(a.name)
 
     def is_free_param(self, a) -> bool:
         return isinstance(a, fx.Node) and a.op == "get_attr" and a.target in self.e.params \
             and a.target not in self.e.st.param_spec
+
+    def is_free_state(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.op == "placeholder" and a.name in self.e.state \
+            and a.name not in self.e.st.specs
 
     def fixed_param_spec(self, a):
         return self.e.st.param_spec.get(a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else None
@@ -248,6 +271,9 @@ class _Ctx:
                 nd = None if t in _CONTRACTS else _broadcast_dim(u, src, d)
                 stack.extend((w, u, nd) for w in u.users)
                 continue
+            if t in (aten.index_copy_.default, aten.index_copy.default):     # rows written into a cache:
+                stack.extend((w, u, d) for w in u.users)                     # the same dims, another length
+                continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
                 nd = _view_dim(u, src, d) if ann and ann.kind == "view" else None
                 stack.extend((w, u, nd) for w in u.users)
@@ -340,6 +366,7 @@ class _Engine:
         self.dropout = dropout
         self.batch_size, self.seq_len = batch_size, seq_len
         self.params = param_names(self.gm)
+        self.state = frozenset(state_inputs(self.gm))
         # data parallelism: each dp replica is handed its own batch, so the batch dim
         # is split over dp before the graph starts; the policy's batch axes split it further
         self.dp_axes = ("dp",) if "dp" in self.mesh.axes else ()
@@ -402,6 +429,7 @@ class _Engine:
                 nodes.append(np_)
         if self.st_pending:
             raise _Retry(self.st_pending)
+        nodes = self._state_nodes() + nodes
         nodes = self._settle_param_grads(nodes)
         params = []
         groups: dict[int, list[str]] = {}
@@ -427,6 +455,20 @@ class _Engine:
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
                             params=tuple(params), dp=self.policy.dp, local_shapes=local)
+
+    def _state_nodes(self) -> list[NodePlan]:
+        """A row per state input (:func:`state_inputs`): the layout its first write
+        gave it, which is the block each rank allocates and passes."""
+        out = []
+        for n in self.gm.graph.nodes:
+            if n.name not in self.state:
+                continue
+            spec = self.st.specs.setdefault(n.name, replicated(n.meta["val"].dim()))
+            g = self.shapes.concrete(n.meta["val"].shape)
+            out.append(NodePlan(name=n.name, op="placeholder", kind="state", module="", out_spec=spec,
+                                global_shape=g, local_shape=spec.local_shape(g, self.mesh),
+                                notes=("state written in place (KV cache): each rank passes its block",)))
+        return out
 
     def _local_shape(self, node: fx.Node):
         """Local shape of a graph value under the specs just chosen (a tuple of
@@ -507,6 +549,8 @@ class _Engine:
 
     def _placeholder(self, node, ann) -> NodePlan | None:
         v = node.meta.get("val")
+        if node.name in self.state:         # laid out by its first write (index_copy rule)
+            return None
         if not _is_tensor_val(v):
             self.st.specs[node.name] = None
             return None
@@ -600,6 +644,10 @@ class _Engine:
                 if fixed != req:
                     raise ShardingError(f"parameter {a.target} is already split as {fixed} by an earlier use; "
                                         f"this use needs {req}", node=node)
+                in_specs[path] = req
+                continue
+            if ctx.is_free_state(a):        # a state input takes the layout its first write needs
+                self.st.specs[a.name] = req
                 in_specs[path] = req
                 continue
             cur = ctx.spec(a)

@@ -25,7 +25,7 @@ from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "TRIM_META", "rule_for", "view_groups"]
+__all__ = ["RULES", "TRIM_META", "rule_for", "view_groups", "writes_first_arg"]
 
 #: node.meta key :mod:`autoshard.passes.pad` sets on the slice that cuts a padded
 #: vocabulary back to its size (the slice then gathers instead of re-planning the head)
@@ -129,7 +129,7 @@ def inplace(ctx: RuleContext) -> Choice:
     return Choice(out=s, inputs=inputs)
 
 
-def _writes_first_arg(t) -> bool:
+def writes_first_arg(t) -> bool:
     if not isinstance(t, torch._ops.OpOverload) or not t._schema.arguments:
         return False
     info = t._schema.arguments[0].alias_info
@@ -534,6 +534,30 @@ def index_put(ctx: RuleContext) -> Choice:
     return all_replicated_or_fallback(ctx, "index_put on split rows other than a rank-local permutation")
 
 
+def index_copy(ctx: RuleContext) -> Choice:
+    """``index_copy(dst, dim, index, src)``: the rows of ``src`` written into ``dst`` at
+    ``index`` along ``dim`` (a static KV cache's update). A *state input* -- a graph
+    input written before it is read (:meth:`RuleContext.is_free_state`), e.g. the
+    cache of a decode step -- takes the layout of what is written into it, so each
+    rank holds the block of the cache its heads (and batch rows) compute. Otherwise
+    ``dst`` keeps its layout and ``src`` is brought to it. ``dim`` itself stays whole
+    (``index`` is global)."""
+    node = ctx.node
+    dst, dim, _index, src = node.args[:4]
+    dim %= len(ctx.pshape(dst))
+    if ctx.is_free_state(dst):
+        s = ctx.spec(src)
+        want = ShardSpec(dims=s.dims, segments=s.segments)
+        if want.dims[dim]:
+            want = want.with_dim(dim, ())
+    else:
+        want = ctx.spec(dst)
+        if want.partial or want.dims[dim]:
+            return all_replicated_or_fallback(ctx, "index_copy into a tensor split along the written dim")
+    return Choice(out=want, inputs={(0,): want, (2,): replicated(1), (3,): want},
+                  notes=("state input: each rank holds its block",) if ctx.is_free_state(dst) else ())
+
+
 def sort(ctx: RuleContext) -> Choice:
     """A sort along a dim that is whole, or along the batch-split rows: each rank
     sorts its own rows (a rank-local order the row-order analysis follows)."""
@@ -897,6 +921,7 @@ RULES = {
     aten.cumsum.default: cumsum, aten.diff.default: dimwise,
     aten.sort.default: sort, aten.sort.stable: sort, aten.topk.default: topk, aten.histc.default: histc,
     aten.index_put_.default: index_put, aten.index_put.default: index_put,
+    aten.index_copy_.default: index_copy, aten.index_copy.default: index_copy,
     aten.empty_like.default: like, aten.zeros_like.default: like, aten.ones_like.default: like,
     aten.full_like.default: like,
     aten.repeat_interleave.self_int: repeat_interleave,
@@ -925,7 +950,7 @@ def rule_for(node: fx.Node):
         return RULES[t]
     if t == aten.dropout.default:
         return dropout
-    if _writes_first_arg(t) and (t == aten.copy_.default or torch.Tag.pointwise in t.tags
+    if writes_first_arg(t) and (t == aten.copy_.default or torch.Tag.pointwise in t.tags
                                  or t._schema.name.rstrip("_") in _FUNCTIONAL_POINTWISE):
         return inplace
     if t in _POINTWISE_EXTRA or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
