@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 from .log import warn
 
@@ -24,7 +23,7 @@ from .builder import model_from
 from .heartbeat import stale_after
 from .heartbeat import start as start_heartbeat
 from .hf_fill import open_folder
-from .groups import plan_groups
+from .groups import check_same_rng, plan_groups
 from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_model, check_seq, raise_problems, timeout_seconds)
 
@@ -191,7 +190,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
                       gather_outputs=gather_logits, dropout=dropout)
     if any(isinstance(n.kernel, Dropout) for n in p.nodes):
-        _check_same_rng(world)
+        check_same_rng(world, "the model has dropout", "replicas would drop different elements",
+                       "before shard(), or shard(..., seed=s)")
     _warn_fallbacks(p)
     _warn_placement(p.mesh, world)
     groups = plan_groups(p, rank)
@@ -242,28 +242,6 @@ def _warn_placement(mesh, world: int) -> None:
         warn(f"the {', '.join(cross)} groups of mesh {mesh} span nodes ({world // lws} nodes of {lws} ranks): their "
              f"per-layer collectives run between nodes; use a tensor-parallel size that fits in a node and put "
              f"dp (or 2.5d depth) across nodes", AutoshardWarning, stacklevel=3)
-
-
-def _check_same_rng(world: int) -> None:
-    """Dropout masks come from the default generator: every rank must be in the same
-    state, or replicas of one value would drop different elements. One small
-    all-gather; every rank reaches the same verdict."""
-    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    on_gpu = dist.get_backend() == "nccl"
-    if on_gpu:
-        h.update(torch.cuda.get_rng_state().numpy().tobytes())
-    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
-                        device="cuda" if on_gpu else "cpu")
-    table = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(table, mine)
-    groups: dict[int, list[int]] = {}
-    for r, t in enumerate(table):
-        groups.setdefault(int(t), []).append(r)
-    if len(groups) > 1:
-        raise ConfigError("the model has dropout and the ranks' random generators differ (ranks "
-                          + " | ".join(str(rs) for rs in groups.values()) + " agree among themselves): replicas "
-                          "would drop different elements. Seed every rank alike: torch.manual_seed(s) on each rank "
-                          "before shard(), or shard(..., seed=s)")
 
 
 def _input_limits(config) -> dict:

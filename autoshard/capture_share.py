@@ -177,11 +177,12 @@ def cache_dir(environ=None) -> Path | None:
     return Path(raw)
 
 
-def cache_key(model: torch.nn.Module, example_inputs: dict | None) -> str:
+def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = "") -> str:
     """What a capture depends on: the versions of torch, transformers and autoshard; the
     model's class and the source of its module; its config; its structure (submodule
     types, parameter and buffer names, shapes, dtypes, devices); train/eval mode; and the
-    example inputs' names, dtypes, shapes and non-tensor values."""
+    example inputs' names, dtypes, shapes and non-tensor values; ``tag`` names the capture
+    function where it is not :func:`~autoshard.passes.capture.capture`."""
     import inspect
     import sys
 
@@ -198,14 +199,20 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None) -> str:
     parts = [torch.__version__, transformers.__version__, __version__, f"{cls.__module__}.{cls.__qualname__}",
              hashlib.sha256(src.encode()).hexdigest(),
              config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config),
-             str(model.training),
+             str(model.training), tag,
              ";".join(f"{n}:{type(m).__name__}" for n, m in model.named_modules()),
              ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}"
                       for n, t in list(model.named_parameters(remove_duplicate=False))
                       + list(model.named_buffers(remove_duplicate=False)))]
     if example_inputs is not None:
-        parts.append(";".join(f"{k}:{tuple(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else f"{k}={v!r}"
-                              for k, v in sorted(example_inputs.items())))
+        def one(k, v):
+            if isinstance(v, torch.Tensor):
+                return f"{k}:{tuple(v.shape)}:{v.dtype}"
+            if isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v):
+                return f"{k}:[" + ",".join(f"{tuple(t.shape)}:{t.dtype}" for t in v) + "]"
+            return f"{k}={v!r}"
+
+        parts.append(";".join(one(k, v) for k, v in sorted(example_inputs.items())))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -238,10 +245,11 @@ def _cache_write(key: str, blob: bytes) -> None:
         pass                                                      # a cache that cannot be written is no cache
 
 
-def _capture_blob(model, example_inputs) -> bytes:
-    """The packed capture of ``model``: from the disk cache if a valid entry exists,
-    else captured now (and stored)."""
-    key = cache_key(model, example_inputs)
+def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
+    """The packed capture of ``model`` (by ``capture_fn``, default
+    :func:`~autoshard.passes.capture.capture`): from the disk cache if a valid entry
+    exists, else captured now (and stored)."""
+    key = cache_key(model, example_inputs, tag=getattr(capture_fn, "__qualname__", "") if capture_fn else "")
     blob = _cache_read(key)
     if blob is not None:
         try:
@@ -249,7 +257,7 @@ def _capture_blob(model, example_inputs) -> bytes:
             return blob
         except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
             pass
-    blob = pack(capture(model, example_inputs=example_inputs))
+    blob = pack((capture_fn or capture)(model, example_inputs=example_inputs))
     _cache_write(key, blob)
     return blob
 
@@ -278,20 +286,22 @@ def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = No
     return capture_stamped(model, build=build, capture_fn=capture_cached, example_inputs=example_inputs)
 
 
-def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
-    """:func:`~autoshard.passes.capture.capture` on rank 0, loaded by the other ranks,
-    through the disk cache (:func:`cache_dir`): a second launch captures nothing.
+def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
+    """:func:`~autoshard.passes.capture.capture` (or ``capture_fn(model,
+    example_inputs=...)``, e.g. :func:`autoshard.generate.capture_step`) on rank 0,
+    loaded by the other ranks, through the disk cache (:func:`cache_dir`): a second
+    launch captures nothing.
 
     Collective when a process group of more than one rank is initialised (every rank
     calls it with the same model and inputs)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return capture_cached(model, example_inputs=example_inputs)
+        return unpack(_capture_blob(model, example_inputs, capture_fn), model)
     msg: list = [None]
     if dist.get_rank() == 0:
         try:
-            msg[0] = ("ok", _capture_blob(model, example_inputs))
+            msg[0] = ("ok", _capture_blob(model, example_inputs, capture_fn))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             try:
                 pickle.dumps(e)

@@ -48,7 +48,7 @@ from .errors import ConfigError
 from .mesh import Mesh
 from .plan import Comm, NodePlan, ShardingPlan
 
-__all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "link_of", "collective_time",
+__all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "forward_latency", "link_of", "collective_time",
            "node_flops", "default_cluster", "profile", "human_bytes"]
 
 GiB = 2 ** 30
@@ -534,6 +534,30 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
         memory_limit=cluster.memory_bytes,
         notes=tuple(notes), comms=tuple(timed))
+
+
+def forward_latency(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100") -> float:
+    """Predicted seconds of one forward of ``plan`` on ``cluster`` for one rank: each
+    node's matmul at the rate of its size, the per-node dispatch overhead and the
+    forward collectives. For a :meth:`~autoshard.module.ShardedModule.generate`
+    decode plan (``sharded.generation_plan("decode")``) it is the per-token latency.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> import autoshard
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> p = autoshard.plan(cfg, world_size=2, mode="1d", batch_size=4, seq_len=16)
+        >>> 0 < forward_latency(p, "cpu-gloo") < estimate(p, "cpu-gloo").step_s
+        True
+    """
+    cluster = Cluster.preset(cluster)
+    params = _param_index(plan)
+    flops = [node_flops(n, plan, params) for n in plan.nodes]
+    seconds = sum(f / cluster.rate(f) for f in flops if f)
+    seconds += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind not in ("input", "state"))
+    return seconds + sum(collective_time(c, plan.mesh, cluster)[0] for n in plan.nodes for c in n.comms
+                         if c.phase == "fwd")
 
 
 # --------------------------------------------------------------------------- profile

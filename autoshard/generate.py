@@ -12,7 +12,7 @@ module's own slices. The cache inputs are *state inputs*
 (:func:`autoshard.passes.propagate.state_inputs`): the propagate pass gives each the
 layout of what its first write brings -- heads over the tensor-parallel axis in 1d,
 batch rows and heads over the mesh axes in 2d / 2.5d / 3d -- and each rank allocates
-only its block of it (:meth:`Generator.cache_bytes`). Each graph is captured once per
+only its block of it (:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`). Each graph is captured once per
 ``max_len`` (rounded up to a multiple of 64) and reused for every token and every
 later call.
 
@@ -38,6 +38,7 @@ from torch import nn
 from torch.export import Dim
 
 from .builder import build_meta
+from .capture_share import capture_shared
 from .errors import ConfigError
 from .groups import plan_groups
 from .hf_fill import fill_buffers, set_param
@@ -46,7 +47,8 @@ from .passes.capture import Captured
 from .passes.pipeline import plan_captured, prepare
 from .passes.rewrite import rewrite
 
-__all__ = ["Generator", "ShardedLM", "step_class", "cache_shapes", "capture_step", "LEN_QUANTUM"]
+__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "cache_shapes", "capture_step", "step_inputs",
+           "drop_guards", "LEN_QUANTUM"]
 
 LEN_QUANTUM = 64        # cache lengths are rounded up to a multiple of this: one graph pair serves many calls
 
@@ -111,24 +113,28 @@ def cache_shapes(config, batch: int, max_len: int) -> tuple[int, tuple[int, ...]
     return int(c.num_hidden_layers), (batch, kv, max_len, head_dim)
 
 
-def _example(config, *, batch: int, seq: int, max_len: int, device) -> dict:
+def step_inputs(config, *, prefill: bool, max_len: int, device="meta", dtype=torch.float32) -> dict:
+    """Example inputs of a step graph: a batch of 3, a prompt of 5 (prefill) or one
+    token (decode), a cache of ``max_len`` positions (what :func:`capture_step` takes)."""
+    batch, seq = 3, (5 if prefill else 1)
+    if max_len in (batch, seq):
+        raise ConfigError(f"cache length {max_len} is too small")
     layers, shape = cache_shapes(config, batch, max_len)
     z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)      # noqa: E731
     return {"input_ids": z(batch, seq), "attention_mask": z(batch, max_len), "position_ids": z(batch, seq),
             "cache_position": torch.arange(seq, device=device),
-            "cache_keys": [torch.zeros(shape, device=device) for _ in range(layers)],
-            "cache_values": [torch.zeros(shape, device=device) for _ in range(layers)]}
+            "cache_keys": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)],
+            "cache_values": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]}
 
 
-def capture_step(model: nn.Module, *, max_len: int, prefill: bool) -> Captured:
-    """Export ``model`` (a :func:`step_class` instance, weights on meta or real) as the
-    prefill step (dynamic batch and prompt length) or the decode step (dynamic batch,
-    one token), with a static cache of ``max_len`` positions."""
-    batch, seq = 3, (5 if prefill else 1)
-    if max_len in (batch, seq):
-        raise ConfigError(f"cache length {max_len} is too small")
-    device = next(model.parameters()).device
-    kw = _example(model.config, batch=batch, seq=seq, max_len=max_len, device=device)
+def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
+    """Export ``model`` (a :func:`step_class` instance, weights on meta or real) for
+    :func:`step_inputs`: the prefill step (dynamic batch and prompt length) or the
+    decode step (dynamic batch, one token), with a static cache. The graph keeps
+    export's input guards (:func:`drop_guards` removes them)."""
+    kw = example_inputs
+    prefill = kw["input_ids"].shape[1] > 1
+    max_len = kw["attention_mask"].shape[1]
     b = Dim("batch", min=1, max=1 << 16)
     s = Dim("seq", min=2, max=max_len)
     n = len(kw["cache_keys"])
@@ -137,17 +143,21 @@ def capture_step(model: nn.Module, *, max_len: int, prefill: bool) -> Captured:
            "cache_keys": [{0: b}] * n, "cache_values": [{0: b}] * n}
     ep = torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False)
     gm = ep.module()
-    for node in list(gm.graph.nodes):
-        # export's input guards check the global cache shape; each rank passes its block
-        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
     val = next(x for x in gm.graph.nodes if x.name == "input_ids").meta["val"]
     bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
     ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
     return Captured(program=ep, module=gm, model_name=type(model).__name__, input_names=tuple(kw), constants={},
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kw, training=False, config=model.config,
                     seq_range=(2 if prefill else 1, max_len))
+
+
+def drop_guards(gm) -> None:
+    """Remove export's input guards from ``gm``: they check the global cache shape, and
+    each rank passes its block of the cache."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 class Generator:
@@ -174,7 +184,10 @@ class Generator:
         t0 = time.perf_counter()
         built = build_meta(r.config, model_class=step_class(r.model_class), dtype=m.dtype)
         built.model.eval()
-        cap = prepare(capture_step(built.model, max_len=max_len, prefill=prefill), r.policy)
+        ex = step_inputs(r.config, prefill=prefill, max_len=max_len, dtype=m.dtype)
+        cap = capture_shared(built.model, example_inputs=ex, capture_fn=capture_step)   # collective
+        drop_guards(cap.module)
+        cap = prepare(cap, r.policy)
         p = plan_captured(cap, r.policy, batch_size=batch, seq_len=5 if prefill else 1,
                           gather_outputs=True, dropout=r.dropout)
         held = {n: pp for pp in m.plan.params for n in (pp.name, *pp.aliases)}
@@ -207,18 +220,6 @@ class Generator:
             t = torch.zeros(n.out_spec.local_shape(g, plan.mesh), device=device, dtype=dtype)
             (keys if n.name.startswith("cache_keys") else values).append(t)
         return keys, values
-
-
-def cache_bytes(plan, batch: int, max_len: int, dtype_bytes: int = 4) -> int:
-    """Bytes of KV cache one rank holds for ``batch`` sequences of ``max_len`` positions."""
-    import math
-
-    total = 0
-    for n in plan.nodes:
-        if n.kind == "state":
-            g = (batch,) + tuple(n.global_shape[1:-2]) + (max_len, n.global_shape[-1])
-            total += math.prod(n.out_spec.local_shape(g, plan.mesh)) * dtype_bytes
-    return total
 
 
 class ShardedCache:

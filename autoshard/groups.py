@@ -55,3 +55,31 @@ def plan_groups(plan, rank: int) -> dict[str, str]:
     labels.update(p.grad_sync for p in plan.params if p.grad_sync)
     return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
             for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
+
+
+def check_same_rng(world: int, what: str, why: str, fix: str) -> None:
+    """Raise unless every rank's default generator is in the same state (one small
+    all-gather; every rank reaches the same verdict). Dropout masks and sampled tokens
+    come from it: ``what`` needs it, ``why`` says what breaks, ``fix`` where to seed."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from .errors import ConfigError
+
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    on_gpu = dist.get_backend() == "nccl"
+    if on_gpu:
+        h.update(torch.cuda.get_rng_state().numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
+                        device="cuda" if on_gpu else "cpu")
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine)
+    groups: dict[int, list[int]] = {}
+    for r, t in enumerate(table):
+        groups.setdefault(int(t), []).append(r)
+    if len(groups) > 1:
+        raise ConfigError(f"{what} and the ranks' random generators differ (ranks "
+                          + " | ".join(str(rs) for rs in groups.values()) + f" agree among themselves): {why}. "
+                          f"Seed every rank alike: torch.manual_seed(s) on each rank {fix}")

@@ -238,9 +238,10 @@ class ShardedModule(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if kwargs.get("do_sample") or getattr(gc, "do_sample", False) and kwargs.get("do_sample") is not False:
-            from .api import _check_same_rng
+            from .groups import check_same_rng
 
-            _check_same_rng(self.mesh.size(self.mesh.axes))
+            check_same_rng(self.mesh.size(self.mesh.axes), "generate(do_sample=True)",
+                           "the ranks would sample different tokens", "before generate()")
         split = self.batch_split
         padded = b + (-b % split)
         if padded != b:         # rows beyond the batch: copies of the last prompt, cut from the output
@@ -254,6 +255,19 @@ class ShardedModule(nn.Module):
             return out[:b]
         out.sequences = out.sequences[:b]
         return out
+
+    def generation_plan(self, step: str = "decode", max_len: int | None = None) -> ShardingPlan:
+        """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
+        the prompt) for cache length ``max_len`` (default: the latest captured): its
+        collectives are per token, its ``state`` rows the KV cache each rank holds
+        (:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`)."""
+        graphs = self._generator.graphs if self._generator is not None else {}
+        keys = [k for k in graphs if k[0] == (step == "prefill") and (max_len is None or k[1] == max_len)]
+        if step not in ("decode", "prefill") or not keys:
+            raise ConfigError(f"no {step!r} step graph" + (f" for max_len={max_len}" if max_len else "")
+                              + f"; steps: 'decode', 'prefill'; captured: "
+                              f"{sorted(('prefill' if k[0] else 'decode', k[1]) for k in graphs) or 'none (call generate first)'}")
+        return graphs[keys[-1]][1]
 
     def compile(self, **kwargs) -> "ShardedModule":
         """Run every graph of this module (those captured later too) through

@@ -142,7 +142,7 @@ class NodePlan:
     global_shape: tuple = ()
     local_shape: tuple = ()
     weight: str = ""              # weight slice text for the table
-    param_bytes: int = 0
+    param_bytes: int = 0          # parameter bytes per rank (a ``state`` row: its block's bytes)
     notes: tuple = ()
     fallback: bool = False
     saved: tuple | None = None    # (SavedTensor, ...); None: not traced
@@ -270,6 +270,12 @@ class ShardingPlan:
                                 buffer_bytes=p.local_bytes(self.mesh)))
         return out
 
+    @property
+    def state_bytes_per_rank(self) -> int:
+        """Bytes of the state inputs one rank holds (a generation step's KV cache, at the
+        plan's batch size; 0 for a training graph)."""
+        return sum(n.param_bytes for n in self.nodes if n.kind == "state")
+
     def comms(self, phase: str | None = None) -> list[Comm]:
         cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_comms()
         return [c for c in cs if phase is None or c.phase == phase]
@@ -350,6 +356,7 @@ class ShardingPlan:
             "comm_bytes_per_rank_fwd": self.comm_bytes_per_rank("fwd"),
             "comm_bytes_per_rank_bwd": self.comm_bytes_per_rank("bwd"),
             "collective_calls_per_step": len(self.comms()),
+            **({"state_bytes_per_rank": self.state_bytes_per_rank} if self.state_bytes_per_rank else {}),
             "fallbacks": [n.name for n in self.fallbacks],
             "parallel_fraction": self.parallel_fraction(),
             "padding": self.padding(),

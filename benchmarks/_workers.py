@@ -351,3 +351,54 @@ def auto_choice(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int,
                             "predicted_s": est.step_s if est else None,
                             "predicted": est.to_dict() if est else None})
     return out
+
+
+def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int, prompt: int, new: int,
+                  reps: int, dtensor: bool) -> dict:
+    """Per-token latency of greedy ``generate`` on one rank: autoshard's sharded module
+    (static sharded KV cache, step graphs), the dense model, and (``dtensor``) PyTorch's
+    ``parallelize_module`` 1d on the same model, timed alternately ``reps`` times each.
+    A run of ``new`` tokens minus a run of one token, over ``new - 1``: the prefill and
+    the loop's set-up cancel. Also the tokens (equal to dense?) and this rank's KV-cache
+    bytes against the decode plan's."""
+    import copy
+
+    import torch
+
+    import autoshard
+    from autoshard.cost import forward_latency
+
+    torch.set_num_threads(1)
+    dense = _tiny_llama(cfg_kw).eval()
+    ids = _batch(cfg_kw["vocab_size"], b, prompt)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[: b // 2, : prompt // 2] = 0           # left padding on half the rows
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth)
+    ref = dense.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                         pad_token_id=0).tolist()
+    models = {"autoshard": sharded, "dense": dense}
+    if dtensor:
+        models["parallelize_module"] = _dtensor_llama(cfg_kw, world, False).eval()
+    tokens = {}
+    times: dict = {k: [] for k in models}
+    for i in range(reps + 1):
+        for name, m in models.items():
+            spans = []
+            for n in (1, new):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, pad_token_id=0)
+                spans.append(time.perf_counter() - t0)
+            tokens[name] = out.tolist()
+            if i:           # the first round captures the step graphs
+                times[name].append((spans[1] - spans[0]) / (new - 1))
+    plan = sharded.generation_plan("decode")
+    max_len = next(n.global_shape[2] for n in plan.nodes if n.kind == "state")
+    keys, values = sharded._generator.cache(plan, b, max_len, sharded.device, sharded.dtype)
+    return {"times": times, "equal": {k: v == ref for k, v in tokens.items()},
+            "cache_bytes": sum(t.numel() * t.element_size() for t in keys + values),
+            "plan_cache_bytes": plan.state_bytes_per_rank, "decode_calls": len(plan.comms("fwd")),
+            "decode_bytes": plan.comm_bytes_per_rank("fwd"), "captures": sharded._generator.captures,
+            "predicted_s": {c: forward_latency(plan, c) for c in ("cpu-gloo",)}}

@@ -260,7 +260,17 @@ def _vocab_params(gm: fx.GraphModule) -> tuple[int, dict[int, tuple[torch.nn.Par
             and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
     if not embs:
         return None
-    table = gm.get_parameter(max(embs)[1])
+    # the vocabulary is the table a Linear projects back onto (the LM head); without a
+    # head, the largest table (a tiny GPT-2's position table can outgrow its vocabulary)
+    outs = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in LINEAR_OPS:
+            _, wp, _, nd, _ = linear_operands(n)
+            w = _val(n.args[wp[0]])
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                outs.add(int(w.shape[nd]))
+    headed = [e for e in embs if int(gm.get_parameter(e[1]).shape[0]) in outs]
+    table = gm.get_parameter(max(headed or embs)[1])
     V = table.shape[0]
     found = {id(table): (table, 0)}
     for n in gm.graph.nodes:

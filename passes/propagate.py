@@ -465,8 +465,10 @@ class _Engine:
                 continue
             spec = self.st.specs.setdefault(n.name, replicated(n.meta["val"].dim()))
             g = self.shapes.concrete(n.meta["val"].shape)
+            local = spec.local_shape(g, self.mesh)
             out.append(NodePlan(name=n.name, op="placeholder", kind="state", module="", out_spec=spec,
-                                global_shape=g, local_shape=spec.local_shape(g, self.mesh),
+                                global_shape=g, local_shape=local,
+                                param_bytes=math.prod(local) * n.meta["val"].element_size(),
                                 notes=("state written in place (KV cache): each rank passes its block",)))
         return out
 

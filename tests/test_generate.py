@@ -1,0 +1,173 @@
+"""``ShardedModule.generate`` (issue 18): transformers' generation loop on the
+sharded step graphs, with a static KV cache sharded as the plan shards attention.
+
+Greedy search on a batch of four left-padded prompts of different lengths must give
+the dense model's ``generate`` token for token, in every mode; sampling with a seed
+must give the same tokens on every rank and the dense ones; one decode step issues
+the collectives its plan predicts; the step graphs are captured once, not per token.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist_pool import get_pool
+
+NEW = 32
+
+
+def _model(kind: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":     # GQA: 8 query heads, 4 key/value heads
+        return LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=101, max_position_embeddings=128, pad_token_id=0)).eval()
+    # fused QKV (Conv1D), tied head, a vocabulary (101) that no split divides
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=128,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+
+
+def _prompts(b: int = 4):
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 9, 3, 7, 4, 6][:b]
+    p = max(lens)
+    ids = torch.zeros(b, p, dtype=torch.long)
+    mask = torch.zeros(b, p, dtype=torch.long)
+    for i, n in enumerate(lens):
+        ids[i, p - n:] = torch.randint(3, 101, (n,), generator=g)
+        mask[i, p - n:] = 1
+    return ids, mask
+
+
+def _greedy(rank, world, mode, depth, kinds):
+    import autoshard
+
+    torch.set_num_threads(1)
+    out = {}
+    for kind in kinds:
+        dense = _model(kind)
+        ids, mask = _prompts()
+        kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        ref = dense.generate(input_ids=ids, attention_mask=mask, **kw)
+        sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth)
+        got = sharded.generate(input_ids=ids, attention_mask=mask, **kw)
+        again = sharded.generate(input_ids=ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0)
+        ref_again = dense.generate(input_ids=ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=8,
+                                   do_sample=False, pad_token_id=0)
+        plan = sharded.generation_plan("decode")
+        out[kind] = {"got": got.tolist(), "ref": ref.tolist(), "again": again.tolist(),
+                     "ref_again": ref_again.tolist(), "captures": sharded._generator.captures,
+                     "cache_bytes": sum(t.numel() * t.element_size() for t in _cache_blocks(sharded, plan)),
+                     "plan_cache_bytes": plan.state_bytes_per_rank,
+                     "dense_cache_bytes": _dense_cache_bytes(dense, 4, 64)}
+    return out
+
+
+def _cache_blocks(sharded, plan):
+    keys, values = sharded._generator.cache(plan, plan.batch_size, 64, sharded.device, sharded.dtype)
+    return keys + values
+
+
+def _dense_cache_bytes(model, batch: int, max_len: int) -> int:
+    from autoshard.generate import cache_shapes
+
+    layers, shape = cache_shapes(model.config, batch, max_len)
+    return 2 * layers * torch.Size(shape).numel() * 4
+
+
+CASES = [("1d", 2, None), ("1d", 4, None), ("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}")
+def test_greedy_equals_dense(case):
+    mode, world, depth = case
+    results = get_pool(world, timeout=600).run(_greedy, mode, depth, ("llama", "gpt2"))
+    for rank, r in enumerate(results):
+        for kind, x in r.items():
+            assert x["got"] == x["ref"], f"rank {rank} {kind} {mode}@{world}: tokens differ from dense generate"
+            assert x["again"] == x["ref_again"], f"rank {rank} {kind}: second call differs"
+            assert x["captures"] == 2, f"{kind}: {x['captures']} step graphs for two calls (prefill + decode)"
+            assert x["cache_bytes"] == x["plan_cache_bytes"]
+            # the cache is split as attention is: never more than the dense cache, less wherever heads split
+            assert x["cache_bytes"] <= x["dense_cache_bytes"]
+            if mode != "1d" or kind == "llama":
+                assert x["cache_bytes"] < x["dense_cache_bytes"], (kind, mode, x["cache_bytes"])
+
+
+def _sample_and_ledger(rank, world, mode):
+    import autoshard
+    from autoshard.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dense = _model("llama")
+    ids, mask = _prompts()
+    kw = dict(max_new_tokens=12, do_sample=True, top_k=20, temperature=0.9, pad_token_id=0)
+    torch.manual_seed(7)
+    ref = dense.generate(input_ids=ids, attention_mask=mask, **kw)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode)
+    torch.manual_seed(7)
+    got = sharded.generate(input_ids=ids, attention_mask=mask, **kw)
+    # eos per sequence: stop a row at a token the greedy run produces for it
+    greedy = dense.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    eos = int(greedy[0, ids.shape[1] + 3])
+    eos_kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    eos_ref = dense.generate(input_ids=ids, attention_mask=mask, **eos_kw)
+    eos_got = sharded.generate(input_ids=ids, attention_mask=mask, **eos_kw)
+    # the ledger per token: n new tokens = one prefill + (n - 1) decode steps
+    counts = {}
+    for n in (1, 5):
+        with CommLedger() as led:
+            sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        counts[n] = (led.count(), led.bytes_per_rank())
+    decode, prefill = sharded.generation_plan("decode"), sharded.generation_plan("prefill")
+    return {"got": got.tolist(), "ref": ref.tolist(), "eos_got": eos_got.tolist(), "eos_ref": eos_ref.tolist(),
+            "per_token_calls": (counts[5][0] - counts[1][0]) / 4, "per_token_bytes": (counts[5][1] - counts[1][1]) / 4,
+            "plan_calls": len(decode.comms("fwd")), "plan_bytes": decode.comm_bytes_per_rank("fwd"),
+            "prefill_calls": counts[1][0], "plan_prefill_calls": len(prefill.comms("fwd")),
+            "captures": sharded._generator.captures}
+
+
+@pytest.mark.parametrize("case", [("1d", 2), ("2d", 4)], ids=lambda c: f"{c[0]}x{c[1]}")
+def test_sampling_and_ledger_per_token(case):
+    mode, world = case
+    results = get_pool(world, timeout=600).run(_sample_and_ledger, mode)
+    first = results[0]
+    for rank, r in enumerate(results):
+        assert r["got"] == first["got"], f"rank {rank} sampled other tokens than rank 0"
+        assert r["got"] == r["ref"], "seeded sampling differs from dense generate with the same seed"
+        assert r["eos_got"] == r["eos_ref"]
+        assert r["per_token_calls"] == r["plan_calls"] > 0
+        assert r["per_token_bytes"] == pytest.approx(r["plan_bytes"])
+        assert r["prefill_calls"] == r["plan_prefill_calls"]
+        assert r["captures"] == 2          # four generate calls, 1 to 12 tokens each: one prefill + one decode graph
+    assert first["eos_ref"] != first["ref"]
+
+
+def _refuse_encoder_decoder(rank, world):
+    import autoshard
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, vocab_size=64,
+                                                encoder_attention_heads=2, decoder_attention_heads=2,
+                                                encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+    sharded = autoshard.shard(m.eval(), mode="1d")
+    ids, mask = _prompts()
+    try:
+        sharded.generate(input_ids=ids % 64, attention_mask=mask, max_new_tokens=4)
+    except autoshard.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_encoder_decoder_refused_clearly():
+    for msg in get_pool(2, timeout=600).run(_refuse_encoder_decoder):
+        assert msg is not None and "encoder-decoder" in msg
