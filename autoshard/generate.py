@@ -47,7 +47,7 @@ from .passes.capture import Captured
 from .passes.pipeline import plan_captured, prepare
 from .passes.rewrite import rewrite
 
-__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "cache_shapes", "capture_step", "step_inputs",
+__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder", "cache_shapes", "capture_step", "step_inputs",
            "drop_guards", "LEN_QUANTUM"]
 
 LEN_QUANTUM = 64        # cache lengths are rounded up to a multiple of this: one graph pair serves many calls
@@ -76,41 +76,101 @@ def _slot_class():
         def get_seq_length(self):
             return self.pos[0]
 
-    return _Slot
+    class _Pass(StaticLayer):
+        """A cross-attention layer that keeps nothing: the step computes the keys and
+        values of the encoder output again at every token (they are not a graph input)."""
+
+        def __init__(self):
+            super().__init__(max_cache_len=0)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return key_states, value_states
+
+        def get_seq_length(self):
+            return 0
+
+    return _Slot, _Pass
 
 
 def _slot_cache(keys, values, pos):
     from transformers.cache_utils import Cache
 
-    slot = _slot_class()
+    slot, _ = _slot_class()
     return Cache(layers=[slot(k, v, pos) for k, v in zip(keys, values)])
 
 
-def step_class(cls: type) -> type:
+def _cross_cache(layers: int):
+    from transformers.cache_utils import Cache
+
+    _, passing = _slot_class()
+    return Cache(layers=[passing() for _ in range(layers)])
+
+
+def is_encoder_decoder(config) -> bool:
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def step_class(cls: type, *, encoder_decoder: bool = False) -> type:
     """``cls`` whose forward is one cached step: ``(input_ids [b, s], attention_mask
     [b, max_len], position_ids [b, s], cache_position [s], cache_keys, cache_values)
     -> logits [b, 1, vocab]`` of the last position, the caches written in place.
-    Same parameter and buffer names as ``cls`` (it *is* ``cls`` but for forward)."""
+    Same parameter and buffer names as ``cls`` (it *is* ``cls`` but for forward).
+
+    An encoder-decoder's step is its decoder's: ``input_ids`` are the decoder's, its
+    ``attention_mask`` the decoder's over the cache, and it takes the encoder's output
+    and mask (``encoder_hidden_states [b, t, h]``, ``encoder_attention_mask [b, t]``)
+    in place of ``position_ids``; its cross-attention keys and values are computed
+    from them at each step."""
     def forward(self, input_ids, attention_mask, position_ids, cache_position, cache_keys, cache_values):
         out = cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=_slot_cache(cache_keys, cache_values, cache_position), use_cache=True,
                           logits_to_keep=1)
-        return out.logits
+        return out.logits[:, -1:]
+
+    def forward_seq2seq(self, input_ids, attention_mask, cache_position, cache_keys, cache_values,
+                        encoder_hidden_states, encoder_attention_mask):
+        from transformers.cache_utils import EncoderDecoderCache
+
+        cache = EncoderDecoderCache(_slot_cache(cache_keys, cache_values, cache_position),
+                                    _cross_cache(len(cache_keys)))
+        out = cls.forward(self, attention_mask=encoder_attention_mask, decoder_input_ids=input_ids,
+                          decoder_attention_mask=attention_mask, encoder_outputs=(encoder_hidden_states,),
+                          past_key_values=cache, use_cache=True)
+        return out.logits[:, -1:]
+
+    return type(cls.__name__, (cls,), {"forward": forward_seq2seq if encoder_decoder else forward,
+                                       "__module__": cls.__module__})
+
+
+def encoder_class(cls: type) -> type:
+    """``cls`` whose forward runs its encoder alone: ``(input_ids, attention_mask) ->
+    last_hidden_state`` (an encoder-decoder's first generation step)."""
+    def forward(self, input_ids, attention_mask):
+        return self.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
 
 
 def cache_shapes(config, batch: int, max_len: int) -> tuple[int, tuple[int, ...]]:
     """(layers, global shape of one layer's keys) of the static cache."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(c, "is_encoder_decoder", False):
-        raise ConfigError("generate() on a sharded encoder-decoder is not supported yet: its cross-attention cache "
-                          "is computed once from the encoder output, which the step graphs do not take; "
-                          "decoder-only causal LMs are")
-    heads = int(getattr(c, "num_attention_heads"))
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-    return int(c.num_hidden_layers), (batch, kv, max_len, head_dim)
+    c = config      # an encoder-decoder's own config names its decoder's sizes (BART: decoder_layers, ...)
+    if not is_encoder_decoder(config) and hasattr(config, "get_text_config"):
+        c = config.get_text_config(decoder=True)
+
+    def first(*names):
+        return next((int(v) for v in (getattr(c, n, None) for n in names) if v), None)
+
+    heads = first("decoder_attention_heads", "num_heads", "num_attention_heads")
+    layers = first("decoder_layers", "num_decoder_layers", "num_hidden_layers")
+    hidden = first("d_model", "hidden_size")
+    if heads is None or layers is None or hidden is None:
+        raise ConfigError(f"generate(): cannot read the decoder's layers, heads and width from "
+                          f"{type(c).__name__} (looked for decoder_layers / num_hidden_layers, "
+                          f"decoder_attention_heads / num_attention_heads, d_model / hidden_size)")
+    kv = first("num_key_value_heads") or heads
+    head_dim = first("head_dim", "d_kv") or hidden // heads
+    return layers, (batch, kv, max_len, head_dim)
 
 
 def step_inputs(config, *, prefill: bool, max_len: int, device="meta", dtype=torch.float32) -> dict:
@@ -121,10 +181,17 @@ def step_inputs(config, *, prefill: bool, max_len: int, device="meta", dtype=tor
         raise ConfigError(f"cache length {max_len} is too small")
     layers, shape = cache_shapes(config, batch, max_len)
     z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)      # noqa: E731
-    return {"input_ids": z(batch, seq), "attention_mask": z(batch, max_len), "position_ids": z(batch, seq),
-            "cache_position": torch.arange(seq, device=device),
-            "cache_keys": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)],
-            "cache_values": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]}
+    out = {"input_ids": z(batch, seq), "attention_mask": z(batch, max_len), "position_ids": z(batch, seq),
+           "cache_position": torch.arange(seq, device=device),
+           "cache_keys": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)],
+           "cache_values": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]}
+    if is_encoder_decoder(config):
+        t = 7 if max_len != 7 else 6
+        hidden = getattr(config, "d_model", None) or config.hidden_size
+        del out["position_ids"]
+        out["encoder_hidden_states"] = torch.zeros(batch, t, hidden, device=device, dtype=dtype)
+        out["encoder_attention_mask"] = z(batch, t)
+    return out
 
 
 def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
@@ -141,6 +208,10 @@ def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
     dyn = {"input_ids": {0: b, 1: s} if prefill else {0: b}, "attention_mask": {0: b},
            "position_ids": {0: b, 1: s} if prefill else {0: b}, "cache_position": {0: s} if prefill else None,
            "cache_keys": [{0: b}] * n, "cache_values": [{0: b}] * n}
+    if "encoder_hidden_states" in kw:           # an encoder-decoder's step: any source length
+        t = Dim("source", min=2, max=1 << 16)
+        del dyn["position_ids"]
+        dyn.update(encoder_hidden_states={0: b, 1: t}, encoder_attention_mask={0: b, 1: t})
     ep = torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False)
     gm = ep.module()
     val = next(x for x in gm.graph.nodes if x.name == "input_ids").meta["val"]
@@ -170,33 +241,64 @@ class Generator:
         self.captures = 0               # how many step graphs were captured (tests: never grows per token)
 
     def graph(self, *, prefill: bool, max_len: int, batch: int):
+        """The ``(graph module, plan)`` of the prefill or decode step for a cache of ``max_len``."""
         key = (prefill, max_len)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(prefill, max_len, batch)
+            r = self._recipe()
+            ed = is_encoder_decoder(r.config)
+            self.graphs[key] = self._capture(
+                f"{'prefill' if prefill else 'decode'} step (cache {max_len})",
+                step_class(r.model_class, encoder_decoder=ed),
+                step_inputs(r.config, prefill=prefill, max_len=max_len, dtype=self.module.dtype), capture_step,
+                batch, 5 if prefill else 1)
         return self.graphs[key]
 
-    def _capture(self, prefill: bool, max_len: int, batch: int):
-        m = self.module
-        r = m._recipe
+    def encoder(self, batch: int):
+        """The ``(graph module, plan)`` of an encoder-decoder's encoder (its output gathered)."""
+        key = ("encoder", 0)
+        if key not in self.graphs:
+            r = self._recipe()
+            ex = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
+                  "attention_mask": torch.zeros(2, 8, dtype=torch.long, device="meta")}
+            self.graphs[key] = self._capture("encoder", encoder_class(r.model_class), ex, None, batch, 8)
+        return self.graphs[key]
+
+    def _recipe(self):
+        r = self.module._recipe
         if r is None:
             raise ConfigError("generate() needs a module sharded from a Hugging Face model (its class and config "
                               "rebuild the model for the step graphs)")
+        return r
+
+    def _capture(self, what: str, cls: type, example: dict, capture_fn, batch: int, seq: int):
+        """``cls`` (the model's class with another forward) built on meta, captured for
+        ``example`` (rank 0 exports, the others load), planned with the module's policy,
+        rewritten for this rank and bound to the module's own parameters."""
+        m = self.module
+        r = self._recipe()
         t0 = time.perf_counter()
-        built = build_meta(r.config, model_class=step_class(r.model_class), dtype=m.dtype)
+        built = build_meta(r.config, model_class=cls, dtype=m.dtype)
         built.model.eval()
-        ex = step_inputs(r.config, prefill=prefill, max_len=max_len, dtype=m.dtype)
-        cap = capture_shared(built.model, example_inputs=ex, capture_fn=capture_step)   # collective
+        cap = capture_shared(built.model, example_inputs=example, capture_fn=capture_fn)   # collective
         drop_guards(cap.module)
-        cap = prepare(cap, r.policy)
-        p = plan_captured(cap, r.policy, batch_size=batch, seq_len=5 if prefill else 1,
-                          gather_outputs=True, dropout=r.dropout)
+        padded = next((pp for pp in m.plan.params if pp.dense_shape), None)
+        vocab = None
+        if padded is not None:      # pad the step's vocabulary as the module's was
+            vocab = next(d for d, g in zip(padded.dense_shape, padded.global_shape) if d != g)
+        cap = prepare(cap, r.policy, vocab=vocab)
         held = {n: pp for pp in m.plan.params for n in (pp.name, *pp.aliases)}
+        mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
+        p = plan_captured(cap, r.policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=r.dropout,
+                          pinned={n: pp.spec for n, pp in held.items() if n in mine})
+        used = {n.target for n in cap.module.graph.nodes if n.op == "get_attr" and n.users}
         for pp in p.params:
             mine = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)
+            if not used & {pp.name, *pp.aliases}:       # a step reads the decoder alone: the encoder's stay unread
+                continue
             if mine is None or mine.spec != pp.spec or tuple(mine.global_shape) != tuple(pp.global_shape):
-                raise ConfigError(f"the {'prefill' if prefill else 'decode'} step splits parameter {pp.name!r} as "
-                                  f"{pp.spec}, the module holds it as {mine.spec if mine else 'nothing'}: this "
-                                  f"model cannot generate with this module's layout")
+                raise ConfigError(f"the {what} splits parameter {pp.name!r} as {pp.spec}, the module holds it as "
+                                  f"{mine.spec if mine else 'nothing'}: this model cannot generate with this "
+                                  f"module's layout")
         groups = plan_groups(p, m.rank)
         m.groups.update(groups)
         gm = rewrite(cap.module, p, rank=m.rank, groups=groups)
@@ -206,8 +308,7 @@ class Generator:
             set_param(gm, (pp.name, *pp.aliases), own.get_parameter(held[name].name))
         fill_buffers(gm, built, device=m.device)
         self.captures += 1
-        logger.info("captured the %s step (cache %d) in %.1f s", "prefill" if prefill else "decode", max_len,
-                    time.perf_counter() - t0)
+        logger.info("captured the %s in %.1f s", what, time.perf_counter() - t0)
         return gm, p
 
     def cache(self, plan, batch: int, max_len: int, device, dtype) -> tuple[list, list]:
@@ -266,7 +367,7 @@ def sharded_lm(module, *, max_len: int, batch: int):
     graphs (:class:`Generator`) on a fresh cache of ``max_len`` positions for ``batch``
     sequences; returns ``(lm, cache)``: pass the cache as ``past_key_values``."""
     from transformers import GenerationMixin
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
 
     gen = module._generator
     decode_gm, decode_plan = gen.graph(prefill=False, max_len=max_len, batch=batch)
@@ -275,6 +376,7 @@ def sharded_lm(module, *, max_len: int, batch: int):
 
     class ShardedLM(GenerationMixin, nn.Module):
         main_input_name = "input_ids"
+        base_model_prefix = "model"         # no base model: transformers' getattr(self, prefix, None) finds none
         _is_stateful = False
         _supports_cache_class = True
 
@@ -308,25 +410,49 @@ def sharded_lm(module, *, max_len: int, batch: int):
         def get_compiled_call(self, compile_config):        # the step graphs are the compiled form
             return self.__call__
 
+        def get_encoder(self):
+            return encoder
+
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                    use_cache=None, return_dict=None, logits_to_keep=None, **kwargs):
+                    decoder_input_ids=None, encoder_outputs=None, **kwargs):
             c = past_key_values if past_key_values is not None else cache
-            b, s = input_ids.shape
+            seq2seq = encoder_outputs is not None
+            ids = decoder_input_ids if seq2seq else input_ids
+            b, s = ids.shape
             start = c.seen
             if start + s > c.max_len:
                 raise ConfigError(f"generation reached {start + s} positions, over the cache's {c.max_len}")
-            mask = torch.zeros(b, c.max_len, dtype=torch.long, device=input_ids.device)
-            if attention_mask is None:
+            mask = torch.zeros(b, c.max_len, dtype=torch.long, device=ids.device)
+            if attention_mask is None or seq2seq:       # a decoder's tokens are all real
                 mask[:, :start + s] = 1
             else:
                 mask[:, :start + s] = attention_mask[:, :start + s]
-            if position_ids is None:
-                position_ids = _positions(mask[:, :start + s])[:, start:]
             gm, _ = gen.graph(prefill=s > 1, max_len=c.max_len, batch=b)
-            logits = gm(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                        cache_position=torch.arange(start, start + s, device=input_ids.device),
-                        cache_keys=c.keys, cache_values=c.values)
+            step = dict(input_ids=ids, attention_mask=mask, cache_keys=c.keys, cache_values=c.values,
+                        cache_position=torch.arange(start, start + s, device=ids.device))
+            if seq2seq:
+                enc = encoder_outputs[0] if isinstance(encoder_outputs, (tuple, list)) else \
+                    encoder_outputs.last_hidden_state
+                step.update(encoder_hidden_states=enc, encoder_attention_mask=attention_mask if attention_mask
+                            is not None else torch.ones(enc.shape[:2], dtype=torch.long, device=ids.device))
+            else:
+                step["position_ids"] = position_ids if position_ids is not None else \
+                    _positions(mask[:, :start + s])[:, start:]
+            logits = gm(**step)
             c.seen = start + s
+            if seq2seq:
+                return Seq2SeqLMOutput(logits=logits, past_key_values=c, encoder_last_hidden_state=enc)
             return CausalLMOutputWithPast(logits=logits, past_key_values=c)
 
+    class Encoder(nn.Module):
+        """The encoder graph as transformers' ``get_encoder()`` returns it."""
+
+        def forward(self, input_ids=None, attention_mask=None, return_dict=None, output_attentions=None,
+                    output_hidden_states=None):
+            gm, _ = gen.encoder(input_ids.shape[0])
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            return BaseModelOutput(last_hidden_state=gm(input_ids=input_ids, attention_mask=attention_mask))
+
+    encoder = Encoder()
     return ShardedLM(), cache

@@ -251,7 +251,7 @@ class _Unsupported(Exception):
     pass
 
 
-def _vocab_params(gm: fx.GraphModule) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
+def _vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
     """The vocabulary size ``V`` (rows of the largest embedding table) and the
     parameters holding it: that table (dim 0), Linear weights with ``V`` output
     features and their biases, by ``id``."""
@@ -270,6 +270,10 @@ def _vocab_params(gm: fx.GraphModule) -> tuple[int, dict[int, tuple[torch.nn.Par
             if isinstance(w, torch.Tensor) and w.dim() == 2:
                 outs.add(int(w.shape[nd]))
     headed = [e for e in embs if int(gm.get_parameter(e[1]).shape[0]) in outs]
+    if vocab is not None:       # the caller knows the vocabulary (another graph of a padded model)
+        headed = [e for e in embs if int(gm.get_parameter(e[1]).shape[0]) == vocab]
+        if not headed:
+            return None
     table = gm.get_parameter(max(headed or embs)[1])
     V = table.shape[0]
     found = {id(table): (table, 0)}
@@ -289,15 +293,17 @@ def _vocab_params(gm: fx.GraphModule) -> tuple[int, dict[int, tuple[torch.nn.Par
     return V, found
 
 
-def pad_vocab(cap: Captured, multiple: int) -> Captured:
+def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Captured:
     """``cap`` with its vocabulary padded to a multiple of ``multiple`` (the same
     ``cap`` where it divides already, or where nothing is to pad). ``cap`` itself
     is not changed: the result holds a copy of the graph module sharing every
-    parameter that is not padded."""
+    parameter that is not padded. ``vocab``: the vocabulary's size where the graph
+    alone cannot tell it (an encoder without the head: its largest table may be the
+    positions)."""
     if multiple <= 1 or cap.padding:
         return cap
     gm = cap.module
-    found = _vocab_params(gm)
+    found = _vocab_params(gm, vocab)
     if found is None or found[0] % multiple == 0:
         return cap
     V, params = found

@@ -22,21 +22,23 @@ from .trace import trace
 __all__ = ["plan_captured", "prepare"]
 
 
-def prepare(captured: Captured, policy: Policy) -> Captured:
+def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> Captured:
     """``captured`` as ``policy`` plans it: ``x @ W.T`` as ``linear(x, W)``
     (:mod:`~autoshard.passes.linear_fold`), grouped expert matmuls with their
     parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
     padded to the mode's split (the same object where nothing changes). Plan and
-    rewrite this one."""
-    return pad_vocab(fold_grouped_weights(fold_transposed_weights(captured)), policy.vocab_multiple())
+    rewrite this one. ``vocab``: the vocabulary's size, where the graph has no head to
+    tell it (:func:`~autoshard.passes.pad.pad_vocab`)."""
+    return pad_vocab(fold_grouped_weights(fold_transposed_weights(captured)), policy.vocab_multiple(), vocab)
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
-                  gather_outputs: bool = True, dropout: str = "sharded") -> ShardingPlan:
+                  gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None) -> ShardingPlan:
     """The finished plan of ``captured`` under ``policy``: specs, kernels and
     collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
-    node saves for backward (:func:`~autoshard.passes.trace.trace`)."""
+    node saves for backward (:func:`~autoshard.passes.trace.trace`). ``pinned``: parameter
+    layouts fixed beforehand (:func:`~autoshard.passes.propagate.propagate`)."""
     captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                  dropout=dropout)
+                  dropout=dropout, pinned=pinned)
     return trace(p, captured.module)

@@ -356,8 +356,9 @@ _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.
 
 class _Engine:
     def __init__(self, captured, policy: Policy, *, batch_size: int, seq_len: int, gather_outputs: bool,
-                 dropout: str = "sharded"):
+                 dropout: str = "sharded", pinned: dict | None = None):
         self.cap = captured
+        self.pinned = dict(pinned or {})
         self.gm: fx.GraphModule = captured.module
         self.policy = policy
         self.mesh = policy.mesh
@@ -419,7 +420,7 @@ class _Engine:
 
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
-        self.st = _State({}, {}, {}, set(), {}, set(), {})
+        self.st = _State({}, dict(self.pinned), {}, set(), {}, set(), {})
         self.rows = row_facts(self.gm, self.shapes.probe, SymbolicSizes.is_rows)
         self.st_pending: set[str] = set()       # Linears to replicate in the next pass
         nodes: list[NodePlan] = []
@@ -862,8 +863,11 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
 
 
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,
-              gather_outputs: bool = True, dropout: str = "sharded") -> ShardingPlan:
+              gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None) -> ShardingPlan:
     """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``.
-    ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.kernels.Dropout`)."""
+    ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.kernels.Dropout`).
+    ``pinned`` (parameter name -> ShardSpec) fixes layouts before any use, as a tied
+    weight's first use fixes it for the next: another graph of a model whose parameters
+    are already sliced (a generation step) plans around the slices it is given."""
     return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                   dropout=check_dropout_mode(dropout)).run()
+                   dropout=check_dropout_mode(dropout), pinned=pinned).run()
