@@ -411,6 +411,11 @@ class ShardingPlan:
         console.print(f"[bold]split:[/bold] {f['params_split']:.0%} of parameters split over TP · parameter bytes per "
                       f"rank {f['vs_ideal']:.2f}× the ideal (dense / {self.tp_size})"
                       + (f" · largest held whole: {', '.join(f['replicated'][:4])}" if f["vs_ideal"] > 1.15 else ""))
+        if s.get("state_bytes_per_rank"):
+            n = sum(1 for x in self.nodes if x.kind == "state")
+            console.print(f"[bold]KV cache:[/bold] {s['state_bytes_per_rank']:,} B per rank in {n} state inputs at "
+                          f"batch {self.batch_size} (each rank holds its block; a generation step's comm/step is "
+                          f"per token)")
         for pad in s["padding"]:
             d, g = pad["dense_shape"], pad["padded_shape"]
             console.print(f"[bold]padded:[/bold] {pad['param']} {list(d)} → {list(g)} so the vocabulary splits "
