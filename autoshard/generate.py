@@ -40,12 +40,10 @@ from torch.export import Dim
 from .builder import build_meta
 from .capture_share import capture_shared
 from .errors import ConfigError
-from .groups import plan_groups
-from .hf_fill import fill_buffers, set_param
 from .log import logger
 from .passes.capture import Captured
 from .passes.pipeline import plan_captured, prepare
-from .passes.rewrite import rewrite
+from .recapture import rewrite_bound
 
 __all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder", "cache_shapes", "capture_step", "step_inputs",
            "drop_guards", "LEN_QUANTUM"]
@@ -299,14 +297,7 @@ class Generator:
                 raise ConfigError(f"the {what} splits parameter {pp.name!r} as {pp.spec}, the module holds it as "
                                   f"{mine.spec if mine else 'nothing'}: this model cannot generate with this "
                                   f"module's layout")
-        groups = plan_groups(p, m.rank)
-        m.groups.update(groups)
-        gm = rewrite(cap.module, p, rank=m.rank, groups=groups)
-        own = m.graph_module()
-        for pp in p.params:
-            name = next(n for n in (pp.name, *pp.aliases) if n in held)
-            set_param(gm, (pp.name, *pp.aliases), own.get_parameter(held[name].name))
-        fill_buffers(gm, built, device=m.device)
+        gm = rewrite_bound(m, cap, p, built)
         self.captures += 1
         logger.info("captured the %s in %.1f s", what, time.perf_counter() - t0)
         return gm, p

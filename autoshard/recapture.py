@@ -35,7 +35,7 @@ from .passes.pipeline import plan_captured, prepare
 from .passes.rewrite import rewrite
 from .signature import InputSignature, SignatureGraph, batch_inputs, pad_blocker
 
-__all__ = ["capture_graph", "meta_example"]
+__all__ = ["capture_graph", "meta_example", "rewrite_bound"]
 
 
 def meta_example(kwargs: dict, *, batch: int = 2, seq: int = 8, max_seq: int | None = None) -> dict:
@@ -57,6 +57,28 @@ def meta_example(kwargs: dict, *, batch: int = 2, seq: int = 8, max_seq: int | N
         shape = [batch if d == "b" else seq if d == "s" else d for d in dims]
         out[name] = torch.zeros(shape, dtype=getattr(torch, dtype), device="meta")
     return out
+
+
+def rewrite_bound(module, cap, p, built):
+    """``cap`` rewritten under plan ``p`` for ``module``'s rank, its parameters the
+    module's own slices (every graph of a module trains one set of weights), its
+    buffers the module's or, where the module has none, the values ``built`` holds.
+    Collective where ``p`` needs a process group the module did not."""
+    held = {n: pp for pp in module.plan.params for n in (pp.name, *pp.aliases)}
+    groups = plan_groups(p, module.rank)
+    module.groups.update(groups)
+    gm = rewrite(cap.module, p, rank=module.rank, groups=groups)
+    own = module.graph_module()
+    for pp in p.params:
+        name = next(n for n in (pp.name, *pp.aliases) if n in held)
+        set_param(gm, (pp.name, *pp.aliases), own.get_parameter(held[name].name))
+    own_buffers = dict(own.named_buffers(remove_duplicate=False))
+    for name, buf in list(gm.named_buffers(remove_duplicate=False)):
+        if buf.device.type == "meta" and name in own_buffers:
+            mod_path, _, attr = name.rpartition(".")
+            (gm.get_submodule(mod_path) if mod_path else gm)._buffers[attr] = own_buffers[name]
+    fill_buffers(gm, built, device=module.device)
+    return gm
 
 
 def capture_graph(module, kwargs: dict):
@@ -83,19 +105,7 @@ def capture_graph(module, kwargs: dict):
         if mine.spec != pp.spec:
             raise ConfigError(f"for inputs {sig} the plan splits parameter {pp.name!r} as {pp.spec}, the module "
                               f"holds it as {mine.spec}; pass example_inputs with these inputs to shard()")
-    groups = plan_groups(p, module.rank)
-    module.groups.update(groups)
-    gm = rewrite(cap.module, p, rank=module.rank, groups=groups)
-    own = module.graph_module()
-    for pp in p.params:
-        name = next(n for n in (pp.name, *pp.aliases) if n in held)
-        set_param(gm, (pp.name, *pp.aliases), own.get_parameter(held[name].name))
-    own_buffers = dict(own.named_buffers(remove_duplicate=False))
-    for name, buf in list(gm.named_buffers(remove_duplicate=False)):
-        if buf.device.type == "meta" and name in own_buffers:
-            mod_path, _, attr = name.rpartition(".")
-            (gm.get_submodule(mod_path) if mod_path else gm)._buffers[attr] = own_buffers[name]
-    fill_buffers(gm, built, device=module.device)
+    gm = rewrite_bound(module, cap, p, built)
     if r.activation_checkpointing:
         from .passes.remat import checkpoint_blocks
 
