@@ -355,7 +355,8 @@ def auto_choice(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int,
 
 def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int, prompt: int, new: int,
                   reps: int, dtensor: bool) -> dict:
-    """Per-token latency of greedy ``generate`` on one rank: autoshard's sharded module
+    """Per-token latency of greedy ``generate`` on one rank (the cluster profiled first,
+    for the cost model's prediction): autoshard's sharded module
     (static sharded KV cache, step graphs), the dense model, and (``dtensor``) PyTorch's
     ``parallelize_module`` 1d on the same model, timed alternately ``reps`` times each.
     A run of ``new`` tokens minus a run of one token, over ``new - 1``: the prefill and
@@ -369,6 +370,7 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
     from autoshard.cost import forward_latency
 
     torch.set_num_threads(1)
+    cluster = autoshard.profile()           # this machine's collectives and matmul, all ranks at once
     dense = _tiny_llama(cfg_kw).eval()
     ids = _batch(cfg_kw["vocab_size"], b, prompt)["input_ids"]
     mask = torch.ones_like(ids)
@@ -401,4 +403,4 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
             "cache_bytes": sum(t.numel() * t.element_size() for t in keys + values),
             "plan_cache_bytes": plan.state_bytes_per_rank, "decode_calls": len(plan.comms("fwd")),
             "decode_bytes": plan.comm_bytes_per_rank("fwd"), "captures": sharded._generator.captures,
-            "predicted_s": {c: forward_latency(plan, c) for c in ("cpu-gloo",)}}
+            "predicted_s": {"cpu-gloo": forward_latency(plan, "cpu-gloo"), "profiled": forward_latency(plan, cluster)}}

@@ -6,8 +6,9 @@ run per layout. Greedy, a batch of left-padded prompts; each figure is a run of
 ``--new`` tokens minus a run of one token over ``new - 1`` (prefill and set-up
 cancel), median over ``--reps``, slowest rank. Also: tokens equal to dense, the
 KV-cache bytes each rank holds against the decode plan's, collectives per token,
-and the cost model's per-token prediction (``autoshard.cost.forward_latency`` on the
-``cpu-gloo`` preset).
+and the cost model's per-token prediction (``autoshard.cost.forward_latency``) on a
+cluster measured by ``autoshard.profile()`` on the same ranks first, and on the
+``cpu-gloo`` preset.
 
     python benchmarks/bench_generate.py [--runs 1d:2 1d:4 2d:4 3d:8] [--new 16] [--reps 5]
 """
@@ -55,19 +56,19 @@ def main(argv=None) -> int:
                      "cache_bytes": [r["cache_bytes"] for r in per_rank],
                      "plan_cache_bytes": [r["plan_cache_bytes"] for r in per_rank],
                      "decode_calls": r0["decode_calls"], "decode_bytes": r0["decode_bytes"],
-                     "captures": r0["captures"], "predicted_s": r0["predicted_s"]["cpu-gloo"]})
+                     "captures": r0["captures"], "predicted_s": r0["predicted_s"]})
         con.print(f"[dim]{mode} on {world} ranks: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items())
                   + "[/dim]")
     t = Table(title="per-token latency of greedy generate (ms, slowest rank, median)", header_style="bold")
     for c in ("layout", "autoshard", "dense", "parallelize_module", "autoshard / dense", "autoshard / PM",
-              "predicted", "tokens = dense", "KV cache B/rank (= plan)", "calls/token", "comm B/token"):
+              "predicted (profile / preset)", "tokens = dense", "KV cache B/rank (= plan)", "calls/token", "comm B/token"):
         t.add_column(c, justify="right")
     for r in rows:
         m = r["median_s"]
         pm = m.get("parallelize_module")
         t.add_row(f"{r['mode']}@{r['world']}", f"{m['autoshard'] * 1e3:.1f}", f"{m['dense'] * 1e3:.1f}",
                   f"{pm * 1e3:.1f}" if pm else "-", f"{m['autoshard'] / m['dense']:.2f}",
-                  f"{m['autoshard'] / pm:.2f}" if pm else "-", f"{r['predicted_s'] * 1e3:.1f}",
+                  f"{m['autoshard'] / pm:.2f}" if pm else "-", f"{r['predicted_s']['profiled'] * 1e3:.1f} / {r['predicted_s']['cpu-gloo'] * 1e3:.1f}",
                   " ".join(f"{k[:2]}:{'yes' if v else 'NO'}" for k, v in r["equal"].items()),
                   f"{r['cache_bytes'][0]:,} ({'=' if r['cache_bytes'] == r['plan_cache_bytes'] else '≠'})",
                   str(r["decode_calls"]), f"{r['decode_bytes']:,.0f}")
