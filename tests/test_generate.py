@@ -23,9 +23,13 @@ NEW = 32
 
 def _model(kind: str):
     from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM)
+                              LlamaForCausalLM, T5Config, T5ForConditionalGeneration)
 
     torch.manual_seed(0)
+    if kind == "t5":        # relative position bias, no position table; d_kv names the head size
+        return T5ForConditionalGeneration(T5Config(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=101,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
     if kind == "bart":      # encoder-decoder: the encoder runs once, the decoder steps with a sharded cache
         return BartForConditionalGeneration(BartConfig(
             d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=101, encoder_attention_heads=4,
@@ -109,6 +113,13 @@ def test_greedy_equals_dense(case):
             assert x["cache_bytes"] <= x["dense_cache_bytes"]
             if mode != "1d" or kind == "llama":
                 assert x["cache_bytes"] < x["dense_cache_bytes"], (kind, mode, x["cache_bytes"])
+
+
+def test_t5_greedy_equals_dense():
+    for rank, r in enumerate(get_pool(2, timeout=600).run(_greedy, "1d", None, ("t5",))):
+        x = r["t5"]
+        assert x["got"] == x["ref"] and x["again"] == x["ref_again"], f"rank {rank}: T5 tokens differ from dense"
+        assert x["captures"] == 2 and x["cache_bytes"] == x["plan_cache_bytes"] < x["dense_cache_bytes"]
 
 
 def _sample_and_ledger(rank, world, mode):
