@@ -120,10 +120,16 @@ def step_class(cls: type, *, encoder_decoder: bool = False) -> type:
     and mask (``encoder_hidden_states [b, t, h]``, ``encoder_attention_mask [b, t]``)
     in place of ``position_ids``; its cross-attention keys and values are computed
     from them at each step."""
+    import inspect
+
+    # a mixture of experts' router logits feed its auxiliary loss, which a step does not compute
+    extra = {"output_router_logits": False} if "output_router_logits" in inspect.signature(cls.forward).parameters \
+        else {}
+
     def forward(self, input_ids, attention_mask, position_ids, cache_position, cache_keys, cache_values):
         out = cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=_slot_cache(cache_keys, cache_values, cache_position), use_cache=True,
-                          logits_to_keep=1)
+                          logits_to_keep=1, **extra)
         return out.logits[:, -1:]
 
     def forward_seq2seq(self, input_ids, attention_mask, cache_position, cache_keys, cache_values,
@@ -134,11 +140,11 @@ def step_class(cls: type, *, encoder_decoder: bool = False) -> type:
                                     _cross_cache(len(cache_keys)))
         out = cls.forward(self, attention_mask=encoder_attention_mask, decoder_input_ids=input_ids,
                           decoder_attention_mask=attention_mask, encoder_outputs=(encoder_hidden_states,),
-                          past_key_values=cache, use_cache=True)
+                          past_key_values=cache, use_cache=True, **extra)
         return out.logits[:, -1:]
 
     return type(cls.__name__, (cls,), {"forward": forward_seq2seq if encoder_decoder else forward,
-                                       "__module__": cls.__module__})
+                                       "__module__": cls.__module__, "_autoshard_base": cls})
 
 
 def encoder_class(cls: type) -> type:
@@ -150,9 +156,63 @@ def encoder_class(cls: type) -> type:
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
 
 
-def cache_shapes(config, batch: int, max_len: int) -> tuple[int, tuple[int, ...]]:
-    """(layers, global shape of one layer's keys) of the static cache."""
-    c = config      # an encoder-decoder's own config names its decoder's sizes (BART: decoder_layers, ...)
+def cache_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per decoder layer, the ``[kv_heads, head_dim]`` of the keys and of the values its
+    attention caches: read from one forward of ``model`` (on meta: no compute) whose
+    cache records what each layer writes, so no config attribute names are guessed
+    (Falcon's ``num_kv_heads``, T5's ``d_kv``, per-layer sizes all come out as the model
+    computes them)."""
+    from transformers.cache_utils import Cache, EncoderDecoderCache, StaticLayer
+
+    seen: dict[int, tuple] = {}
+
+    class Record(StaticLayer):
+        def __init__(self, i):
+            super().__init__(max_cache_len=0)
+            self.i, self.is_initialized = i, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            seen[self.i] = (tuple(key_states.shape[1:2]) + tuple(key_states.shape[3:]),
+                            tuple(value_states.shape[1:2]) + tuple(value_states.shape[3:]))
+            # one position already cached: the mask is not square, so transformers does not look
+            # into it to skip it (a data-dependent check that meta tensors cannot answer)
+            return (torch.cat([key_states[:, :, :1], key_states], 2),
+                    torch.cat([value_states[:, :, :1], value_states], 2))
+
+        def get_seq_length(self):
+            return 1
+
+        def get_query_offset(self):
+            return 1
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return query_length + 1, 0
+
+    cls = getattr(type(model), "_autoshard_base", type(model))
+    device = next(model.parameters()).device
+    ids = torch.ones(2, 3, dtype=torch.long, device=device)
+    rec = Cache(layers=[Record(i) for i in range(1024)])
+    kw = dict(use_cache=True)
+    if is_encoder_decoder(model.config):
+        kw.update(input_ids=ids, decoder_input_ids=ids, past_key_values=EncoderDecoderCache(rec, _cross_cache(1024)))
+    else:
+        kw.update(input_ids=ids, past_key_values=rec)
+    try:
+        with torch.no_grad():
+            cls.forward(model, **kw)
+    except Exception as e:  # noqa: BLE001 - a forward meta tensors cannot run (MoE routing): the config's sizes
+        return _shapes_from_config(model.config, cls.__name__, e)
+    if not seen or sorted(seen) != list(range(len(seen))):
+        raise ConfigError(f"generate(): {cls.__name__}'s attention wrote no key/value cache for layers "
+                          f"{sorted(seen) or 'any'} in a forward with use_cache=True; it cannot generate with a "
+                          f"static cache")
+    return [seen[i] for i in range(len(seen))]
+
+
+def _shapes_from_config(config, name: str, why: Exception) -> list:
+    """:func:`cache_shapes` from the config's usual names, where the model's forward cannot
+    run on meta (a mixture of experts routes on values)."""
+    c = config
     if not is_encoder_decoder(config) and hasattr(config, "get_text_config"):
         c = config.get_text_config(decoder=True)
 
@@ -163,26 +223,28 @@ def cache_shapes(config, batch: int, max_len: int) -> tuple[int, tuple[int, ...]
     layers = first("decoder_layers", "num_decoder_layers", "num_hidden_layers")
     hidden = first("d_model", "hidden_size")
     if heads is None or layers is None or hidden is None:
-        raise ConfigError(f"generate(): cannot read the decoder's layers, heads and width from "
-                          f"{type(c).__name__} (looked for decoder_layers / num_hidden_layers, "
-                          f"decoder_attention_heads / num_attention_heads, d_model / hidden_size)")
+        raise ConfigError(f"generate(): cannot tell {name}'s cache shapes: its forward does not run on the meta "
+                          f"device ({type(why).__name__}: {str(why).splitlines()[0][:200]}) and its config names no "
+                          f"num_hidden_layers / num_attention_heads / hidden_size") from why
     kv = first("num_key_value_heads") or heads
     head_dim = first("head_dim", "d_kv") or hidden // heads
-    return layers, (batch, kv, max_len, head_dim)
+    return [((kv, head_dim), (kv, head_dim))] * layers
 
 
-def step_inputs(config, *, prefill: bool, max_len: int, device="meta", dtype=torch.float32) -> dict:
-    """Example inputs of a step graph: a batch of 3, a prompt of 5 (prefill) or one
-    token (decode), a cache of ``max_len`` positions (what :func:`capture_step` takes)."""
+def step_inputs(model: nn.Module, *, prefill: bool, max_len: int, device="meta", dtype=torch.float32) -> dict:
+    """Example inputs of ``model``'s step graph: a batch of 3, a prompt of 5 (prefill)
+    or one token (decode), a cache of ``max_len`` positions shaped as each layer writes
+    it (:func:`cache_shapes`): what :func:`capture_step` takes."""
     batch, seq = 3, (5 if prefill else 1)
     if max_len in (batch, seq):
         raise ConfigError(f"cache length {max_len} is too small")
-    layers, shape = cache_shapes(config, batch, max_len)
+    config = model.config
+    shapes = cache_shapes(model)
     z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=device)      # noqa: E731
     out = {"input_ids": z(batch, seq), "attention_mask": z(batch, max_len), "position_ids": z(batch, seq),
            "cache_position": torch.arange(seq, device=device),
-           "cache_keys": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)],
-           "cache_values": [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]}
+           "cache_keys": [torch.zeros(batch, k[0], max_len, *k[1:], device=device, dtype=dtype) for k, _ in shapes],
+           "cache_values": [torch.zeros(batch, v[0], max_len, *v[1:], device=device, dtype=dtype) for _, v in shapes]}
     if is_encoder_decoder(config):
         t = 7 if max_len != 7 else 6
         hidden = getattr(config, "d_model", None) or config.hidden_size
@@ -222,10 +284,21 @@ def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
 
 def drop_guards(gm) -> None:
     """Remove export's input guards from ``gm``: they check the global cache shape, and
-    each rank passes its block of the cache."""
-    for node in list(gm.graph.nodes):
+    each rank passes its block of the cache. Also undo what capturing on the meta device
+    chose for a device that is not this one: transformers' MoE routing counts tokens
+    per expert with ``histc`` on integers off CPU, which the CPU kernel does not take
+    (cast to float first: exact for counts below 2**24)."""
+    g = gm.graph
+    for node in list(g.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
-            gm.graph.erase_node(node)
+            g.erase_node(node)
+        elif node.target is torch.ops.aten.histc.default and isinstance(node.args[0], torch.fx.Node):
+            v = node.args[0].meta.get("val")
+            if isinstance(v, torch.Tensor) and not v.is_floating_point():
+                with g.inserting_before(node):
+                    f = g.call_function(torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
+                f.meta["val"] = v.float()
+                node.args = (f,) + tuple(node.args[1:])
     gm.recompile()
 
 
@@ -247,7 +320,8 @@ class Generator:
             self.graphs[key] = self._capture(
                 f"{'prefill' if prefill else 'decode'} step (cache {max_len})",
                 step_class(r.model_class, encoder_decoder=ed),
-                step_inputs(r.config, prefill=prefill, max_len=max_len, dtype=self.module.dtype), capture_step,
+                lambda model: step_inputs(model, prefill=prefill, max_len=max_len, dtype=self.module.dtype),
+                capture_step,
                 batch, 5 if prefill else 1)
         return self.graphs[key]
 
@@ -258,7 +332,7 @@ class Generator:
             r = self._recipe()
             ex = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
                   "attention_mask": torch.zeros(2, 8, dtype=torch.long, device="meta")}
-            self.graphs[key] = self._capture("encoder", encoder_class(r.model_class), ex, None, batch, 8)
+            self.graphs[key] = self._capture("encoder", encoder_class(r.model_class), lambda model: ex, None, batch, 8)
         return self.graphs[key]
 
     def _recipe(self):
@@ -268,17 +342,30 @@ class Generator:
                               "rebuild the model for the step graphs)")
         return r
 
-    def _capture(self, what: str, cls: type, example: dict, capture_fn, batch: int, seq: int):
+    def _capture(self, what: str, cls: type, example, capture_fn, batch: int, seq: int):
         """``cls`` (the model's class with another forward) built on meta, captured for
-        ``example`` (rank 0 exports, the others load), planned with the module's policy,
+        ``example(model)`` (rank 0 exports, the others load), planned with the module's policy,
         rewritten for this rank and bound to the module's own parameters."""
         m = self.module
         r = self._recipe()
         t0 = time.perf_counter()
         built = build_meta(r.config, model_class=cls, dtype=m.dtype)
         built.model.eval()
-        cap = capture_shared(built.model, example_inputs=example, capture_fn=capture_fn)   # collective
+        cap = capture_shared(built.model, example_inputs=example(built.model), capture_fn=capture_fn)   # collective
         drop_guards(cap.module)
+        tensors = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
+        made = []
+        for node in cap.module.graph.nodes:     # constants export lifted out of the forward
+            if node.op == "get_attr" and node.target not in tensors:
+                obj = cap.module
+                for part in node.target.split("."):
+                    obj = getattr(obj, part, None)
+                if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
+                    made.append(node.target)
+        if made:        # tensors the forward creates (export lifts them): on meta they have no values
+            raise ConfigError(f"generate(): the {what} of {cls.__name__} holds tensors its forward computes "
+                          f"({', '.join(made[:4])}{', ...' if len(made) > 4 else ''}), which a capture on the meta "
+                          f"device leaves without values; this model cannot generate sharded yet")
         padded = next((pp for pp in m.plan.params if pp.dense_shape), None)
         vocab = None
         if padded is not None:      # pad the step's vocabulary as the module's was

@@ -89,8 +89,7 @@ def _cache_blocks(sharded, plan):
 def _dense_cache_bytes(model, batch: int, max_len: int) -> int:
     from autoshard.generate import cache_shapes
 
-    layers, shape = cache_shapes(model.config, batch, max_len)
-    return 2 * layers * torch.Size(shape).numel() * 4
+    return sum(batch * max_len * (k[0] * k[1] + v[0] * v[1]) * 4 for k, v in cache_shapes(model))
 
 
 # 2.5d@8 (q=2, d=2) runs under `make test-extended` (46 s of the suite); 3d@8 covers 8 ranks here
