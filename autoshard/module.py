@@ -173,8 +173,9 @@ class ShardedModule(nn.Module):
         the padded rows cut from the outputs (exact; see :mod:`autoshard.signature`)."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if kwargs.get("use_cache"):
-            raise ConfigError("use_cache=True: a sharded module runs without a KV cache (its graphs are captured "
-                              "with use_cache=False); call it without use_cache")
+            raise ConfigError("use_cache=True: a sharded module's forward runs without a KV cache (its graphs are "
+                              "captured with use_cache=False); call it without use_cache, or decode with "
+                              "sharded.generate(...), which keeps a sharded static cache")
         self._check_inputs(kwargs)
         g, full = self._graph_for(kwargs)
         ids = full.get("input_ids")

@@ -106,7 +106,7 @@ CASES = [
          r"3 problems:\n  - dtype: parameters mix dtypes.*\n  - num_attention_heads=3 is not.*\n  - input_ids: must hold integer"),
     # --- calling a sharded module ----------------------------------------------------------------
     Case("call-use-cache", 2, "calling the sharded module with `use_cache=True`", "ConfigError",
-         r"use_cache=True: a sharded module runs without a KV cache"),
+         r"use_cache=True: a sharded module.s forward runs without a KV cache.*generate"),
     Case("call-token-out-of-vocab", 2, "calling with token id 200, vocabulary 128", "ConfigError",
          r"input_ids: token ids span \d+\.\.200, outside the vocabulary 0\.\.127 \(a vocab-parallel embedding would"),
     Case("call-mask-shape", 2, "calling with `attention_mask` [4, 7], `input_ids` [4, 8]", "ConfigError",
