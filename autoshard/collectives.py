@@ -169,6 +169,14 @@ def _(x, group, op):
     return torch.empty_like(x)
 
 
+def all_reduce_async(x: torch.Tensor, group: str):
+    """Start a sum all-reduce of ``x`` in place over ``group`` (counted by the ledger)
+    and return its work handle (``.wait()``). Not a graph op: the bucketed gradient
+    hooks of :mod:`autoshard.overlap` use it outside autograd."""
+    _record("all_reduce", group, x.numel() * x.element_size())
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
+
+
 @torch.library.custom_op("autoshard::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)

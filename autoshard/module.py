@@ -68,6 +68,7 @@ class ShardedModule(nn.Module):
         self._config = None
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
+        self._bucketed = None        # autoshard.overlap.BucketedGradSync after overlap_grad_sync()
         self.set_grad_sync()
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
@@ -75,12 +76,39 @@ class ShardedModule(nn.Module):
         over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
         reduce-scatters the ``dp`` part itself: :mod:`autoshard.zero`). Collective when
         a new axes subset needs a process group (call on every rank)."""
-        from .groups import axes_label, mesh_group
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self, "_bucketed", None) is not None:
+            self._bucketed.remove()
+            self._bucketed = None
+        for p, group in self._synced_params(exclude):
+            self._hooks.append(p.register_hook(_sync_hook(group)))
+
+    def overlap_grad_sync(self, bucket_bytes: int | None = 1 << 20, exclude: tuple[str, ...] = ()) -> None:
+        """All-reduce the gradients in buckets of about ``bucket_bytes``, launched
+        asynchronously during backward so they travel while autograd computes the next
+        gradients (:mod:`autoshard.overlap`; DDP-style). Exact, and fewer calls than the
+        plan's per-parameter list (the ledger counts buckets). ``None``: back to one
+        blocking all-reduce per parameter (:meth:`set_grad_sync`). Collective where a
+        process group is new (call on every rank)."""
+        self.set_grad_sync(exclude)
+        if bucket_bytes is None:
+            return
+        from .overlap import BucketedGradSync
 
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._bucketed = BucketedGradSync(self._synced_params(exclude), bucket_bytes)
+
+    def _synced_params(self, exclude: tuple[str, ...]) -> list:
+        """(parameter, group name) for every parameter whose gradient the plan syncs over
+        axes not in ``exclude`` (process groups created as needed, collectively)."""
+        from .groups import axes_label, mesh_group
+
         params = dict(self.named_parameters(remove_duplicate=False))
+        out = []
         for pp in self.plan.params:
             axes = tuple(a for a in pp.grad_sync if a not in exclude)
             if not axes or pp.name not in params:
@@ -88,7 +116,8 @@ class ShardedModule(nn.Module):
             label = axes_label(axes)
             if label not in self.groups:
                 self.groups[label] = mesh_group(self.mesh, axes, self.rank).group_name
-            self._hooks.append(params[pp.name].register_hook(_sync_hook(self.groups[label])))
+            out.append((params[pp.name], self.groups[label]))
+        return out
 
     # -- looks like the Hugging Face model
     @property

@@ -404,3 +404,58 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
             "plan_cache_bytes": plan.state_bytes_per_rank, "decode_calls": len(plan.comms("fwd")),
             "decode_bytes": plan.comm_bytes_per_rank("fwd"), "captures": sharded._generator.captures,
             "predicted_s": {"cpu-gloo": forward_latency(plan, "cpu-gloo"), "profiled": forward_latency(plan, cluster)}}
+
+
+def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int, s: int, steps: int,
+                 warmup: int, buckets: list) -> dict:
+    """Training-step time (forward + backward + AdamW) of one layout with its gradient
+    all-reduces made one blocking call per parameter (the default) and in asynchronous
+    buckets during backward (``overlap_grad_sync(bucket_bytes)``, each of ``buckets``),
+    same weights and batch, timed alternately step by step in one run."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.collectives import CommLedger
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    full = _batch(cfg_kw["vocab_size"], b, s)
+    tp = world // dp
+    rows = b // dp
+    inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
+    base = _tiny_llama(cfg_kw)
+    runs = {}
+    for bucket in [None] + list(buckets):
+        m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, example_inputs=inputs)
+        if bucket is not None:
+            m.overlap_grad_sync(bucket_bytes=bucket)
+        runs["per-parameter" if bucket is None else f"buckets {bucket:,} B"] = (
+            m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+
+    def one(m, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = m(**inputs).loss
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    for _ in range(warmup):
+        for m, opt in runs.values():
+            one(m, opt)
+    times: dict = {k: [] for k in runs}
+    calls = {}
+    losses = {}
+    for _ in range(steps):
+        for name, (m, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            with CommLedger() as led:
+                losses[name] = one(m, opt)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+            calls[name] = led.count()
+    return {"times": times, "calls": calls, "losses": losses}

@@ -1,0 +1,87 @@
+"""Gradient all-reduces overlapped with backward, in buckets (DDP-style).
+
+By default a :class:`~autoshard.module.ShardedModule` all-reduces each replicated
+parameter's gradient over its plan's ``grad_sync`` axes (``dp`` and the axes a
+gradient is partial on) inside backward, one blocking call per parameter, as soon
+as autograd produces it. :class:`BucketedGradSync` instead gathers the gradients of
+one process group (and dtype) into a bucket and launches the bucket's all-reduce
+asynchronously once it holds ``bucket_bytes``: backward goes on computing the next
+layers' gradients while the bucket travels; a callback at the end of backward
+sends the last partial buckets, waits for all of them and adds each reduced
+gradient into ``.grad``.
+
+Exact: the hook hands autograd a zero gradient to accumulate and the callback adds
+the reduced one, so ``.grad`` ends as ``previous + all_reduce(incoming)``, as the
+per-parameter path leaves it (gradient accumulation included). Fewer calls than
+the plan lists (one per bucket, not per parameter): the ledger then counts the
+buckets. Every rank must run the same backward (as for any collective): buckets
+fill in the same order on every rank.
+
+    sharded.overlap_grad_sync(bucket_bytes=1 << 20)     # on every rank, before training
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import collectives as C
+
+__all__ = ["BucketedGradSync"]
+
+
+class BucketedGradSync:
+    """Hooks on ``params`` (``[(parameter, group name)]``) that all-reduce their
+    gradients in asynchronous buckets of about ``bucket_bytes`` during backward."""
+
+    def __init__(self, params: list, bucket_bytes: int):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = int(bucket_bytes)
+        self._pending: dict = {}        # (group, dtype) -> [(param, grad)]
+        self._size: dict = {}
+        self._inflight: list = []       # (work, flat buffer, [(param, grad)])
+        self._queued = False
+        self.handles = [p.register_hook(self._hook(p, group)) for p, group in params]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _hook(self, p, group: str):
+        def hook(grad):
+            if not self._queued:        # once per backward: finish after autograd's last node
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self._queued = True
+            key = (group, grad.dtype, grad.device)
+            self._pending.setdefault(key, []).append((p, grad))
+            self._size[key] = self._size.get(key, 0) + grad.numel() * grad.element_size()
+            if self._size[key] >= self.bucket_bytes:
+                self._launch(key)
+            return torch.zeros_like(grad)
+        return hook
+
+    def _launch(self, key) -> None:
+        bucket = self._pending.pop(key, [])
+        self._size.pop(key, None)
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for _, g in bucket])
+        self._inflight.append((C.all_reduce_async(flat, key[0]), flat, bucket))
+
+    def _finish(self) -> None:
+        for key in sorted(self._pending, key=lambda k: (k[0], str(k[1]), str(k[2]))):   # same order on every rank
+            self._launch(key)
+        for work, flat, bucket in self._inflight:
+            work.wait()
+            at = 0
+            for p, g in bucket:
+                n = g.numel()
+                reduced = flat[at:at + n].view_as(g)
+                at += n
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.add_(reduced)
+        self._inflight = []
+        self._queued = False
