@@ -441,7 +441,7 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
         loss = m(**inputs).loss
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     for _ in range(warmup):
         for m, opt in runs.values():
