@@ -245,11 +245,26 @@ def _cache_write(key: str, blob: bytes) -> None:
         pass                                                      # a cache that cannot be written is no cache
 
 
+def _fn_tag(capture_fn) -> str:
+    """What a capture function adds to the cache key: its name and its module's source
+    (a step graph's forward is written there: an edited one is a new entry)."""
+    if capture_fn is None:
+        return ""
+    import inspect
+    import sys
+
+    try:
+        src = inspect.getsource(sys.modules[capture_fn.__module__])
+    except (OSError, TypeError, KeyError):
+        src = ""
+    return f"{capture_fn.__module__}.{capture_fn.__qualname__}:{hashlib.sha256(src.encode()).hexdigest()}"
+
+
 def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
     """The packed capture of ``model`` (by ``capture_fn``, default
     :func:`~autoshard.passes.capture.capture`): from the disk cache if a valid entry
     exists, else captured now (and stored)."""
-    key = cache_key(model, example_inputs, tag=getattr(capture_fn, "__qualname__", "") if capture_fn else "")
+    key = cache_key(model, example_inputs, tag=_fn_tag(capture_fn))
     blob = _cache_read(key)
     if blob is not None:
         try:
