@@ -1,22 +1,25 @@
-"""``generate()`` on a sharded causal LM, with a static KV cache sharded as the plan
+"""``generate()`` on a sharded model, with a static KV cache sharded as the plan
 shards attention.
 
-The model is captured twice more, on meta, as a *step*: its forward with a static
-cache of ``max_len`` positions passed as graph inputs (``cache_keys[i]``,
-``cache_values[i]``: ``[batch, kv_heads, max_len, head_dim]``) that the step writes in
-place with ``index_copy_`` at ``cache_position``, returning the last position's
-logits. One graph takes the prompt (prefill: any prompt length), one takes a token
-(decode: length 1); both are planned with the module's own policy and rewritten for
-the rank like any graph (:mod:`autoshard.recapture`), so their parameters are the
-module's own slices. The cache inputs are *state inputs*
-(:func:`autoshard.passes.propagate.state_inputs`): the propagate pass gives each the
-layout of what its first write brings -- heads over the tensor-parallel axis in 1d,
-batch rows and heads over the mesh axes in 2d / 2.5d / 3d -- and each rank allocates
-only its block of it (:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`). Each graph is captured once per
-``max_len`` (rounded up to a multiple of 64) and reused for every token and every
-later call.
+The model is captured again, on meta, as *steps*: its forward with a static cache of
+``max_len`` positions passed as graph inputs (``cache_keys[i]``, ``cache_values[i]``:
+``[batch, kv_heads, max_len, head_dim]``, shaped as each layer writes them:
+:func:`cache_shapes`) that the step writes in place with ``index_copy_`` at
+``cache_position``, returning the last position's logits. One graph takes the prompt
+(prefill: any prompt length), one a token (decode); an encoder-decoder adds its
+encoder as a graph of its own, run once, and steps its decoder (cross-attention
+recomputed from the encoder output at each step). Each is planned with the module's
+policy and its parameter layouts pinned, rewritten for the rank and bound to the
+module's own slices (:func:`autoshard.recapture.rewrite_bound`). The cache inputs are
+*state inputs* (:func:`autoshard.passes.propagate.state_inputs`): the propagate pass
+gives each the layout of what its first write brings -- heads over the
+tensor-parallel axis in 1d, batch rows and heads over the mesh axes in 2d / 2.5d /
+3d -- and each rank allocates only its block
+(:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`). Each graph is captured
+once per ``max_len`` (rounded up to a multiple of 64; rank 0 exports, the others
+load, and the disk cache keeps it) and reused for every token and every later call.
 
-Hugging Face's own generation loop drives it: :class:`ShardedLM` is a
+Hugging Face's own generation loop drives them: :func:`sharded_lm` makes a
 ``GenerationMixin`` whose forward runs the step graphs, so greedy search, sampling,
 logits processors, ``eos_token_id`` stopping per sequence and the output formats are
 transformers' own. Sampling draws from the default generator after the logits are
@@ -45,8 +48,8 @@ from .passes.capture import Captured
 from .passes.pipeline import plan_captured, prepare
 from .recapture import rewrite_bound
 
-__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder", "cache_shapes", "capture_step", "step_inputs",
-           "drop_guards", "LEN_QUANTUM"]
+__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
+           "cache_shapes", "capture_step", "step_inputs", "drop_guards", "LEN_QUANTUM"]
 
 LEN_QUANTUM = 64        # cache lengths are rounded up to a multiple of this: one graph pair serves many calls
 

@@ -279,12 +279,7 @@ class ShardedModule(nn.Module):
             input_ids, attention_mask = input_ids[idx], attention_mask[idx]
         lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-        if padded == b:
-            return out
-        if isinstance(out, torch.Tensor):
-            return out[:b]
-        out.sequences = out.sequences[:b]
-        return out
+        return out if padded == b else _cut_rows(out, b, padded)
 
     def generation_plan(self, step: str = "decode", max_len: int | None = None) -> ShardingPlan:
         """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
@@ -427,6 +422,19 @@ class ShardedModule(nn.Module):
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
         from .gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
+
+
+def _cut_rows(x, b: int, padded: int):
+    """``x`` (a tensor, or a ``generate`` output's fields, tuples nested) with the rows a
+    padded batch added cut off: every tensor whose first dim is ``padded`` keeps ``b`` rows."""
+    if isinstance(x, torch.Tensor):
+        return x[:b] if x.dim() and x.shape[0] == padded else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cut_rows(v, b, padded) for v in x)
+    if hasattr(x, "keys") and hasattr(x, "__setitem__"):        # a ModelOutput
+        for k in list(x.keys()):
+            x[k] = _cut_rows(x[k], b, padded)
+    return x
 
 
 def _sync_hook(group: str):

@@ -203,3 +203,24 @@ def test_more_architectures_generate_or_are_refused():
     for r in get_pool(2, timeout=600).run(_arch_generate, ("mixtral", "bloom", "opt", "falcon")):
         assert r["mixtral"] is True and r["bloom"] is True and r["opt"] is True, r
         assert isinstance(r["falcon"], str) and "lifted_tensor" in r["falcon"], r["falcon"]
+
+
+def _odd_batch(rank, world):
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = _model("llama")
+    ids, mask = _prompts(3)         # 3 rows: the 2d batch split (2) pads one and cuts it from every output
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    ref = dense.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = autoshard.shard(copy.deepcopy(dense), mode="2d").generate(input_ids=ids, attention_mask=mask, **kw)
+    return {"same": got.sequences.tolist() == ref.sequences.tolist(),
+            "scores": [tuple(s.shape) for s in got.scores],
+            "score_err": max((a - b).abs().max().item() for a, b in zip(got.scores, ref.scores))}
+
+
+def test_batch_that_does_not_divide_and_scores():
+    for r in get_pool(4, timeout=600).run(_odd_batch):
+        assert r["same"]
+        assert r["scores"] == [(3, 101)] * 10
+        assert r["score_err"] <= 1e-5
