@@ -258,7 +258,8 @@ def _input_limits(config) -> dict:
 
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
-         cluster=None, dropout: str = "sharded", sequence_parallel: bool = False) -> ShardingPlan:
+         cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
+         max_len: int | None = None) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -273,8 +274,26 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
     ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`).
+
+    ``step="decode"`` (or ``"prefill"``) plans what :meth:`ShardedModule.generate` runs
+    per token (per prompt) instead: the model's step with a static KV cache of
+    ``max_len`` positions (default ``seq_len`` rounded up to 64) for ``batch_size``
+    sequences, its parameters laid out as the model's plan lays them; its ``state``
+    rows and :attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank` are the cache
+    each rank holds, its collectives those of one token
+    (:func:`autoshard.cost.forward_latency` predicts the per-token time).
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.plan")
+    if step is not None:
+        from .builder import model_from as _model_from
+        from .generate import LEN_QUANTUM, plan_step
+
+        held = plan(model_or_config, world_size=world_size, mode=mode, depth=depth, dp=dp, batch_size=batch_size,
+                    seq_len=min(seq_len, 128), example_inputs=example_inputs, cluster=cluster, dropout=dropout)
+        pol = make_policy(held.mode, held.mesh.world_size,           # the layout chosen (auto: searched)
+                          held.mesh.size("dep") if "dep" in held.mesh.axes else None, held.dp)
+        length = max_len or -(-seq_len // LEN_QUANTUM) * LEN_QUANTUM
+        return plan_step(_model_from(model_or_config), pol, held, step=step, max_len=length, batch=batch_size)
     if mode == "auto":
         from .search import search
 

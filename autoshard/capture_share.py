@@ -277,10 +277,10 @@ def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
     return blob
 
 
-def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
-    """:func:`~autoshard.passes.capture.capture` through the disk cache, in this process
-    alone (no collective: for planning, which may run on one rank of a job)."""
-    return unpack(_capture_blob(model, example_inputs), model)
+def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
+    """:func:`~autoshard.passes.capture.capture` (or ``capture_fn``) through the disk cache,
+    in this process alone (no collective: for planning, which may run on one rank of a job)."""
+    return unpack(_capture_blob(model, example_inputs, capture_fn), model)
 
 
 def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:

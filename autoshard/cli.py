@@ -67,6 +67,7 @@ examples:
   autoshard plan llama:7b --world-size 64 --mode auto --cluster dgx-a100 --batch-size 64 --seq-len 2048
   autoshard plan ./config.json --world-size 4 --mode 2d --batch-size 4 --seq-len 16 --json plan.json
   autoshard plan gpt2:small --world-size 8 --mode 1d --all-nodes
+  autoshard plan llama:7b --world-size 8 --mode 1d --batch-size 8 --seq-len 2048 --step decode --no-table
 
 Numbers are per rank and per training step (forward + backward). The predicted
 time is the cost model's (see autoshard/cost.py): compute = 3 x forward FLOPs /
@@ -148,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "lives on which rank, the mesh, one Linear's collectives")
     pp.add_argument("--top", type=int, default=12, metavar="K",
                     help="with --mode auto, show the K best candidates (and up to K dropped ones); 0 = all")
+    pp.add_argument("--step", choices=("decode", "prefill"), default=None,
+                    help="plan a generate() step instead of training: one token (decode) or the prompt "
+                         "(prefill) per sequence with a static KV cache of --max-len positions; the summary "
+                         "gives the KV cache per rank and the per-token collectives and predicted time")
+    pp.add_argument("--max-len", type=int, default=None, metavar="L",
+                    help="with --step, the positions the KV cache holds (default: --seq-len rounded up to 64)")
     cp = sub.add_parser("check", formatter_class=_Help, help="report whether a model can be sharded (exit 1 if not)",
                         description="Check MODEL_OR_CONFIG on WORLD_SIZE ranks without processes.",
                         epilog=_EPILOG_CHECK)
@@ -326,6 +333,10 @@ def _plan_or_search(args, cluster):
     from .search import search
 
     cfg = resolve_model(args.model)
+    if getattr(args, "step", None):
+        return make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
+                         batch_size=args.batch_size, seq_len=args.seq_len, cluster=cluster, step=args.step,
+                         max_len=args.max_len), None
     if args.mode == "auto":
         res = search(model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
                      dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True)
@@ -346,6 +357,21 @@ def cmd_plan(args) -> int:
     except AutoshardError as e:
         console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
         return 1
+    if args.step:
+        from .cost import forward_latency
+
+        if not args.no_table:
+            console.print(plan.table(all_nodes=args.all_nodes))
+        n = max((x.global_shape[2] for x in plan.nodes if x.kind == "state"), default=0)
+        console.print(f"[bold]{args.step} step[/bold] ({plan.mode}, {plan.mesh}; batch {plan.batch_size}, KV cache "
+                      f"of {n} positions): KV cache {plan.state_bytes_per_rank:,} B per rank · "
+                      f"{len(plan.comms('fwd'))} collectives, {plan.comm_bytes_per_rank('fwd'):,.0f} B per rank per "
+                      f"{'token' if args.step == 'decode' else 'prompt'} · predicted "
+                      f"{forward_latency(plan, cluster) * 1e3:.2f} ms on {cluster.name}")
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(plan.to_json())
+        return 0
     cost = res.best.cost if res is not None else estimate(plan, cluster)
     if res is not None:
         res.show(console, top=args.top or None)

@@ -46,10 +46,11 @@ from .errors import ConfigError
 from .log import logger
 from .passes.capture import Captured
 from .passes.pipeline import plan_captured, prepare
+from .plan import ShardingPlan
 from .recapture import rewrite_bound
 
 __all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
-           "cache_shapes", "capture_step", "step_inputs", "drop_guards", "LEN_QUANTUM"]
+           "cache_shapes", "capture_step", "step_inputs", "drop_guards", "plan_graph", "plan_step", "LEN_QUANTUM"]
 
 LEN_QUANTUM = 64        # cache lengths are rounded up to a multiple of this: one graph pair serves many calls
 
@@ -305,6 +306,71 @@ def drop_guards(gm) -> None:
     gm.recompile()
 
 
+def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batch: int, seq: int,
+               dropout: str = "sharded", capture=capture_shared):
+    """Capture ``built.model`` (a step or encoder class on meta) for ``example(model)`` and
+    plan it under ``policy`` with the layouts of ``held_plan`` (the module's plan) pinned
+    and its vocabulary padded alike; returns ``(captured, plan)``. Refuses, by name,
+    a graph that holds tensors its forward computes (a meta capture leaves them without
+    values) or that would split a parameter otherwise than ``held_plan``."""
+    cap = capture(built.model, example_inputs=example(built.model), capture_fn=capture_fn)
+    drop_guards(cap.module)
+    tensors = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
+    made = []
+    for node in cap.module.graph.nodes:     # constants export lifted out of the forward
+        if node.op == "get_attr" and node.target not in tensors:
+            obj = cap.module
+            for part in node.target.split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
+                made.append(node.target)
+    name = getattr(type(built.model), "_autoshard_base", type(built.model)).__name__
+    if made:        # tensors the forward creates (export lifts them): on meta they have no values
+        raise ConfigError(f"generate(): the {what} of {name} holds tensors its forward computes "
+                          f"({', '.join(made[:4])}{', ...' if len(made) > 4 else ''}), which a capture on the meta "
+                          f"device leaves without values; this model cannot generate sharded yet")
+    padded = next((pp for pp in held_plan.params if pp.dense_shape), None)
+    vocab = None
+    if padded is not None:      # pad the step's vocabulary as the module's was
+        vocab = next(d for d, g in zip(padded.dense_shape, padded.global_shape) if d != g)
+    cap = prepare(cap, policy, vocab=vocab)
+    held = {n: pp for pp in held_plan.params for n in (pp.name, *pp.aliases)}
+    mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
+    p = plan_captured(cap, policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=dropout,
+                      pinned={n: pp.spec for n, pp in held.items() if n in mine})
+    used = {n.target for n in cap.module.graph.nodes if n.op == "get_attr" and n.users}
+    for pp in p.params:
+        have = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)
+        if not used & {pp.name, *pp.aliases}:       # a step reads the decoder alone: the encoder's stay unread
+            continue
+        if have is None or have.spec != pp.spec or tuple(have.global_shape) != tuple(pp.global_shape):
+            raise ConfigError(f"the {what} splits parameter {pp.name!r} as {pp.spec}, the module holds it as "
+                              f"{have.spec if have else 'nothing'}: this model cannot generate with this "
+                              f"module's layout")
+    return cap, p
+
+
+def plan_step(model: nn.Module, policy, held_plan, *, step: str = "decode", max_len: int = 128,
+              batch: int = 8) -> ShardingPlan:
+    """The plan of ``model``'s generation step (``"decode"``: one token per sequence;
+    ``"prefill"``: the prompt) for a cache of ``max_len`` positions and ``batch``
+    sequences, laid out as ``held_plan`` (the model's own plan under ``policy``) lays the
+    parameters: what :meth:`~autoshard.module.ShardedModule.generate` would run, planned
+    without processes (:func:`autoshard.plan` with ``step=``)."""
+    from .capture_share import capture_cached
+
+    if step not in ("decode", "prefill"):
+        raise ConfigError(f"step={step!r}: the generation steps are 'decode' and 'prefill'")
+    prefill = step == "prefill"
+    built = build_meta(model.config, model_class=step_class(type(model),
+                                                            encoder_decoder=is_encoder_decoder(model.config)))
+    built.model.eval()
+    _, p = plan_graph(built, f"{step} step (cache {max_len})",
+                      lambda m: step_inputs(m, prefill=prefill, max_len=max_len), capture_step, policy, held_plan,
+                      batch=batch, seq=5 if prefill else 1, capture=capture_cached)
+    return p
+
+
 class Generator:
     """The step graphs of one :class:`~autoshard.module.ShardedModule`, keyed by
     ``(prefill, max_len)``; each is captured, planned and rewritten once."""
@@ -354,39 +420,8 @@ class Generator:
         t0 = time.perf_counter()
         built = build_meta(r.config, model_class=cls, dtype=m.dtype)
         built.model.eval()
-        cap = capture_shared(built.model, example_inputs=example(built.model), capture_fn=capture_fn)   # collective
-        drop_guards(cap.module)
-        tensors = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
-        made = []
-        for node in cap.module.graph.nodes:     # constants export lifted out of the forward
-            if node.op == "get_attr" and node.target not in tensors:
-                obj = cap.module
-                for part in node.target.split("."):
-                    obj = getattr(obj, part, None)
-                if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
-                    made.append(node.target)
-        if made:        # tensors the forward creates (export lifts them): on meta they have no values
-            raise ConfigError(f"generate(): the {what} of {cls.__name__} holds tensors its forward computes "
-                          f"({', '.join(made[:4])}{', ...' if len(made) > 4 else ''}), which a capture on the meta "
-                          f"device leaves without values; this model cannot generate sharded yet")
-        padded = next((pp for pp in m.plan.params if pp.dense_shape), None)
-        vocab = None
-        if padded is not None:      # pad the step's vocabulary as the module's was
-            vocab = next(d for d, g in zip(padded.dense_shape, padded.global_shape) if d != g)
-        cap = prepare(cap, r.policy, vocab=vocab)
-        held = {n: pp for pp in m.plan.params for n in (pp.name, *pp.aliases)}
-        mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
-        p = plan_captured(cap, r.policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=r.dropout,
-                          pinned={n: pp.spec for n, pp in held.items() if n in mine})
-        used = {n.target for n in cap.module.graph.nodes if n.op == "get_attr" and n.users}
-        for pp in p.params:
-            mine = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)
-            if not used & {pp.name, *pp.aliases}:       # a step reads the decoder alone: the encoder's stay unread
-                continue
-            if mine is None or mine.spec != pp.spec or tuple(mine.global_shape) != tuple(pp.global_shape):
-                raise ConfigError(f"the {what} splits parameter {pp.name!r} as {pp.spec}, the module holds it as "
-                                  f"{mine.spec if mine else 'nothing'}: this model cannot generate with this "
-                                  f"module's layout")
+        cap, p = plan_graph(built, what, example, capture_fn, r.policy, m.plan, batch=batch, seq=seq,
+                            dropout=r.dropout, capture=capture_shared)      # collective
         gm = rewrite_bound(m, cap, p, built)
         self.captures += 1
         logger.info("captured the %s in %.1f s", what, time.perf_counter() - t0)

@@ -153,3 +153,22 @@ def test_check_prints_verdict_first_and_groups_notes(capsys):
     notes = [x for x in lines if x.lstrip().startswith("note")]
     assert notes and len(notes) == len(set(notes))
     assert any("vocab_size=50257" in x for x in notes)
+
+
+def test_plan_a_decode_step(config_json, tmp_path, capsys):
+    """``--step decode``: the generation step planned without processes, its KV cache per
+    rank (fp32 [batch, kv heads, positions, head dim] × 2 × layers, split over tp) and its
+    per-token collectives."""
+    out = tmp_path / "decode.json"
+    assert main(["plan", config_json, "-w", "2", "--mode", "1d", "-b", "4", "-s", "100", "--step", "decode",
+                 "--no-table", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "decode step" in text and "KV cache of 128 positions" in text and "per token" in text
+    from autoshard.plan import ShardingPlan
+
+    p = ShardingPlan.from_json(out.read_text())
+    cfg = transformers.LlamaConfig(**TINY)
+    kv = cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    dense = 2 * cfg.num_hidden_layers * 4 * kv * 128 * head_dim * 4
+    assert p.state_bytes_per_rank == (dense // 2 if kv % 2 == 0 else dense)

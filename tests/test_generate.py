@@ -148,11 +148,15 @@ def _sample_and_ledger(rank, world, mode):
                              do_sample=False, pad_token_id=0)
         counts[n] = (led.count(), led.bytes_per_rank())
     decode, prefill = sharded.generation_plan("decode"), sharded.generation_plan("prefill")
+    # the same step planned without processes: autoshard.plan(step="decode")
+    offline = autoshard.plan(dense.config, world_size=world, mode=mode, batch_size=4, step="decode", max_len=64)
     return {"got": got.tolist(), "ref": ref.tolist(), "eos_got": eos_got.tolist(), "eos_ref": eos_ref.tolist(),
             "per_token_calls": (counts[5][0] - counts[1][0]) / 4, "per_token_bytes": (counts[5][1] - counts[1][1]) / 4,
             "plan_calls": len(decode.comms("fwd")), "plan_bytes": decode.comm_bytes_per_rank("fwd"),
             "prefill_calls": counts[1][0], "plan_prefill_calls": len(prefill.comms("fwd")),
-            "captures": sharded._generator.captures}
+            "captures": sharded._generator.captures,
+            "offline": (len(offline.comms("fwd")), offline.comm_bytes_per_rank("fwd"), offline.state_bytes_per_rank),
+            "online": (len(decode.comms("fwd")), decode.comm_bytes_per_rank("fwd"), decode.state_bytes_per_rank)}
 
 
 @pytest.mark.parametrize("case", [("1d", 2), ("2d", 4)], ids=lambda c: f"{c[0]}x{c[1]}")
@@ -168,6 +172,7 @@ def test_sampling_and_ledger_per_token(case):
         assert r["per_token_bytes"] == pytest.approx(r["plan_bytes"])
         assert r["prefill_calls"] == r["plan_prefill_calls"]
         assert r["captures"] == 2          # four generate calls, 1 to 12 tokens each: one prefill + one decode graph
+        assert r["offline"] == r["online"]
     assert first["eos_ref"] != first["ref"]
 
 
