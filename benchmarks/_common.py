@@ -52,6 +52,20 @@ def human_bytes(n: float) -> str:
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=128, max_position_embeddings=64)
 
+def add_llama_args(ap, *, batch: int) -> None:
+    """``--hidden``, ``--layers``, ``--batch`` of the benchmarks' tiny Llama (see :func:`llama_config`)."""
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (MLP 4x, 8 heads)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=batch)
+
+
+def llama_config(args) -> dict:
+    """The tiny Llama config of :func:`add_llama_args`' arguments: 8 heads and 8 kv heads
+    (every mode splits them), vocabulary 512, 256 positions."""
+    return dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=256)
+
+
 #: (mode, world, depth) runs that fit on this host's gloo ranks.
 RUNS = [("1d", 2, None), ("1d", 4, None), ("1d", 8, None), ("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)]
 

@@ -30,15 +30,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="*", default=["1d:2", "1d:4", "2d:4", "2.5d:8:2", "3d:8"],
                     help="mode:world[:depth] per run")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
+    _common.add_llama_args(ap, batch=4)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    cfg = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-               num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=256)
+    cfg = _common.llama_config(args)
     con = _common.console(200)
     con.print(f"tiny Llama {cfg}; batch {args.batch} × prompt {args.prompt} (half left-padded), greedy, "
               f"{args.new} new tokens; fp32; 1 thread per rank; median of {args.reps}")
