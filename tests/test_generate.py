@@ -4,9 +4,11 @@ sharded step graphs, with a static KV cache sharded as the plan shards attention
 Greedy search on a batch of four left-padded prompts of different lengths must give
 the dense model's ``generate`` token for token, in every mode, for a decoder with
 grouped-query attention (Llama), one with a fused QKV and a tied head (GPT-2) and an
-encoder-decoder (BART); sampling with a seed
-must give the same tokens on every rank and the dense ones; one decode step issues
-the collectives its plan predicts; the step graphs are captured once, not per token.
+encoder-decoder (BART; T5 in 1d). Sampling with a seed must give the same tokens on
+every rank and the dense ones; one decode step issues the collectives its plan
+predicts, and ``autoshard.plan(step="decode")`` predicts the same plan without
+processes; the step graphs are captured once, not per token. More architectures
+(MoE, ALiBi) generate exactly or are refused by name.
 """
 
 from __future__ import annotations
