@@ -420,20 +420,22 @@ class Generator:
         t0 = time.perf_counter()
         built = build_meta(r.config, model_class=cls, dtype=m.dtype)
         built.model.eval()
-        cap, p = plan_graph(built, what, example, capture_fn, r.policy, m.plan, batch=batch, seq=seq,
-                            dropout=r.dropout, capture=capture_shared)      # collective
+        cap, p = plan_graph(built, what, example, capture_fn, r.policy, m.plan, batch=batch * m.plan.dp,
+                            seq=seq, dropout=r.dropout, capture=capture_shared)      # collective
         gm = rewrite_bound(m, cap, p, built)
         self.captures += 1
         logger.info("captured the %s in %.1f s", what, time.perf_counter() - t0)
         return gm, p
 
     def cache(self, plan, batch: int, max_len: int, device, dtype) -> tuple[list, list]:
-        """This rank's blocks of the cache the plan's state inputs describe, zeroed."""
+        """This rank's blocks of the cache the plan's state inputs describe, zeroed, for
+        ``batch`` sequences on this data-parallel replica (the plan's batch is the global
+        one, ``dp`` replicas of it)."""
         keys, values = [], []
         for n in plan.nodes:
             if n.kind != "state":
                 continue
-            g = (batch,) + tuple(n.global_shape[1:-2]) + (max_len, n.global_shape[-1])
+            g = (batch * plan.dp,) + tuple(n.global_shape[1:-2]) + (max_len, n.global_shape[-1])
             t = torch.zeros(n.out_spec.local_shape(g, plan.mesh), device=device, dtype=dtype)
             (keys if n.name.startswith("cache_keys") else values).append(t)
         return keys, values

@@ -231,3 +231,21 @@ def test_batch_that_does_not_divide_and_scores():
         assert r["same"]
         assert r["scores"] == [(3, 101)] * 10
         assert r["score_err"] <= 1e-5
+
+
+def _data_parallel(rank, world):
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = _model("llama")
+    ids, mask = _prompts(4)
+    replica = rank // 2                     # dp is the outer axis: ranks 0-1 one replica, 2-3 the other
+    rows = slice(2 * replica, 2 * replica + 2)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    ref = dense.generate(input_ids=ids[rows], attention_mask=mask[rows], **kw)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=2, example_inputs={"input_ids": ids[rows]})
+    return sharded.generate(input_ids=ids[rows], attention_mask=mask[rows], **kw).tolist() == ref.tolist()
+
+
+def test_data_parallel_replicas_generate_their_own_prompts():
+    assert get_pool(4, timeout=600).run(_data_parallel) == [True] * 4
