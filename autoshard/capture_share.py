@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .errors import CaptureError
-from .passes.capture import Captured, capture
+from .passes.capture import Captured, capture, input_symbols
 
 __all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key",
            "forget_loaded"]
@@ -149,9 +149,7 @@ def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
         else:
             mod._buffers[attr] = own[name]
     f = d["facts"]
-    ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    val = ph["input_ids"].meta["val"]
-    sym = [s.node.expr if isinstance(s, torch.SymInt) else None for s in val.shape[:2]]
+    sym = input_symbols(gm)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in f["example_inputs"].items()}
     return Captured(program=ep, module=gm, model_name=f["model_name"], input_names=tuple(f["input_names"]),

@@ -44,7 +44,7 @@ from .builder import build_meta
 from .capture_share import capture_shared
 from .errors import ConfigError
 from .log import logger
-from .passes.capture import Captured
+from .passes.capture import Captured, input_symbols
 from .passes.pipeline import plan_captured, prepare
 from .plan import ShardingPlan
 from .recapture import rewrite_bound
@@ -278,9 +278,7 @@ def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
         dyn.update(encoder_hidden_states={0: b, 1: t}, encoder_attention_mask={0: b, 1: t})
     ep = torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False)
     gm = ep.module()
-    val = next(x for x in gm.graph.nodes if x.name == "input_ids").meta["val"]
-    bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
-    ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
+    bsym, ssym = input_symbols(gm)
     return Captured(program=ep, module=gm, model_name=type(model).__name__, input_names=tuple(kw), constants={},
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kw, training=False, config=model.config,
                     seq_range=(2 if prefill else 1, max_len))
@@ -288,21 +286,10 @@ def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
 
 def drop_guards(gm) -> None:
     """Remove export's input guards from ``gm``: they check the global cache shape, and
-    each rank passes its block of the cache. Also undo what capturing on the meta device
-    chose for a device that is not this one: transformers' MoE routing counts tokens
-    per expert with ``histc`` on integers off CPU, which the CPU kernel does not take
-    (cast to float first: exact for counts below 2**24)."""
-    g = gm.graph
-    for node in list(g.nodes):
+    each rank passes its block of the cache."""
+    for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
-            g.erase_node(node)
-        elif node.target is torch.ops.aten.histc.default and isinstance(node.args[0], torch.fx.Node):
-            v = node.args[0].meta.get("val")
-            if isinstance(v, torch.Tensor) and not v.is_floating_point():
-                with g.inserting_before(node):
-                    f = g.call_function(torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32})
-                f.meta["val"] = v.float()
-                node.args = (f,) + tuple(node.args[1:])
+            gm.graph.erase_node(node)
     gm.recompile()
 
 

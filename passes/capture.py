@@ -22,7 +22,7 @@ from torch.export import Dim
 from autoshard.errors import CaptureError, ConfigError
 from autoshard.signature import pad_rows
 
-__all__ = ["Captured", "capture", "default_example_inputs"]
+__all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols"]
 
 
 @dataclass
@@ -156,14 +156,26 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     else:
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm = ep.module()
-    ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    val = ph["input_ids"].meta["val"]
-    bsym = val.shape[0].node.expr if isinstance(val.shape[0], torch.SymInt) else None
-    ssym = val.shape[1].node.expr if isinstance(val.shape[1], torch.SymInt) else None
+    bsym, ssym = input_symbols(gm)
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
                     seq_range=(lo, hi),
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))
+
+
+def input_symbols(gm: torch.fx.GraphModule) -> tuple:
+    """The sympy symbols of ``input_ids``' batch and sequence dims in an exported graph
+    (None for a static dim)."""
+    val = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids").meta["val"]
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else None for d in val.shape[:2])
+
+
+def copy_sharing(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (graph and modules) holding the very parameter and buffer tensors
+    of ``gm``: what a graph-normalising pass edits, leaving the capture it was given as is."""
+    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
+            + list(gm.named_buffers(remove_duplicate=False))}
+    return copy.deepcopy(gm, memo)
 
 
 def fold_nodes(cap: "Captured", foldable, fold) -> "Captured":
@@ -176,9 +188,7 @@ def fold_nodes(cap: "Captured", foldable, fold) -> "Captured":
     gm = cap.module
     if not any(foldable(n) for n in gm.graph.nodes):
         return cap
-    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
-            + list(gm.named_buffers(remove_duplicate=False))}
-    new = copy.deepcopy(gm, memo)
+    new = copy_sharing(gm)
     g = new.graph
     for n in list(g.nodes):
         if not foldable(n):

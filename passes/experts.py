@@ -33,11 +33,13 @@ from torch import fx
 
 from autoshard.grouped import grouped_linear, grouped_ops
 
-from .capture import Captured, fold_nodes
+import dataclasses
+
+from .capture import Captured, copy_sharing, fold_nodes
 
 aten = torch.ops.aten
 
-__all__ = ["fold_grouped_weights"]
+__all__ = ["fold_grouped_weights", "count_on_floats"]
 
 
 def _param_operand(w, params: set[str]) -> tuple[fx.Node, bool] | None:
@@ -71,3 +73,31 @@ def fold_grouped_weights(cap: Captured) -> Captured:
         return grouped_linear, (n.args[0], p, n.args[2], transposed, ops[n.target])
 
     return fold_nodes(cap, foldable, fold)
+
+
+def _integer_histc(n: fx.Node) -> bool:
+    v = n.args[0].meta.get("val") if n.target is aten.histc.default and isinstance(n.args[0], fx.Node) else None
+    return isinstance(v, torch.Tensor) and not v.is_floating_point()
+
+
+def count_on_floats(cap: Captured) -> Captured:
+    """``cap`` with every ``histc`` of integers given its input cast to float first.
+
+    Transformers' MoE routing counts tokens per expert with ``histc`` on integers when
+    the device is not a CPU, floats on a CPU; a model captured on the meta device (a
+    plan, a new input signature, a generation step) takes the integer branch, which
+    the CPU kernel refuses. Exact for counts below 2**24. The same ``cap`` where there
+    is none; ``cap`` itself is not changed."""
+    if not any(_integer_histc(n) for n in cap.module.graph.nodes):
+        return cap
+    new = copy_sharing(cap.module)
+    g = new.graph
+    for n in list(g.nodes):
+        if _integer_histc(n):
+            with g.inserting_before(n):
+                f = g.call_function(aten._to_copy.default, (n.args[0],), {"dtype": torch.float32})
+            f.meta["val"] = n.args[0].meta["val"].float()
+            n.args = (f,) + tuple(n.args[1:])
+    g.lint()
+    new.recompile()
+    return dataclasses.replace(cap, module=new)

@@ -28,7 +28,6 @@ keep the unpadded Hugging Face shapes.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import operator
@@ -44,7 +43,7 @@ from autoshard.policies.generic import TRIM_META
 from autoshard.policies.linear_ops import linear_operands
 
 from .annotate import LINEAR_OPS
-from .capture import Captured
+from .capture import Captured, copy_sharing
 
 aten = torch.ops.aten
 
@@ -308,9 +307,7 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
         return cap
     V, params = found
     Vp = math.ceil(V / multiple) * multiple
-    memo = {id(t): t for _, t in list(gm.named_parameters(remove_duplicate=False))
-            + list(gm.named_buffers(remove_duplicate=False))}
-    new = copy.deepcopy(gm, memo)
+    new = copy_sharing(gm)
     names: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         if id(p) in params:

@@ -1,6 +1,7 @@
 """The planning pipeline after capture: pad, propagate, then the activation trace.
 
-``capture → fold experts → pad → annotate → propagate → trace → rewrite``: the vocabulary is
+``capture → fold experts → pad → annotate → propagate → trace → rewrite``: the experts' token
+counts are taken on floats (:func:`~autoshard.passes.experts.count_on_floats`), the vocabulary is
 padded to the mode's split (:mod:`~autoshard.passes.pad`; the rewrite must take
 the padded module, :func:`prepare`); annotation runs inside
 propagation (the rules read it); the trace is its own pass over the finished
@@ -13,7 +14,7 @@ from autoshard.plan import ShardingPlan
 from autoshard.policies.base import Policy
 
 from .capture import Captured
-from .experts import fold_grouped_weights
+from .experts import count_on_floats, fold_grouped_weights
 from .linear_fold import fold_transposed_weights
 from .pad import pad_vocab
 from .propagate import propagate
@@ -29,7 +30,8 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
     padded to the mode's split (the same object where nothing changes). Plan and
     rewrite this one. ``vocab``: the vocabulary's size, where the graph has no head to
     tell it (:func:`~autoshard.passes.pad.pad_vocab`)."""
-    return pad_vocab(fold_grouped_weights(fold_transposed_weights(captured)), policy.vocab_multiple(), vocab)
+    return pad_vocab(fold_grouped_weights(count_on_floats(fold_transposed_weights(captured))),
+                     policy.vocab_multiple(), vocab)
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
