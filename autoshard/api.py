@@ -288,6 +288,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         from .builder import model_from as _model_from
         from .generate import LEN_QUANTUM, plan_step
 
+        # the model's own plan fixes the parameter layouts the step keeps; they do not depend on the
+        # sequence length, so a short one plans it (a long one may pass the model's maximum positions)
         held = plan(model_or_config, world_size=world_size, mode=mode, depth=depth, dp=dp, batch_size=batch_size,
                     seq_len=min(seq_len, 128), example_inputs=example_inputs, cluster=cluster, dropout=dropout)
         pol = make_policy(held.mode, held.mesh.world_size,           # the layout chosen (auto: searched)

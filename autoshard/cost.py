@@ -484,13 +484,9 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     """
     cluster = Cluster.preset(cluster)
     mesh = plan.mesh
-    params = _param_index(plan)
-    per_node = [node_flops(n, plan, params) for n in plan.nodes]
-    flops = sum(per_node)
-    # backward ≈ 2 × forward; each node's matmul at the rate of its size; every node
-    # pays the dispatch overhead once per step (forward and backward together)
-    compute_s = sum(3.0 * f / cluster.rate(f) for f in per_node if f)
-    compute_s += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind != "input")
+    # backward ≈ 2 × forward; every node pays the dispatch overhead once per step
+    # (forward and backward together)
+    flops, compute_s = _compute(plan, cluster, passes=3.0)
     timed: list[CommTime] = []
     for n in plan.nodes:
         for c in n.comms:
@@ -552,12 +548,20 @@ def forward_latency(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100") -> 
         True
     """
     cluster = Cluster.preset(cluster)
-    params = _param_index(plan)
-    flops = [node_flops(n, plan, params) for n in plan.nodes]
-    seconds = sum(f / cluster.rate(f) for f in flops if f)
-    seconds += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind not in ("input", "state"))
+    _, seconds = _compute(plan, cluster, passes=1.0)
     return seconds + sum(collective_time(c, plan.mesh, cluster)[0] for n in plan.nodes for c in n.comms
                          if c.phase == "fwd")
+
+
+def _compute(plan: ShardingPlan, cluster: Cluster, *, passes: float) -> tuple[int, float]:
+    """(forward FLOPs, compute seconds) of ``plan`` on ``cluster``: each node's matmul
+    run ``passes`` times at the rate of its size, plus the per-node dispatch overhead
+    (graph inputs and state inputs dispatch nothing)."""
+    params = _param_index(plan)
+    per_node = [node_flops(n, plan, params) for n in plan.nodes]
+    seconds = sum(passes * f / cluster.rate(f) for f in per_node if f)
+    seconds += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind not in ("input", "state"))
+    return sum(per_node), seconds
 
 
 # --------------------------------------------------------------------------- profile

@@ -43,13 +43,14 @@ from torch.export import Dim
 from .builder import build_meta
 from .capture_share import capture_shared
 from .errors import ConfigError
+from .hf_fill import meta_tensors
 from .log import logger
 from .passes.capture import Captured, input_symbols
 from .passes.pipeline import plan_captured, prepare
 from .plan import ShardingPlan
 from .recapture import rewrite_bound
 
-__all__ = ["Generator", "ShardedCache", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
+__all__ = ["Generator", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
            "cache_shapes", "capture_step", "step_inputs", "drop_guards", "plan_graph", "plan_step", "LEN_QUANTUM"]
 
 LEN_QUANTUM = 64        # cache lengths are rounded up to a multiple of this: one graph pair serves many calls
@@ -302,15 +303,8 @@ def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batc
     values) or that would split a parameter otherwise than ``held_plan``."""
     cap = capture(built.model, example_inputs=example(built.model), capture_fn=capture_fn)
     drop_guards(cap.module)
-    tensors = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
-    made = []
-    for node in cap.module.graph.nodes:     # constants export lifted out of the forward
-        if node.op == "get_attr" and node.target not in tensors:
-            obj = cap.module
-            for part in node.target.split("."):
-                obj = getattr(obj, part, None)
-            if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
-                made.append(node.target)
+    filled = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
+    made = [n for n in meta_tensors(cap.module) if n not in filled]     # constants export lifted out of the forward
     name = getattr(type(built.model), "_autoshard_base", type(built.model)).__name__
     if made:        # tensors the forward creates (export lifts them): on meta they have no values
         raise ConfigError(f"generate(): the {what} of {name} holds tensors its forward computes "
@@ -428,26 +422,6 @@ class Generator:
         return keys, values
 
 
-class ShardedCache:
-    """The ``past_key_values`` transformers' loop carries between steps: this rank's
-    cache blocks and how many positions are filled (``Cache`` protocol, enough of it
-    for ``generate``)."""
-
-    is_compileable = False
-
-    def __init__(self, keys, values, max_len: int):
-        self.keys, self.values, self.max_len, self.seen = keys, values, max_len, 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.max_len
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch, as transformers derives them from the mask."""
     pos = mask.long().cumsum(-1) - 1
@@ -457,14 +431,27 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 def _cache_class():
     from transformers.cache_utils import Cache
 
-    class _Cache(ShardedCache, Cache):
-        """:class:`ShardedCache` that transformers recognises as a ``Cache``."""
+    class ShardedCache(Cache):
+        """The ``past_key_values`` transformers' loop carries between steps: this rank's
+        cache blocks and how many positions are filled (enough of the ``Cache``
+        protocol for ``generate``)."""
+
+        is_compileable = False
 
         def __init__(self, keys, values, max_len: int):
-            Cache.__init__(self, layers=[])
-            ShardedCache.__init__(self, keys, values, max_len)
+            super().__init__(layers=[])
+            self.keys, self.values, self.max_len, self.seen = keys, values, max_len, 0
 
-    return _Cache
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.seen
+
+        def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+            return self.max_len
+
+        def __len__(self) -> int:
+            return len(self.keys)
+
+    return ShardedCache
 
 
 def sharded_lm(module, *, max_len: int, batch: int):
@@ -475,7 +462,7 @@ def sharded_lm(module, *, max_len: int, batch: int):
     from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
 
     gen = module._generator
-    decode_gm, decode_plan = gen.graph(prefill=False, max_len=max_len, batch=batch)
+    _, decode_plan = gen.graph(prefill=False, max_len=max_len, batch=batch)
     keys, values = gen.cache(decode_plan, batch, max_len, module.device, module.dtype)
     cache = _cache_class()(keys, values, max_len)
 

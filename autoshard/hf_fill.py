@@ -25,7 +25,8 @@ from .mesh import Mesh
 from .safetensors_io import FLOAT_CODES, HFFolder
 from .spec import replicated
 
-__all__ = ["FolderLoad", "open_folder", "fill_from_folder", "fill_buffers", "check_folder", "set_param", "retarget_device"]
+__all__ = ["FolderLoad", "open_folder", "fill_from_folder", "fill_buffers", "check_folder", "set_param", "retarget_device",
+           "meta_tensors"]
 
 
 def set_param(gm: nn.Module, names, value) -> None:
@@ -100,7 +101,9 @@ def retarget_device(gm: nn.Module, device: torch.device) -> int:
     return changed
 
 
-def _check_materialised(gm: nn.Module) -> None:
+def meta_tensors(gm: nn.Module) -> list[str]:
+    """Names of ``gm``'s tensors still on the meta device: parameters, buffers, and
+    tensors a graph reads by attribute (constants export lifted out of a forward)."""
     left = [n for n, t in itertools.chain(gm.named_parameters(remove_duplicate=False),
                                           gm.named_buffers(remove_duplicate=False)) if t.device.type == "meta"]
     for node in getattr(gm, "graph", None).nodes if hasattr(gm, "graph") else ():
@@ -110,6 +113,11 @@ def _check_materialised(gm: nn.Module) -> None:
                 obj = getattr(obj, part, None)
             if isinstance(obj, torch.Tensor) and obj.device.type == "meta" and node.target not in left:
                 left.append(node.target)
+    return left
+
+
+def _check_materialised(gm: nn.Module) -> None:
+    left = meta_tensors(gm)
     if left:
         raise CheckpointError(f"tensor(s) still on the meta device after loading: {left}")
 

@@ -76,14 +76,17 @@ class ShardedModule(nn.Module):
         over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
         reduce-scatters the ``dp`` part itself: :mod:`autoshard.zero`). Collective when
         a new axes subset needs a process group (call on every rank)."""
+        self._drop_grad_hooks()
+        for p, group in self._synced_params(exclude):
+            self._hooks.append(p.register_hook(_sync_hook(group)))
+
+    def _drop_grad_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if getattr(self, "_bucketed", None) is not None:
+        if self._bucketed is not None:
             self._bucketed.remove()
             self._bucketed = None
-        for p, group in self._synced_params(exclude):
-            self._hooks.append(p.register_hook(_sync_hook(group)))
 
     def overlap_grad_sync(self, bucket_bytes: int | None = 1 << 20, exclude: tuple[str, ...] = ()) -> None:
         """All-reduce the gradients in buckets of about ``bucket_bytes``, launched
@@ -92,14 +95,11 @@ class ShardedModule(nn.Module):
         plan's per-parameter list (the ledger counts buckets). ``None``: back to one
         blocking all-reduce per parameter (:meth:`set_grad_sync`). Collective where a
         process group is new (call on every rank)."""
-        self.set_grad_sync(exclude)
         if bucket_bytes is None:
-            return
+            return self.set_grad_sync(exclude)
         from .overlap import BucketedGradSync
 
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._drop_grad_hooks()
         self._bucketed = BucketedGradSync(self._synced_params(exclude), bucket_bytes)
 
     def _synced_params(self, exclude: tuple[str, ...]) -> list:
@@ -267,7 +267,10 @@ class ShardedModule(nn.Module):
                               f"max_len={max_len}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if kwargs.get("do_sample") or getattr(gc, "do_sample", False) and kwargs.get("do_sample") is not False:
+        sample = kwargs.get("do_sample")
+        if sample is None:
+            sample = getattr(gc, "do_sample", False)
+        if sample:
             from .groups import check_same_rng
 
             check_same_rng(self.mesh.size(self.mesh.axes), "generate(do_sample=True)",

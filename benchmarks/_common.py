@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -51,6 +52,13 @@ def human_bytes(n: float) -> str:
 # 8 kv heads, hidden 64): 1d up to 8 ranks, 2d/2.5d/3d with q = 2.
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=128, max_position_embeddings=64)
+
+def slowest_medians(per_rank: list[dict], key: str = "times") -> dict:
+    """Per variant of ``per_rank[r][key]`` (name -> per-step seconds on rank ``r``): the
+    median over steps of the slowest rank's time, a step's time being its slowest rank's."""
+    return {k: statistics.median(max(r[key][k][i] for r in per_rank) for i in range(len(v)))
+            for k, v in per_rank[0][key].items()}
+
 
 def add_llama_args(ap, *, batch: int) -> None:
     """``--hidden``, ``--layers``, ``--batch`` of the benchmarks' tiny Llama (see :func:`llama_config`)."""

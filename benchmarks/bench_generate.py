@@ -16,7 +16,6 @@ cluster measured by ``autoshard.profile()`` on the same ranks first, and on the
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import _common
 
@@ -45,8 +44,7 @@ def main(argv=None) -> int:
         world, depth = int(world), (int(depth[0]) if depth else None)
         per_rank = get_pool(world, timeout=1800).run(_workers.generate_time, cfg, mode, depth, args.batch,
                                                      args.prompt, args.new, args.reps, mode == "1d")
-        med = {k: statistics.median(max(r["times"][k][i] for r in per_rank) for i in range(args.reps))
-               for k in per_rank[0]["times"]}
+        med = _common.slowest_medians(per_rank)
         r0 = per_rank[0]
         rows.append({"mode": mode, "world": world, "depth": depth, "median_s": med,
                      "equal": {k: all(r["equal"][k] for r in per_rank) for k in r0["equal"]},

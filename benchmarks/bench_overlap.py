@@ -11,7 +11,6 @@ path is exact).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import _common
 
@@ -41,8 +40,7 @@ def main(argv=None) -> int:
         per_rank = get_pool(world, timeout=1800).run(_workers.overlap_time, cfg, mode, dp, args.batch, args.seq,
                                                      args.steps, args.warmup, args.buckets)
         r0 = per_rank[0]
-        med = {k: statistics.median(max(r["times"][k][i] for r in per_rank) for i in range(args.steps))
-               for k in r0["times"]}
+        med = _common.slowest_medians(per_rank)
         base = med["per-parameter"]
         for k, v in med.items():
             rows.append({"layout": f"{mode}@{world} dp{dp}", "sync": k, "median_s": v, "vs_per_parameter": v / base,
