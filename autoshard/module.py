@@ -277,12 +277,12 @@ class ShardedModule(nn.Module):
                            "the ranks would sample different tokens", "before generate()")
         split = self.batch_split
         padded = b + (-b % split)
-        if padded != b:         # rows beyond the batch: copies of the last prompt, cut from the output
-            idx = torch.cat([torch.arange(b), torch.full((padded - b,), b - 1)])
-            input_ids, attention_mask = input_ids[idx], attention_mask[idx]
+        # rows beyond the batch: copies of the last prompt, cut from every output
+        rows = pad_rows({"input_ids": input_ids, "attention_mask": attention_mask}, b, padded,
+                        ("input_ids", "attention_mask"))
         lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
-        out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-        return out if padded == b else _cut_rows(out, b, padded)
+        out = lm.generate(**rows, past_key_values=cache, **kwargs)
+        return out if padded == b else trim_rows(out, b, padded)
 
     def generation_plan(self, step: str = "decode", max_len: int | None = None) -> ShardingPlan:
         """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
@@ -425,19 +425,6 @@ class ShardedModule(nn.Module):
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
         from .gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
-
-
-def _cut_rows(x, b: int, padded: int):
-    """``x`` (a tensor, or a ``generate`` output's fields, tuples nested) with the rows a
-    padded batch added cut off: every tensor whose first dim is ``padded`` keeps ``b`` rows."""
-    if isinstance(x, torch.Tensor):
-        return x[:b] if x.dim() and x.shape[0] == padded else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cut_rows(v, b, padded) for v in x)
-    if hasattr(x, "keys") and hasattr(x, "__setitem__"):        # a ModelOutput
-        for k in list(x.keys()):
-            x[k] = _cut_rows(x[k], b, padded)
-    return x
 
 
 def _sync_hook(group: str):

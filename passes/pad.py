@@ -251,28 +251,30 @@ class _Unsupported(Exception):
 
 
 def _vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
-    """The vocabulary size ``V`` (rows of the largest embedding table) and the
-    parameters holding it: that table (dim 0), Linear weights with ``V`` output
-    features and their biases, by ``id``."""
+    """The vocabulary size ``V`` and the parameters holding it: its embedding table (dim
+    0), Linear weights with ``V`` output features and their biases, by ``id``. The table
+    is the one with ``vocab`` rows where the caller knows it (None if there is none),
+    else the largest table a Linear projects back onto (the LM head), else the largest
+    table (a tiny GPT-2's position table can outgrow its vocabulary)."""
     embs = [(_val(n.args[0]).numel(), n.args[0].target) for n in gm.graph.nodes
             if n.op == "call_function" and n.target == aten.embedding.default
             and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
     if not embs:
         return None
-    # the vocabulary is the table a Linear projects back onto (the LM head); without a
-    # head, the largest table (a tiny GPT-2's position table can outgrow its vocabulary)
-    outs = set()
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in LINEAR_OPS:
-            _, wp, _, nd, _ = linear_operands(n)
-            w = _val(n.args[wp[0]])
-            if isinstance(w, torch.Tensor) and w.dim() == 2:
-                outs.add(int(w.shape[nd]))
-    headed = [e for e in embs if int(gm.get_parameter(e[1]).shape[0]) in outs]
-    if vocab is not None:       # the caller knows the vocabulary (another graph of a padded model)
-        headed = [e for e in embs if int(gm.get_parameter(e[1]).shape[0]) == vocab]
+    rows = {e: int(gm.get_parameter(e[1]).shape[0]) for e in embs}
+    if vocab is not None:
+        headed = [e for e in embs if rows[e] == vocab]
         if not headed:
             return None
+    else:
+        outs = set()
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in LINEAR_OPS:
+                _, wp, _, nd, _ = linear_operands(n)
+                w = _val(n.args[wp[0]])
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    outs.add(int(w.shape[nd]))
+        headed = [e for e in embs if rows[e] in outs]
     table = gm.get_parameter(max(headed or embs)[1])
     V = table.shape[0]
     found = {id(table): (table, 0)}
