@@ -24,6 +24,7 @@ A capture that fails on rank 0 raises the same error on every rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import os
@@ -32,6 +33,7 @@ import typing
 from pathlib import Path
 
 import torch
+from torch import fx
 
 from .errors import CaptureError
 from .passes.capture import Captured, capture, input_symbols
@@ -52,18 +54,94 @@ def _meta_state(ep) -> dict:
     return out
 
 
-def pack(cap: Captured) -> bytes:
-    """``cap`` as bytes: the program without its weights, and the capture's facts."""
-    import copy
+def _class_name(x):
+    return f"{x.__module__}.{x.__qualname__}" if isinstance(x, type) else x
 
+
+def _skeleton(mod: torch.nn.Module, into: torch.nn.Module, memo: dict) -> torch.nn.Module:
+    """``mod``'s tree in ``into``: parameters and buffers as meta tensors (tied ones stay
+    tied), plain tensor attributes (export's lifted constants) with their values,
+    subgraphs as :func:`_portable` copies; export's input guards left out."""
+    def meta(t):
+        if id(t) not in memo:
+            m = t.detach().to("meta")
+            memo[id(t)] = torch.nn.Parameter(m, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else m
+        return memo[id(t)]
+
+    for k, p in mod._parameters.items():
+        into._parameters[k] = None if p is None else meta(p)
+    for k, b in mod._buffers.items():
+        into._buffers[k] = None if b is None else meta(b)
+    into._non_persistent_buffers_set = set(mod._non_persistent_buffers_set)
+    for k, v in vars(mod).items():
+        if isinstance(v, torch.Tensor):
+            into.__dict__[k] = v
+    for k, c in mod._modules.items():
+        if k == "_guards_fn":
+            continue
+        into._modules[k] = _portable(c, memo) if isinstance(c, fx.GraphModule) else _skeleton(c, torch.nn.Module(), memo)
+    return into
+
+
+def _portable(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    """A copy of ``gm`` that pickles: its graph (node names, fake values, module paths
+    with class names as text, stack traces; not export's provenance records) in a plain
+    GraphModule without hooks, its tensors as :func:`_skeleton` keeps them."""
+    graph = copy.deepcopy(gm.graph)           # nodes are new, their meta dicts copies
+    for n in graph.nodes:
+        n.meta.pop("from_node", None)
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            n.meta["nn_module_stack"] = {k: tuple(_class_name(x) for x in v) for k, v in stack.items()}
+    skel = _skeleton(gm, torch.nn.Module(), memo)
+    skel._modules.setdefault("_guards_fn", torch.nn.Module()) if "_guards_fn" in gm._modules else None
+    out = fx.GraphModule(skel, graph)
+    # the constructor copies only what the graph names; keep the whole tree (unused
+    # buffers, constants as attributes rather than buffers), as export's module has it
+    for k in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        setattr(out, k, getattr(skel, k))
+    for k, v in vars(skel).items():
+        if isinstance(v, torch.Tensor):
+            out.__dict__[k] = v
+    out.meta = {k: v for k, v in getattr(gm, "meta", {}).items() if k == "treespec_namedtuple_fields"}
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_treespecs():
+    """Pickling the graph's input/output tree specs makes pytree warn that a ``LeafSpec``
+    check is deprecated (torch's own code, on every dump and load): not the user's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+        yield
+
+
+def pack(cap: Captured) -> bytes:
+    """``cap`` as bytes: its graph module without weights (pickled with fake values
+    and the shape environment, :class:`torch.fx._graph_pickler.GraphPickler`) and the
+    capture's facts. A graph that does not pickle so (an op it cannot name) goes as
+    ``torch.export.save`` of the program."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    facts = {"model_name": cap.model_name, "input_names": cap.input_names, "constants": cap.constants,
+             "example_inputs": {k: (v.to("cpu") if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
+                                for k, v in cap.example_inputs.items()},
+             "training": cap.training, "seq_range": cap.seq_range, "guards": cap.guards,
+             "stamped": cap.stamped}
+    try:
+        with _quiet_treespecs():
+            data = GraphPickler.dumps(_portable(cap.module, {}), Options(ops_filter=None, node_metadata_key_filter=None))
+        return pickle.dumps({"graph": data, "facts": facts})
+    except Exception:  # noqa: BLE001 - the program's own format carries what the graph pickler cannot
+        if cap.program is None:
+            raise
     ep = copy.copy(cap.program)
     ep._state_dict = _meta_state(cap.program)
     buf = io.BytesIO()
     torch.export.save(ep, buf)
-    facts = {"model_name": cap.model_name, "input_names": cap.input_names, "constants": cap.constants,
-             "example_inputs": {k: (v.to("cpu") if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
-                                for k, v in cap.example_inputs.items()},
-             "training": cap.training, "seq_range": cap.seq_range}
     return pickle.dumps({"program": buf.getvalue(), "facts": facts})
 
 
@@ -131,11 +209,37 @@ def _load_program(data: bytes):
     return ep
 
 
+def _load_graph(data: bytes, guards: tuple) -> fx.GraphModule:
+    """The graph module of :func:`pack`'s pickled graph, its fake values in a new fake
+    mode whose shape environment is the capture's, export's input guards rebuilt."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export import _unlift
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with _quiet_treespecs():
+        gm = GraphPickler.loads(data, mode)
+    build = getattr(_unlift, "_convert_guards_code_to_fn", None)
+    for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
+        if guards and build is not None:
+            gm._modules["_guards_fn"] = build(*guards)
+        else:
+            gm._modules.pop("_guards_fn", None)
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
 def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
     """The :class:`Captured` of :func:`pack`'s bytes, bound to ``model``'s own parameters and buffers."""
     d = pickle.loads(blob)
-    ep = _load_program(d["program"])
-    gm = ep.module()
+    f = d["facts"]
+    if "graph" in d:
+        ep, gm = None, _load_graph(d["graph"], f.get("guards", ()))
+    else:
+        ep = _load_program(d["program"])
+        gm = ep.module()
     own = dict(model.named_parameters(remove_duplicate=False))
     own.update(model.named_buffers(remove_duplicate=False))
     for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
@@ -148,13 +252,13 @@ def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
             mod._parameters[attr] = own[name]
         else:
             mod._buffers[attr] = own[name]
-    f = d["facts"]
     sym = input_symbols(gm)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in f["example_inputs"].items()}
     return Captured(program=ep, module=gm, model_name=f["model_name"], input_names=tuple(f["input_names"]),
                     constants=f["constants"], batch_symbol=sym[0], seq_symbol=sym[1], example_inputs=example,
-                    training=f["training"], config=getattr(model, "config", None), seq_range=tuple(f["seq_range"]))
+                    training=f["training"], config=getattr(model, "config", None), seq_range=tuple(f["seq_range"]),
+                    guards=tuple(f.get("guards", ())), stamped=f.get("stamped", False))
 
 
 # ------------------------------------------------------------------ on-disk cache

@@ -45,7 +45,7 @@ from .capture_share import capture_shared
 from .errors import ConfigError
 from .hf_fill import meta_tensors
 from .log import logger
-from .passes.capture import Captured, input_symbols
+from .passes.capture import Captured, input_symbols, unlift
 from .passes.pipeline import plan_captured, prepare
 from .plan import ShardingPlan
 from .recapture import rewrite_bound
@@ -278,9 +278,10 @@ def capture_step(model: nn.Module, *, example_inputs: dict) -> Captured:
         del dyn["position_ids"]
         dyn.update(encoder_hidden_states={0: b, 1: t}, encoder_attention_mask={0: b, 1: t})
     ep = torch.export.export(model, (), kw, dynamic_shapes=dyn, strict=False)
-    gm = ep.module()
+    gm, guards = unlift(ep)
     bsym, ssym = input_symbols(gm)
     return Captured(program=ep, module=gm, model_name=type(model).__name__, input_names=tuple(kw), constants={},
+                    guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kw, training=False, config=model.config,
                     seq_range=(2 if prefill else 1, max_len))
 

@@ -22,7 +22,7 @@ from torch.export import Dim
 from autoshard.errors import CaptureError, ConfigError
 from autoshard.signature import pad_rows
 
-__all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols"]
+__all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols", "unlift"]
 
 
 @dataclass
@@ -41,6 +41,8 @@ class Captured:
     config: Any = None              # the model's Hugging Face config (None for a plain module)
     seq_range: tuple = (2, 4096)    # sequence lengths the graph was proven for (calls outside are refused)
     padding: tuple = ()             # passes.pad.Padding records: the vocabulary padded in ``module``
+    guards: tuple = ()              # (code, input paths) export's _guards_fn was built from (see unlift)
+    stamped: bool = False           # layers copied from a shallower export (passes.stamp)
 
 
 def _max_positions(config) -> int:
@@ -155,12 +157,36 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
             raise CaptureError(_capture_failure(name, e, lo, hi)) from e
     else:
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
-    gm = ep.module()
+    gm, guards = unlift(ep)
     bsym, ssym = input_symbols(gm)
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
-                    seq_range=(lo, hi),
+                    seq_range=(lo, hi), guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))
+
+
+def unlift(ep) -> tuple:
+    """``(ep.module(), guards)``: the unlifted module and what export built its input
+    guards (the ``_guards_fn`` submodule) from, ``(guard code lines, input paths)``, so
+    that another process can rebuild them (:mod:`autoshard.capture_share` sends the
+    graph, not the program); ``()`` where this torch builds no guards that way."""
+    from torch.export import _unlift
+
+    build = getattr(_unlift, "_convert_guards_code_to_fn", None)
+    if build is None:
+        return ep.module(), ()
+    seen: list = []
+
+    def recording(code, paths):
+        seen.append((tuple(code), tuple(paths)))
+        return build(code, paths)
+
+    _unlift._convert_guards_code_to_fn = recording
+    try:
+        gm = ep.module()
+    finally:
+        _unlift._convert_guards_code_to_fn = build
+    return gm, (seen[-1] if seen else ())
 
 
 def input_symbols(gm: torch.fx.GraphModule) -> tuple:

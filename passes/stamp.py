@@ -24,7 +24,7 @@ exactly the full model's parameter and buffer names and shapes.
     >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
     ...                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
     >>> cap = capture_stamped(model_from(cfg).train(), build=model_from)
-    >>> cap.program is None, "model.layers.5.mlp.down_proj.weight" in dict(cap.module.named_parameters())
+    >>> cap.stamped, "model.layers.5.mlp.down_proj.weight" in dict(cap.module.named_parameters())
     (True, True)
 """
 
@@ -250,7 +250,7 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
     g.lint()
     gm.graph = g
     gm.recompile()
-    return dataclasses.replace(cap, module=gm, program=None)
+    return dataclasses.replace(cap, module=gm, program=None, stamped=True)
 
 
 def capture_stamped(full: nn.Module, *, build: Callable, capture_fn: Callable = capture, **kw) -> Captured:

@@ -131,3 +131,47 @@ def test_the_disk_cache_hits_misses_and_rebuilds(tmp_path, monkeypatch):
     capture_shared(model, example_inputs=inputs)
     capture_shared(model, example_inputs=inputs)
     assert len(calls) == 4
+
+
+def _run(module, inputs):
+    out = module(**inputs, use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+
+
+def test_the_packed_graph_runs_as_the_capture_and_keeps_its_guards(monkeypatch):
+    """pack / unpack send the graph module (fake values, shape environment, node names and
+    module paths) without the program: the loaded module computes what the captured one
+    does, keeps export's input guards (a sequence longer than the capture proved is
+    refused alike), and a graph the graph pickler cannot write goes as the program."""
+    from autoshard.capture_share import pack, unpack
+    from autoshard.passes.capture import capture, input_symbols
+
+    monkeypatch.setenv("AUTOSHARD_CACHE", "off")
+    model, inputs = models.build("gpt2"), models.batch("gpt2")
+    own = capture(model, example_inputs=inputs)
+    blob = pack(own)
+    loaded = unpack(blob, model)
+    assert "graph" in __import__("pickle").loads(blob) and loaded.program is None
+    assert loaded.module.code == own.module.code
+    assert [n.meta.get("nn_module_stack") and list(n.meta["nn_module_stack"].values())[-1][0]
+            for n in loaded.module.graph.nodes] == [n.meta.get("nn_module_stack") and
+                                                    list(n.meta["nn_module_stack"].values())[-1][0]
+                                                    for n in own.module.graph.nodes]
+    assert str(input_symbols(loaded.module)) == str(input_symbols(own.module))
+    with torch.no_grad():
+        torch.testing.assert_close(_run(loaded.module, inputs), _run(own.module, inputs), rtol=0, atol=0)
+    long = models.batch("gpt2", s=own.seq_range[1] + 1)
+    for m in (own.module, loaded.module):
+        with pytest.raises(AssertionError, match="Guard failed"):
+            m(**long, use_cache=False)
+    # the fallback: the program itself
+    from torch.fx import _graph_pickler
+
+    def refuse(*a, **k):
+        raise NotImplementedError("TARGET: an op the graph pickler cannot name")
+
+    monkeypatch.setattr(_graph_pickler.GraphPickler, "dumps", refuse)
+    blob = pack(own)
+    assert "program" in __import__("pickle").loads(blob)
+    again = unpack(blob, model)
+    assert again.program is not None and again.module.code == own.module.code
