@@ -46,6 +46,7 @@ __all__ = [
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier",
+    "all_gather_two", "reduce_scatter_two", "reduce_scatter_start",
 ]
 
 
@@ -213,6 +214,73 @@ def _(x, dim, group):
     shape = list(x.shape)
     shape[dim] //= p
     return x.new_empty(shape)
+
+
+def _start(kind: str, x: torch.Tensor, dim: int, group: str):
+    """Launch one all-gather / reduce-scatter of ``x`` on ``dim`` over ``group``
+    asynchronously (counted now); return the function that waits and gives the result."""
+    pg = _pg(group)
+    p = pg.size()
+    src = x.movedim(dim, 0).contiguous()
+    rows = p * src.shape[0] if kind == "all_gather" else src.shape[0] // p
+    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    if kind == "all_gather":
+        _record(kind, group, out.numel() * out.element_size())
+        work = dist.all_gather_into_tensor(out, src, group=pg, async_op=True)
+    else:
+        _record(kind, group, src.numel() * src.element_size())
+        work = dist.reduce_scatter_tensor(out, src, group=pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out if dim == 0 else out.movedim(0, dim).contiguous()
+    return finish
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int, group: str):
+    """Launch :func:`reduce_scatter` of ``x`` asynchronously (counted now); return the
+    function that waits and gives the result. Not a graph op: a kernel's backward uses
+    it to compute while the scatter travels (:mod:`autoshard.parallel_ops`)."""
+    return _start("reduce_scatter", x, dim, group)
+
+
+def _fake_two(kind, a, a_dim, a_group, b, b_dim, b_group):
+    outs = []
+    for x, dim, group in ((a, a_dim, a_group), (b, b_dim, b_group)):
+        shape = list(x.shape)
+        p = group_rank_size(group)[1]
+        shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
+        outs.append(x.new_empty(shape))
+    return tuple(outs)
+
+
+@torch.library.custom_op("autoshard::all_gather_two", mutates_args=())
+def all_gather_two(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
+                   b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`all_gather` of ``a`` and of ``b`` (two groups, e.g. a SUMMA row and column)
+    in flight together: both launched, then both waited. The same two calls and bytes."""
+    fa = _start("all_gather", a, a_dim, a_group)
+    fb = _start("all_gather", b, b_dim, b_group)
+    return fa(), fb()
+
+
+@all_gather_two.register_fake
+def _(a, a_dim, a_group, b, b_dim, b_group):
+    return _fake_two("all_gather", a, a_dim, a_group, b, b_dim, b_group)
+
+
+@torch.library.custom_op("autoshard::reduce_scatter_two", mutates_args=())
+def reduce_scatter_two(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
+                       b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reduce_scatter` of ``a`` and of ``b`` in flight together (as :func:`all_gather_two`)."""
+    fa = _start("reduce_scatter", a, a_dim, a_group)
+    fb = _start("reduce_scatter", b, b_dim, b_group)
+    return fa(), fb()
+
+
+@reduce_scatter_two.register_fake
+def _(a, a_dim, a_group, b, b_dim, b_group):
+    return _fake_two("reduce_scatter", a, a_dim, a_group, b, b_dim, b_group)
 
 
 def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from . import collectives as C
 from .spec import ShardSpec
 
 __all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
-           "cross_entropy", "dropout", "dropout_active", "attention_dropout"]
+           "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives"]
 
 
 # --------------------------------------------------------------- re-layout steps
@@ -79,13 +79,64 @@ def _grouped_grads(x, w, offs, n_dim: int, impl: str, dy, need_x: bool, need_w: 
     return (next(got) if need_x else None), (next(got) if need_w else None)
 
 
+_PAIRED = {"on": True}      # a plain global: torch.compile reads it (and guards on it), a ContextVar it cannot
+
+
+@contextlib.contextmanager
+def paired_collectives(on: bool):
+    """Whether a SUMMA / 3D Linear sends the collectives of its two operands together
+    (default: both launched, then both waited, :func:`~autoshard.collectives.all_gather_two`)
+    or one after the other (``on=False``: what ``benchmarks/bench_overlap.py`` compares
+    against). The same calls, bytes and results either way."""
+    was, _PAIRED["on"] = _PAIRED["on"], bool(on)
+    try:
+        yield
+    finally:
+        _PAIRED["on"] = was
+
+
+def _overlap(t) -> bool:
+    """Whether a backward may launch a collective asynchronously and compute meanwhile:
+    paired collectives on, a real tensor (not the meta trace), not under torch.compile
+    (which sees the paired op instead)."""
+    return _PAIRED["on"] and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def _seg(t, dim: int, m: int):
+    """``t`` with ``dim`` split into ``m`` fused segments (a new dim before it), and the dim to use."""
+    if m == 1:
+        return t, dim
+    shape = list(t.shape)
+    return t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1
+
+
+def _unseg(t, dim: int, m: int):
+    if m == 1:
+        return t
+    shape = list(t.shape)
+    return t.reshape(shape[:dim] + [-1] + shape[dim + 2:])
+
+
+def _two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: str, m_b: int = 1):
+    """Two all-gathers (``kind="all_gather"``) or reduce-scatters on two groups, in
+    flight together unless :func:`paired_collectives` is off; ``b`` made of ``m_b``
+    fused segments along ``b_dim``, each split."""
+    bs, bd = _seg(b, b_dim, m_b)
+    if _PAIRED["on"]:
+        ya, yb = (C.all_gather_two if kind == "all_gather" else C.reduce_scatter_two)(a, a_dim, a_group, bs, bd, b_group)
+    else:
+        one = C.all_gather if kind == "all_gather" else C.reduce_scatter
+        ya, yb = one(a, a_dim, a_group), one(bs, bd, b_group)
+    return ya, _unseg(yb, b_dim, m_b)
+
+
 class _Summa(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
         ctx.save_for_backward(x, w, offs)
         ctx.cfg = (row, col, n_dim, k_dim, impl)
-        xg = C.all_gather(x, x.dim() - 1, col)       # [N_loc, k]
-        wg = C.all_gather(w, k_dim, row)             # [k, n/q] in math layout (per expert when grouped)
+        # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together
+        xg, wg = _two("all_gather", x, x.dim() - 1, col, w, k_dim, row)
         if offs is not None:                         # groups of this rank's rows: the same along the row
             return _grouped(xg, wg, offs, n_dim, impl)
         return _matmul(xg, wg, n_dim)
@@ -99,8 +150,21 @@ class _Summa(torch.autograd.Function):
         # only for the gradient that reads it (kernels.Summa.comms says the same)
         # under autocast dy is low precision while x / w are not: compute in dy's
         # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
+        nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if nx and nw:       # both operands gathered together, both gradients scattered together
+            wg, xg = _two("all_gather", w, k_dim, row, x, x.dim() - 1, col)
+            if offs is not None:
+                dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, True, True)
+                dxg, dwg = dxg.to(x.dtype), dwg.to(w.dtype)
+            else:
+                dxg = _summa_dx(dy, wg, n_dim, x.dtype)
+                if _overlap(dxg):      # dX's scatter travels while dW is computed
+                    dx = C.reduce_scatter_start(dxg, dxg.dim() - 1, col)
+                    dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, w.dtype), k_dim, row)
+                    return (dx(), dw) + (None,) * 6
+                dwg = _summa_dw(dy, xg, n_dim, w.dtype)
+            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 6
         if offs is not None:
-            nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             wg = C.all_gather(w, k_dim, row) if nx else w
             xg = C.all_gather(x, x.dim() - 1, col) if nw else x
             dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
@@ -109,17 +173,26 @@ class _Summa(torch.autograd.Function):
             if nw:
                 dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
             return dx, dw, None, None, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            wg = C.all_gather(w, k_dim, row).to(dy.dtype)
-            dxg = (dy @ (wg if n_dim == 0 else wg.t())).to(x.dtype)
+        if nx:
+            dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
             dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
-        if ctx.needs_input_grad[1]:
-            xg = C.all_gather(x, x.dim() - 1, col).to(dy.dtype)
-            x2 = xg.reshape(-1, xg.shape[-1])
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            dwg = (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(w.dtype)
+        if nw:
+            dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
             dw = C.reduce_scatter(dwg, k_dim, row)
         return dx, dw, None, None, None, None, None, None
+
+
+def _summa_dx(dy, wg, n_dim: int, dtype):
+    """dX of the gathered product: dy · Wᵀ in dy's dtype, returned in ``dtype``."""
+    wg = wg.to(dy.dtype)
+    return (dy @ (wg if n_dim == 0 else wg.t())).to(dtype)
+
+
+def _summa_dw(dy, xg, n_dim: int, dtype):
+    """dW of the gathered product (stored layout, n_dim): Xᵀ · dy in dy's dtype, returned in ``dtype``."""
+    x2 = xg.to(dy.dtype).reshape(-1, xg.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(dtype)
 
 
 def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
@@ -139,10 +212,6 @@ def _on_segments(fn, t, dim: int, group: str, m: int):
     return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
 
 
-def _ag_seg(t, dim: int, group: str, m: int):
-    return _on_segments(C.all_gather, t, dim, group, m)
-
-
 def _rs_seg(t, dim: int, group: str, m: int):
     return _on_segments(C.reduce_scatter, t, dim, group, m)
 
@@ -150,8 +219,7 @@ def _rs_seg(t, dim: int, group: str, m: int):
 class _ThreeD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int):
-        xg = C.all_gather(x, row_dim, b)          # X_il: rows (a)
-        wg = _ag_seg(w, n_dim, a, m)               # W_lj: n (b)
+        xg, wg = _two("all_gather", x, row_dim, b, w, n_dim, a, m)     # X_il: rows (a); W_lj: n (b)
         ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
         ctx.cfg = (a, b, c, row_dim, n_dim, m)
         return C.reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
@@ -163,13 +231,18 @@ class _ThreeD(torch.autograd.Function):
         dyg = C.all_gather(dy.contiguous(), row_dim, c)
         dx = dw = None
         # as in _Summa: compute in dy's dtype, sum each gradient in its input's dtype
-        if ctx.needs_input_grad[0]:
-            dxg = (dyg @ (wg if n_dim == 0 else wg.t()).to(dyg.dtype)).to(xg.dtype)
+        nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dxg = _summa_dx(dyg, wg, n_dim, xg.dtype) if nx else None
+        if nx and nw and _overlap(dxg):        # dX's scatter travels while dW is computed
+            dx = C.reduce_scatter_start(dxg, row_dim, b)
+            dw = _rs_seg(_summa_dw(dyg, xg, n_dim, wg.dtype), n_dim, a, m)
+            return (dx(), dw) + (None,) * 6
+        dwg = _summa_dw(dyg, xg, n_dim, wg.dtype) if nw else None
+        if nx and nw:       # the two gradients scattered together
+            return _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m) + (None,) * 6
+        if nx:
             dx = C.reduce_scatter(dxg, row_dim, b)
-        if ctx.needs_input_grad[1]:
-            x2 = xg.reshape(-1, xg.shape[-1]).to(dyg.dtype)
-            dy2 = dyg.reshape(-1, dyg.shape[-1])
-            dwg = (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(wg.dtype)
+        if nw:
             dw = _rs_seg(dwg, n_dim, a, m)
         return dx, dw, None, None, None, None, None, None
 

@@ -408,10 +408,12 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
 
 def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int, s: int, steps: int,
                  warmup: int, buckets: list) -> dict:
-    """Training-step time (forward + backward + AdamW) of one layout with its gradient
-    all-reduces made one blocking call per parameter (the default) and in asynchronous
-    buckets during backward (``overlap_grad_sync(bucket_bytes)``, each of ``buckets``),
-    same weights and batch, timed alternately step by step in one run."""
+    """Training-step time (forward + backward + AdamW) of one layout: every collective
+    one after the other (``paired_collectives(False)``, gradient all-reduces one blocking
+    call per parameter); a SUMMA / 3D Linear's two operand collectives in flight together
+    (the default); and that with the gradient all-reduces in asynchronous buckets during
+    backward (``overlap_grad_sync(bucket_bytes)``, each of ``buckets``). Same weights and
+    batch, timed alternately step by step in one run."""
     import copy
     import warnings
 
@@ -420,6 +422,7 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
 
     import autoshard
     from autoshard.collectives import CommLedger
+    from autoshard.parallel_ops import paired_collectives
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -429,32 +432,33 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
     base = _tiny_llama(cfg_kw)
     runs = {}
-    for bucket in [None] + list(buckets):
+    for name, paired, bucket in [("sequential", False, None), ("paired", True, None)] + \
+            [(f"paired + buckets {b:,} B", True, b) for b in buckets]:
         m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, example_inputs=inputs)
         if bucket is not None:
             m.overlap_grad_sync(bucket_bytes=bucket)
-        runs["per-parameter" if bucket is None else f"buckets {bucket:,} B"] = (
-            m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+        runs[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), paired)
 
-    def one(m, opt):
+    def one(m, opt, paired):
         opt.zero_grad(set_to_none=True)
-        loss = m(**inputs).loss
-        loss.backward()
+        with paired_collectives(paired):
+            loss = m(**inputs).loss
+            loss.backward()
         opt.step()
         return float(loss.detach())
 
     for _ in range(warmup):
-        for m, opt in runs.values():
-            one(m, opt)
+        for run in runs.values():
+            one(*run)
     times: dict = {k: [] for k in runs}
     calls = {}
     losses = {}
     for _ in range(steps):
-        for name, (m, opt) in runs.items():
+        for name, run in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
             with CommLedger() as led:
-                losses[name] = one(m, opt)
+                losses[name] = one(*run)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
             calls[name] = led.count()
