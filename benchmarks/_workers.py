@@ -407,7 +407,7 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
 
 
 def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int, s: int, steps: int,
-                 warmup: int, buckets: list) -> dict:
+                 warmup: int, buckets: list, depth: int | None = None) -> dict:
     """Training-step time (forward + backward + AdamW) of one layout: every collective
     one after the other (``paired_collectives(False)``, gradient all-reduces one blocking
     call per parameter); a SUMMA / 3D Linear's two operand collectives in flight together
@@ -434,7 +434,7 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     runs = {}
     for name, paired, bucket in [("sequential", False, None), ("paired", True, None)] + \
             [(f"paired + buckets {b:,} B", True, b) for b in buckets]:
-        m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, example_inputs=inputs)
+        m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, depth=depth, example_inputs=inputs)
         if bucket is not None:
             m.overlap_grad_sync(bucket_bytes=bucket)
         runs[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), paired)

@@ -7,7 +7,7 @@ also in asynchronous buckets during backward (``sharded.overlap_grad_sync(bucket
 Timed alternately step by step in one run per layout (slowest rank, median). Also the
 collective calls per step and the losses (equal: every path is exact).
 
-    python benchmarks/bench_overlap.py [--layouts 1d:4:2 2d:4:1 2.5d:8:1 3d:8:1] [--steps 10]
+    python benchmarks/bench_overlap.py [--layouts 1d:4:2 2d:4:1 2.5d:8:1:2 3d:8:1] [--steps 10]
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     from dist_pool import get_pool
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", nargs="*", default=["1d:4:2", "2d:4:1", "2.5d:8:1", "3d:8:1", "1d:8:4"], help="mode:world:dp per run")
+    ap.add_argument("--layouts", nargs="*", default=["1d:4:2", "2d:4:1", "2.5d:8:1:2", "3d:8:1", "1d:8:4"],
+                    help="mode:world:dp[:depth] per run")
     ap.add_argument("--buckets", type=int, nargs="*", default=[1 << 16, 1 << 22], help="bucket sizes in bytes")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -37,10 +38,10 @@ def main(argv=None) -> int:
               f"{args.warmup} warm-up, alternated")
     rows = []
     for spec in args.layouts:
-        mode, world, dp = spec.split(":")
-        world, dp = int(world), int(dp)
+        mode, world, dp, *depth = spec.split(":")
+        world, dp, depth = int(world), int(dp), (int(depth[0]) if depth else None)
         per_rank = get_pool(world, timeout=1800).run(_workers.overlap_time, cfg, mode, dp, args.batch, args.seq,
-                                                     args.steps, args.warmup, args.buckets)
+                                                     args.steps, args.warmup, args.buckets, depth)
         r0 = per_rank[0]
         med = _common.slowest_medians(per_rank)
         base = med["sequential"]
