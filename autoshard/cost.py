@@ -464,6 +464,29 @@ def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device:
     return int(total)
 
 
+def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime]:
+    """The node's collectives, timed. A kernel whose collectives go two at a time
+    (``Kernel.paired``: a SUMMA / 3D Linear's two operand gathers, its two gradient
+    scatters) is charged the longer of each pair: the shorter travels meanwhile
+    (``seconds=0``; its bytes and call still count)."""
+    out = []
+    pending: dict = {}          # (phase, kind) -> index in out of the pair's first call
+    paired = getattr(n.kernel, "paired", False)
+    for c in n.comms:
+        t, link = collective_time(c, mesh, cluster)
+        out.append(CommTime(comm=c, seconds=t, link=link, node=n.name))
+        if not paired:
+            continue
+        key = (c.phase, c.kind)
+        if key not in pending:
+            pending[key] = len(out) - 1
+            continue
+        first = pending.pop(key)
+        shorter = first if out[first].seconds < out[-1].seconds else len(out) - 1
+        out[shorter] = dataclasses.replace(out[shorter], seconds=0.0)
+    return out
+
+
 def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
              activation_dtype_bytes: int | None = None, zero: int = 0) -> CostEstimate:
     """Predict one training step of ``plan`` on ``cluster`` for one rank.
@@ -489,9 +512,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     flops, compute_s = _compute(plan, cluster, passes=3.0)
     timed: list[CommTime] = []
     for n in plan.nodes:
-        for c in n.comms:
-            t, link = collective_time(c, mesh, cluster)
-            timed.append(CommTime(comm=c, seconds=t, link=link, node=n.name))
+        timed += _node_comm_times(n, mesh, cluster)
     notes = []
     for c in plan.grad_sync_comms():
         t, link = collective_time(c, mesh, cluster)

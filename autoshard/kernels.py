@@ -110,6 +110,9 @@ class Kernel:
     out_spec: Any = None              # ShardSpec of its output
 
     name: ClassVar[str] = ""          # short label for tables
+    # its collectives of one phase and kind run two at a time, in flight together
+    # (parallel_ops.paired_collectives): the cost model counts the longer of each pair
+    paired: ClassVar[bool] = False
 
     def groups(self) -> tuple[tuple[str, ...], ...]:
         """Mesh axes this kernel needs a process group over, one tuple per group."""
@@ -205,6 +208,7 @@ class Summa(_Linear):
     offs: Path | None = None          # a grouped (per-expert) Linear: its group offsets
     impl: str = ""                    # ... and the grouped matmul it runs (autoshard.grouped)
     name: ClassVar[str] = "summa"
+    paired: ClassVar[bool] = True
 
     def groups(self):
         return (self.row, self.col)
@@ -236,6 +240,7 @@ class ThreeDLinear(_Linear):
     n_dim: int
     segments: int = 1
     name: ClassVar[str] = "three_d"
+    paired: ClassVar[bool] = True
 
     def groups(self):
         return (self.a, self.b_axes, self.c)

@@ -279,3 +279,35 @@ def test_profile_cli_needs_torchrun(capsys):
     finally:
         os.environ.update(env)
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode,world", [("2d", 4), ("3d", 8)])
+def test_paired_collectives_are_charged_the_longer_of_each_pair(cap, mode, world):
+    """A SUMMA / 3D Linear sends its collectives of one phase and kind two at a time
+    (parallel_ops.paired_collectives): the estimate charges the longer of each pair, the
+    other travels meanwhile (0 s); every call and byte is still counted."""
+    from autoshard.kernels import Summa, ThreeDLinear
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    plan = plan_captured(cap, make_policy(mode, world, None, 1), batch_size=B, seq_len=S)
+    e = estimate(plan, "cpu-gloo")
+    assert e.collective_calls == len(plan.comms())
+    assert e.comm_bytes == pytest.approx(plan.comm_bytes_per_rank())
+    linears = [n for n in plan.nodes if isinstance(n.kernel, (Summa, ThreeDLinear))]
+    assert linears
+    free = 0.0
+    for n in linears:
+        times = [t for t in e.comms if t.node == n.name]
+        full = [collective_time(c, plan.mesh, CLUSTERS["cpu-gloo"])[0] for c in n.comms]
+        pairs = {}
+        for t, f in zip(times, full):
+            pairs.setdefault((t.comm.phase, t.comm.kind), []).append((t.seconds, f))
+        for key, got in pairs.items():
+            if len(got) == 2:       # one charged in full (the longer), one free
+                assert sorted(s for s, _ in got) == [0.0, max(f for _, f in got)], (n.name, key, got)
+                free += min(f for _, f in got)
+            else:
+                assert [s for s, _ in got] == [f for _, f in got], (n.name, key, got)
+    unpaired = sum(collective_time(c, plan.mesh, CLUSTERS["cpu-gloo"])[0] for c in plan.comms())   # + grad sync
+    assert e.comm_s == pytest.approx(unpaired - free) and free > 0
