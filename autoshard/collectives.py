@@ -254,33 +254,27 @@ def _fake_two(kind, a, a_dim, a_group, b, b_dim, b_group):
     return tuple(outs)
 
 
-@torch.library.custom_op("autoshard::all_gather_two", mutates_args=())
-def all_gather_two(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
-                   b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`all_gather` of ``a`` and of ``b`` (two groups, e.g. a SUMMA row and column)
-    in flight together: both launched, then both waited. The same two calls and bytes."""
-    fa = _start("all_gather", a, a_dim, a_group)
-    fb = _start("all_gather", b, b_dim, b_group)
-    return fa(), fb()
+def _def_two(kind: str, doc: str):
+    """Register ``autoshard::<kind>_two``: two ``kind`` collectives on two groups (e.g. a
+    SUMMA row and column) in flight together, both launched, then both waited; the
+    same two calls and bytes as one after the other."""
+    def impl(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
+             b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fa = _start(kind, a, a_dim, a_group)
+        fb = _start(kind, b, b_dim, b_group)
+        return fa(), fb()
+
+    impl.__doc__ = doc
+    op = torch.library.custom_op(f"autoshard::{kind}_two", impl, mutates_args=())
+
+    @op.register_fake
+    def _(a, a_dim, a_group, b, b_dim, b_group):
+        return _fake_two(kind, a, a_dim, a_group, b, b_dim, b_group)
+    return op
 
 
-@all_gather_two.register_fake
-def _(a, a_dim, a_group, b, b_dim, b_group):
-    return _fake_two("all_gather", a, a_dim, a_group, b, b_dim, b_group)
-
-
-@torch.library.custom_op("autoshard::reduce_scatter_two", mutates_args=())
-def reduce_scatter_two(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
-                       b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reduce_scatter` of ``a`` and of ``b`` in flight together (as :func:`all_gather_two`)."""
-    fa = _start("reduce_scatter", a, a_dim, a_group)
-    fb = _start("reduce_scatter", b, b_dim, b_group)
-    return fa(), fb()
-
-
-@reduce_scatter_two.register_fake
-def _(a, a_dim, a_group, b, b_dim, b_group):
-    return _fake_two("reduce_scatter", a, a_dim, a_group, b, b_dim, b_group)
+all_gather_two = _def_two("all_gather", ":func:`all_gather` of ``a`` and of ``b`` in flight together.")
+reduce_scatter_two = _def_two("reduce_scatter", ":func:`reduce_scatter` of ``a`` and of ``b`` in flight together.")
 
 
 def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
