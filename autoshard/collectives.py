@@ -46,7 +46,7 @@ __all__ = [
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier",
-    "all_gather_two", "reduce_scatter_two", "reduce_scatter_start",
+    "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
 ]
 
 
@@ -235,6 +235,12 @@ def _start(kind: str, x: torch.Tensor, dim: int, group: str):
         work.wait()
         return out if dim == 0 else out.movedim(0, dim).contiguous()
     return finish
+
+
+def all_gather_start(x: torch.Tensor, dim: int, group: str):
+    """Launch :func:`all_gather` of ``x`` asynchronously (counted now); return the function
+    that waits and gives the result. Not a graph op (a weight prefetch: :mod:`autoshard.parallel_ops`)."""
+    return _start("all_gather", x, dim, group)
 
 
 def reduce_scatter_start(x: torch.Tensor, dim: int, group: str):

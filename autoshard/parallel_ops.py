@@ -19,7 +19,8 @@ from . import collectives as C
 from .spec import ShardSpec
 
 __all__ = ["step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
-           "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives"]
+           "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives",
+           "gather_weight_start"]
 
 
 # --------------------------------------------------------------- re-layout steps
@@ -132,11 +133,15 @@ def _two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: str, m_
 
 class _Summa(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
+    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
         ctx.save_for_backward(x, w, offs)
         ctx.cfg = (row, col, n_dim, k_dim, impl)
-        # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together
-        xg, wg = _two("all_gather", x, x.dim() - 1, col, w, k_dim, row)
+        # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together;
+        # W already on its way when a prefetch launched it (passes.prefetch)
+        if ready is not None:
+            xg, wg = C.all_gather(x, x.dim() - 1, col), ready.result()
+        else:
+            xg, wg = _two("all_gather", x, x.dim() - 1, col, w, k_dim, row)
         if offs is not None:                         # groups of this rank's rows: the same along the row
             return _grouped(xg, wg, offs, n_dim, impl)
         return _matmul(xg, wg, n_dim)
@@ -161,9 +166,9 @@ class _Summa(torch.autograd.Function):
                 if _overlap(dxg):      # dX's scatter travels while dW is computed
                     dx = C.reduce_scatter_start(dxg, dxg.dim() - 1, col)
                     dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, w.dtype), k_dim, row)
-                    return (dx(), dw) + (None,) * 6
+                    return (dx(), dw) + (None,) * 7
                 dwg = _summa_dw(dy, xg, n_dim, w.dtype)
-            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 6
+            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 7
         if offs is not None:
             wg = C.all_gather(w, k_dim, row) if nx else w
             xg = C.all_gather(x, x.dim() - 1, col) if nw else x
@@ -172,14 +177,14 @@ class _Summa(torch.autograd.Function):
                 dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
             if nw:
                 dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
-            return dx, dw, None, None, None, None, None, None
+            return dx, dw, None, None, None, None, None, None, None
         if nx:
             dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
             dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
         if nw:
             dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
             dw = C.reduce_scatter(dwg, k_dim, row)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def _summa_dx(dy, wg, n_dim: int, dtype):
@@ -195,11 +200,12 @@ def _summa_dw(dy, xg, n_dim: int, dtype):
     return (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(dtype)
 
 
-def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = ""):
+def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
     """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract). With
     ``offs`` a grouped Linear (per expert, :mod:`autoshard.grouped`): the rows are
-    this rank's tokens sorted by expert, the same on every rank of the row group."""
-    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl)
+    this rank's tokens sorted by expert, the same on every rank of the row group.
+    ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
+    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl, ready)
     return y if b is None else y + b
 
 
@@ -218,8 +224,11 @@ def _rs_seg(t, dim: int, group: str, m: int):
 
 class _ThreeD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int):
-        xg, wg = _two("all_gather", x, row_dim, b, w, n_dim, a, m)     # X_il: rows (a); W_lj: n (b)
+    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int, ready=None):
+        if ready is not None:                      # W already on its way (passes.prefetch)
+            xg, wg = C.all_gather(x, row_dim, b), ready.result()
+        else:
+            xg, wg = _two("all_gather", x, row_dim, b, w, n_dim, a, m)     # X_il: rows (a); W_lj: n (b)
         ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
         ctx.cfg = (a, b, c, row_dim, n_dim, m)
         return C.reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
@@ -236,21 +245,45 @@ class _ThreeD(torch.autograd.Function):
         if nx and nw and _overlap(dxg):        # dX's scatter travels while dW is computed
             dx = C.reduce_scatter_start(dxg, row_dim, b)
             dw = _rs_seg(_summa_dw(dyg, xg, n_dim, wg.dtype), n_dim, a, m)
-            return (dx(), dw) + (None,) * 6
+            return (dx(), dw) + (None,) * 7
         dwg = _summa_dw(dyg, xg, n_dim, wg.dtype) if nw else None
         if nx and nw:       # the two gradients scattered together
-            return _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m) + (None,) * 6
+            return _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m) + (None,) * 7
         if nx:
             dx = C.reduce_scatter(dxg, row_dim, b)
         if nw:
             dw = _rs_seg(dwg, n_dim, a, m)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1):
-    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``."""
-    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments)
+def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1, ready=None):
+    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``.
+    ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
+    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments, ready)
     return y if bias is None else y + bias
+
+
+class _Gathering:
+    """A weight's all-gather in flight (:func:`gather_weight_start`); :meth:`result`
+    waits for it once and gives the gathered weight."""
+
+    def __init__(self, finish, dim: int, segments: int):
+        self._finish, self._dim, self._m, self._value = finish, dim, segments, None
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = _unseg(self._finish(), self._dim, self._m)
+            self._finish = None
+        return self._value
+
+
+def gather_weight_start(w, dim: int, group: str, segments: int = 1) -> _Gathering:
+    """Launch the all-gather of weight ``w`` on ``dim`` over ``group`` (``segments``
+    fused segments, each split) now, for a SUMMA / 3D Linear that runs later
+    (``ready=``): :mod:`autoshard.passes.prefetch` puts it before the Linear ahead, so the
+    weight travels while that one computes. Counted by the ledger at launch."""
+    ws, d = _seg(w.detach(), dim, segments)
+    return _Gathering(C.all_gather_start(ws, d, group), dim, segments)
 
 
 def partial_head(x, w, b, *, col: str):

@@ -411,7 +411,8 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     """Training-step time (forward + backward + AdamW) of one layout: every collective
     one after the other (``paired_collectives(False)``, gradient all-reduces one blocking
     call per parameter); a SUMMA / 3D Linear's two operand collectives in flight together
-    (the default); and that with the gradient all-reduces in asynchronous buckets during
+    (the default); that with each SUMMA / 3D weight gather launched one Linear early
+    (``prefetch_weights()``); and paired with the gradient all-reduces in asynchronous buckets during
     backward (``overlap_grad_sync(bucket_bytes)``, each of ``buckets``). Same weights and
     batch, timed alternately step by step in one run."""
     import copy
@@ -432,9 +433,10 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
     base = _tiny_llama(cfg_kw)
     runs = {}
-    for name, paired, bucket in [("sequential", False, None), ("paired", True, None)] + \
+    for name, paired, bucket in [("sequential", False, None), ("paired", True, None), ("paired + prefetch", True, None)] + \
             [(f"paired + buckets {b:,} B", True, b) for b in buckets]:
         m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, depth=depth, example_inputs=inputs)
+        m.prefetch_weights("prefetch" in name)
         if bucket is not None:
             m.overlap_grad_sync(bucket_bytes=bucket)
         runs[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), paired)
