@@ -61,10 +61,14 @@ def test_overlapped_grad_sync_equals_per_parameter(case):
             assert r["over_calls"] < r["plain_calls"], r
 
 
-def _paired(rank, world, mode):
+def _toggled(rank, world, mode, what):
+    """Loss, local gradients and ledger of one step with ``what`` ("paired": the paired
+    collectives, "prefetch": the weight prefetch) off and on; and how many weight gathers
+    the prefetch moves."""
     import autoshard
     from autoshard.collectives import CommLedger
     from autoshard.parallel_ops import paired_collectives
+    from autoshard.passes.prefetch import prefetch_weights
 
     torch.set_num_threads(1)
     dense = models.build("llama")
@@ -72,12 +76,17 @@ def _paired(rank, world, mode):
     out = {}
     for on in (False, True):
         m = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
-        with CommLedger() as led, paired_collectives(on):
+        if what == "prefetch":
+            m.prefetch_weights(on)
+            m(**inputs)                                 # the first call runs node by node (self-check)
+        with CommLedger() as led, paired_collectives(on or what != "paired"):
             loss = m(**inputs).loss
             loss.backward()
-        out[on] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, sorted(led.by_kind().items()))
-    (l0, g0, k0), (l1, g1, k1) = out[False], out[True]
-    return {"loss_equal": torch.equal(l0, l1), "ledger_equal": k0 == k1, "kinds": str(k1),
+        out[on] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, sorted(led.by_kind().items()),
+                   led.count())
+    (l0, g0, k0, c0), (l1, g1, k1, c1) = out[False], out[True]
+    return {"loss_equal": torch.equal(l0, l1), "ledger_equal": k0 == k1 and c0 == c1, "kinds": str(k1),
+            "moved": prefetch_weights(m._graphs[0].gm)[1],
             "grads_differ": [n for n in g0 if not torch.equal(g0[n], g1[n])]}
 
 
@@ -87,32 +96,9 @@ def test_paired_collectives_are_exact_and_counted_alike(case):
     together, dX's scatter travelling while dW is computed: bitwise the loss and every
     local gradient of one-after-the-other, the same calls and bytes in the ledger."""
     mode, world = case
-    for rank, r in enumerate(get_pool(world, timeout=900).run(_paired, mode)):
+    for rank, r in enumerate(get_pool(world, timeout=900).run(_toggled, mode, "paired")):
         assert r["loss_equal"] and not r["grads_differ"], (rank, r)
         assert r["ledger_equal"], (rank, r["kinds"])
-
-
-def _prefetch(rank, world, mode):
-    import autoshard
-    from autoshard.collectives import CommLedger
-    from autoshard.passes.prefetch import prefetch_weights
-
-    torch.set_num_threads(1)
-    dense = models.build("llama")
-    inputs = models.batch("llama", b=4)
-    out = {}
-    for on in (False, True):
-        m = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs).prefetch_weights(on)
-        m(**inputs)                                     # the first call runs node by node (self-check)
-        with CommLedger() as led:
-            loss = m(**inputs).loss
-            loss.backward()
-        out[on] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, sorted(led.by_kind().items()),
-                   led.count())
-    moved = prefetch_weights(m._graphs[0].gm)[1]
-    (l0, g0, k0, c0), (l1, g1, k1, c1) = out[False], out[True]
-    return {"loss_equal": torch.equal(l0, l1), "ledger_equal": k0 == k1 and c0 == c1, "moved": moved,
-            "grads_differ": [n for n in g0 if not torch.equal(g0[n], g1[n])]}
 
 
 @pytest.mark.parametrize("case", [("2d", 4), ("3d", 8)], ids=["2d@4", "3d@8"])
@@ -121,7 +107,7 @@ def test_weight_prefetch_is_exact_and_counted_alike(case):
     (sharded.prefetch_weights(), passes/prefetch.py): bitwise the loss and every local
     gradient of the plain module, the same calls and bytes in the ledger."""
     mode, world = case
-    for rank, r in enumerate(get_pool(world, timeout=900).run(_prefetch, mode)):
+    for rank, r in enumerate(get_pool(world, timeout=900).run(_toggled, mode, "prefetch")):
         assert r["moved"] >= 13, (rank, r)             # 2 layers x 7 Linears (+ the head): all but the first
         assert r["loss_equal"] and not r["grads_differ"], (rank, r)
         assert r["ledger_equal"], (rank, r)
