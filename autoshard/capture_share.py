@@ -148,7 +148,7 @@ def pack(cap: Captured) -> bytes:
     return pickle.dumps({"program": buf.getvalue(), "facts": facts})
 
 
-_LOADED: dict[str, object] = {}       # sha256 of a packed program -> its ExportedProgram (this process)
+_LOADED: dict[str, object] = {}       # sha256 of a packed graph / program -> its unbound load (this process)
 _LOADED_MAX = 8
 
 
@@ -190,8 +190,8 @@ def _sympify_key(a, locals=None, *args, **kwargs):
 
 
 def forget_loaded() -> None:
-    """Drop the programs this process has loaded: the next load reads the bytes again,
-    as a new process would (benchmarks of a second launch)."""
+    """Drop the graphs and programs this process has loaded: the next load reads the
+    bytes again, as a new process would (benchmarks of a second launch)."""
     _LOADED.clear()
 
 
@@ -206,23 +206,36 @@ def _load_program(data: bytes):
 
         with _memoised(typing, "get_type_hints", _hints_key), _memoised(sympy, "sympify", _sympify_key):
             ep = torch.export.load(io.BytesIO(data))
-        while len(_LOADED) >= _LOADED_MAX:
-            _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = ep
+        _remember(key, ep)
     return ep
+
+
+def _remember(key: str, loaded) -> None:
+    while len(_LOADED) >= _LOADED_MAX:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[key] = loaded
 
 
 def _load_graph(data: bytes, guards: tuple) -> fx.GraphModule:
     """The graph module of :func:`pack`'s pickled graph, its fake values in a new fake
-    mode whose shape environment is the capture's, export's input guards rebuilt."""
+    mode whose shape environment is the capture's, export's input guards rebuilt. A
+    process that loads the same bytes again (a second shard() of one model, a test
+    worker) unpickles them once: each caller gets its own copy (:func:`_portable`: its
+    graph and tensors to bind; the fake values shared, as ``ep.module()`` shares an
+    exported program's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export import _unlift
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    with _quiet_treespecs():
-        gm = GraphPickler.loads(data, mode)
+    key = hashlib.sha256(data).hexdigest()
+    base = _LOADED.get(key)
+    if base is None:
+        mode = FakeTensorMode(allow_fallback_kernels=False, allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        with _quiet_treespecs():
+            base = GraphPickler.loads(data, mode)
+        _remember(key, base)
+    gm = _portable(base, {})
     build = getattr(_unlift, "_convert_guards_code_to_fn", None)
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
         if guards and build is not None:
