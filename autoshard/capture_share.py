@@ -91,7 +91,8 @@ def _portable(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:
     """A copy of ``gm`` that pickles: its graph (node names, fake values, module paths
     with class names as text, stack traces; not export's provenance records) in a plain
     GraphModule without hooks, its tensors as :func:`_skeleton` keeps them."""
-    graph = copy.deepcopy(gm.graph)           # nodes are new, their meta dicts copies
+    with _quiet_treespecs():
+        graph = copy.deepcopy(gm.graph)       # nodes are new, their meta dicts copies
     for n in graph.nodes:
         n.meta.pop("from_node", None)
         stack = n.meta.get("nn_module_stack")
