@@ -64,7 +64,7 @@ def _class_name(x):
 def _skeleton(mod: torch.nn.Module, into: torch.nn.Module, memo: dict) -> torch.nn.Module:
     """``mod``'s tree in ``into``: parameters and buffers as meta tensors (tied ones stay
     tied), plain tensor attributes (export's lifted constants) with their values,
-    subgraphs as :func:`_portable` copies; export's input guards left out."""
+    subgraphs as :func:`_portable` copies; export's input guards as an empty stand-in."""
     def meta(t):
         if id(t) not in memo:
             m = t.detach().to("meta")
@@ -81,7 +81,8 @@ def _skeleton(mod: torch.nn.Module, into: torch.nn.Module, memo: dict) -> torch.
         if isinstance(v, torch.Tensor):
             into.__dict__[k] = v
     for k, c in mod._modules.items():
-        if k == "_guards_fn":
+        if k == "_guards_fn":               # a stand-in: unpack rebuilds it from Captured.guards
+            into._modules[k] = torch.nn.Module()
             continue
         into._modules[k] = _portable(c, memo) if isinstance(c, fx.GraphModule) else _skeleton(c, torch.nn.Module(), memo)
     return into
@@ -99,7 +100,6 @@ def _portable(gm: fx.GraphModule, memo: dict) -> fx.GraphModule:
         if stack:
             n.meta["nn_module_stack"] = {k: tuple(_class_name(x) for x in v) for k, v in stack.items()}
     skel = _skeleton(gm, torch.nn.Module(), memo)
-    skel._modules.setdefault("_guards_fn", torch.nn.Module()) if "_guards_fn" in gm._modules else None
     out = fx.GraphModule(skel, graph)
     # the constructor copies only what the graph names; keep the whole tree (unused
     # buffers, constants as attributes rather than buffers), as export's module has it

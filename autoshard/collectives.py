@@ -178,47 +178,9 @@ def all_reduce_async(x: torch.Tensor, group: str):
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
 
 
-@torch.library.custom_op("autoshard::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    pg = _pg(group)
-    p = pg.size()
-    src = x.movedim(dim, 0).contiguous()
-    out = torch.empty((p * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", group, out.numel() * out.element_size())
-    dist.all_gather_into_tensor(out, src, group=pg)
-    return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
-
-
-@all_gather.register_fake
-def _(x, dim, group):
-    p = group_rank_size(group)[1]
-    shape = list(x.shape)
-    shape[dim] *= p
-    return x.new_empty(shape)
-
-
-@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    pg = _pg(group)
-    p = pg.size()
-    src = x.movedim(dim, 0).contiguous()
-    out = torch.empty((src.shape[0] // p,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", group, src.numel() * src.element_size())
-    dist.reduce_scatter_tensor(out, src, group=pg)
-    return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
-
-
-@reduce_scatter.register_fake
-def _(x, dim, group):
-    p = group_rank_size(group)[1]
-    shape = list(x.shape)
-    shape[dim] //= p
-    return x.new_empty(shape)
-
-
-def _start(kind: str, x: torch.Tensor, dim: int, group: str):
-    """Launch one all-gather / reduce-scatter of ``x`` on ``dim`` over ``group``
-    asynchronously (counted now); return the function that waits and gives the result."""
+def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
+    """Run (``async_op``: launch) one all-gather / reduce-scatter of ``x`` on ``dim`` over
+    ``group``, counted now; return the function that waits and gives the result."""
     pg = _pg(group)
     p = pg.size()
     src = x.movedim(dim, 0).contiguous()
@@ -226,38 +188,57 @@ def _start(kind: str, x: torch.Tensor, dim: int, group: str):
     out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     if kind == "all_gather":
         _record(kind, group, out.numel() * out.element_size())
-        work = dist.all_gather_into_tensor(out, src, group=pg, async_op=True)
+        work = dist.all_gather_into_tensor(out, src, group=pg, async_op=async_op)
     else:
         _record(kind, group, src.numel() * src.element_size())
-        work = dist.reduce_scatter_tensor(out, src, group=pg, async_op=True)
+        work = dist.reduce_scatter_tensor(out, src, group=pg, async_op=async_op)
 
     def finish() -> torch.Tensor:
-        work.wait()
-        return out if dim == 0 else out.movedim(0, dim).contiguous()
+        if work is not None:
+            work.wait()
+        return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
     return finish
+
+
+def _fake_out(kind: str, x, dim: int, group: str):
+    """The shape-only result of an all-gather / reduce-scatter of ``x`` on ``dim`` over ``group``."""
+    p = group_rank_size(group)[1]
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autoshard::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    return _launch("all_gather", x, dim, group, async_op=False)()
+
+
+@all_gather.register_fake
+def _(x, dim, group):
+    return _fake_out("all_gather", x, dim, group)
+
+
+@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    return _launch("reduce_scatter", x, dim, group, async_op=False)()
+
+
+@reduce_scatter.register_fake
+def _(x, dim, group):
+    return _fake_out("reduce_scatter", x, dim, group)
 
 
 def all_gather_start(x: torch.Tensor, dim: int, group: str):
     """Launch :func:`all_gather` of ``x`` asynchronously (counted now); return the function
     that waits and gives the result. Not a graph op (a weight prefetch: :mod:`autoshard.parallel_ops`)."""
-    return _start("all_gather", x, dim, group)
+    return _launch("all_gather", x, dim, group, async_op=True)
 
 
 def reduce_scatter_start(x: torch.Tensor, dim: int, group: str):
     """Launch :func:`reduce_scatter` of ``x`` asynchronously (counted now); return the
     function that waits and gives the result. Not a graph op: a kernel's backward uses
     it to compute while the scatter travels (:mod:`autoshard.parallel_ops`)."""
-    return _start("reduce_scatter", x, dim, group)
-
-
-def _fake_two(kind, a, a_dim, a_group, b, b_dim, b_group):
-    outs = []
-    for x, dim, group in ((a, a_dim, a_group), (b, b_dim, b_group)):
-        shape = list(x.shape)
-        p = group_rank_size(group)[1]
-        shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
-        outs.append(x.new_empty(shape))
-    return tuple(outs)
+    return _launch("reduce_scatter", x, dim, group, async_op=True)
 
 
 def _def_two(kind: str, doc: str):
@@ -266,8 +247,8 @@ def _def_two(kind: str, doc: str):
     same two calls and bytes as one after the other."""
     def impl(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
              b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fa = _start(kind, a, a_dim, a_group)
-        fb = _start(kind, b, b_dim, b_group)
+        fa = _launch(kind, a, a_dim, a_group, async_op=True)
+        fb = _launch(kind, b, b_dim, b_group, async_op=True)
         return fa(), fb()
 
     impl.__doc__ = doc
@@ -275,7 +256,7 @@ def _def_two(kind: str, doc: str):
 
     @op.register_fake
     def _(a, a_dim, a_group, b, b_dim, b_group):
-        return _fake_two(kind, a, a_dim, a_group, b, b_dim, b_group)
+        return _fake_out(kind, a, a_dim, a_group), _fake_out(kind, b, b_dim, b_group)
     return op
 
 
@@ -323,13 +304,7 @@ def _def_pair(name, fwd, bwd, *, has_dim: bool):
 
 
 def _fake_like(name, x, dim, group):
-    p = group_rank_size(group)[1]
-    shape = list(x.shape)
-    if name in ("gather_from", "gather_partial"):
-        shape[dim] *= p
-    else:
-        shape[dim] //= p
-    return x.new_empty(shape)
+    return _fake_out("all_gather" if name in ("gather_from", "gather_partial") else "reduce_scatter", x, dim, group)
 
 
 def _identity(x, dim, group):

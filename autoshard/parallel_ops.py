@@ -211,11 +211,8 @@ def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, imp
 
 def _on_segments(fn, t, dim: int, group: str, m: int):
     """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
-    if m == 1:
-        return fn(t, dim, group)
-    shape = list(t.shape)
-    y = fn(t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1, group)
-    return y.reshape(shape[:dim] + [-1] + shape[dim + 1:])
+    ts, d = _seg(t, dim, m)
+    return _unseg(fn(ts, d, group), dim, m)
 
 
 def _rs_seg(t, dim: int, group: str, m: int):

@@ -433,10 +433,10 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
     base = _tiny_llama(cfg_kw)
     runs = {}
-    for name, paired, bucket in [("sequential", False, None), ("paired", True, None), ("paired + prefetch", True, None)] + \
-            [(f"paired + buckets {b:,} B", True, b) for b in buckets]:
+    variants = [("sequential", False, False, None), ("paired", True, False, None), ("paired + prefetch", True, True, None)]
+    for name, paired, prefetch, bucket in variants + [(f"paired + buckets {b:,} B", True, False, b) for b in buckets]:
         m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, depth=depth, example_inputs=inputs)
-        m.prefetch_weights("prefetch" in name)
+        m.prefetch_weights(prefetch)
         if bucket is not None:
             m.overlap_grad_sync(bucket_bytes=bucket)
         runs[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), paired)

@@ -52,9 +52,8 @@ def prefetch_weights(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     launched one Linear early (sharing ``gm``'s parameters and submodules), and how many
     gathers were moved (0: no such Linear, the copy runs as ``gm``)."""
     graph = copy.deepcopy(gm.graph)
-    linears = [n for n in graph.nodes if n.op == "call_function" and _weight_gather(n) is not None]
-    for ahead, node in zip(linears, linears[1:]):
-        dim, group, segments = _weight_gather(node)
+    linears = [(n, g) for n in graph.nodes if n.op == "call_function" and (g := _weight_gather(n)) is not None]
+    for (ahead, _), (node, (dim, group, segments)) in zip(linears, linears[1:]):
         with graph.inserting_before(ahead):
             w = graph.get_attr(node.args[1].target)
             ready = graph.call_function(parallel_ops.gather_weight_start, (w, dim, group, segments))
