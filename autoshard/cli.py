@@ -213,7 +213,8 @@ def cmd_profile(args) -> int:
     if dist.get_rank() == 0:
         cluster.save(args.out)
         print(f"wrote {args.out}: {cluster.describe()}; per collective call {cluster.call_overhead * 1e6:.0f} µs, "
-              f"per op {cluster.op_overhead * 1e6:.1f} µs")
+              f"per op {cluster.op_overhead * 1e6:.1f} µs, a pair of collectives sent together hides "
+              f"{cluster.pair_overlap:.0%} of the shorter")
     dist.barrier()
     return 0
 

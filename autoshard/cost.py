@@ -91,6 +91,10 @@ class Cluster:
         flops_curve: ``((edge, FLOP/s), ...)``: the matmul rate by size (the cube
             root of ``m·k·n``), measured by :func:`profile`; a Linear is timed at the
             rate of its own size (interpolated), ``flops`` where the curve is empty.
+        pair_overlap: the share (0-1) of the shorter of two collectives sent together
+            (a SUMMA / 3D Linear's two operand gathers, ``Kernel.paired``) hidden behind
+            the longer: 1 where they travel on links of their own (NCCL streams), about
+            0 where both eat the same CPU cores (gloo on an oversubscribed host).
     """
 
     ranks_per_node: int
@@ -105,6 +109,7 @@ class Cluster:
     call_overhead: float = 0.0
     op_overhead: float = 0.0
     flops_curve: tuple = ()
+    pair_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
@@ -113,6 +118,8 @@ class Cluster:
         for f in ("intra_latency", "inter_latency", "call_overhead", "op_overhead"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
+        if not 0.0 <= self.pair_overlap <= 1.0:
+            raise ConfigError(f"Cluster.pair_overlap must be within 0-1, got {self.pair_overlap!r}")
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"Cluster.device must be 'cuda' or 'cpu', got {self.device!r}")
 
@@ -216,7 +223,7 @@ CLUSTERS: dict[str, Cluster] = {
     # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
     "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
                         inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB,
-                        device="cpu"),
+                        device="cpu", pair_overlap=0.0),
     # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
     # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
     # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
@@ -467,8 +474,9 @@ def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device:
 def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime]:
     """The node's collectives, timed. A kernel whose collectives go two at a time
     (``Kernel.paired``: a SUMMA / 3D Linear's two operand gathers, its two gradient
-    scatters) is charged the longer of each pair: the shorter travels meanwhile
-    (``seconds=0``; its bytes and call still count)."""
+    scatters) is charged the longer of each pair in full and the shorter for the
+    share the longer does not hide (``1 - cluster.pair_overlap``; its bytes and call
+    count either way)."""
     out = []
     pending: dict = {}          # (phase, kind) -> index in out of the pair's first call
     paired = getattr(n.kernel, "paired", False)
@@ -483,7 +491,7 @@ def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime
             continue
         first = pending.pop(key)
         shorter = first if out[first].seconds < out[-1].seconds else len(out) - 1
-        out[shorter] = dataclasses.replace(out[shorter], seconds=0.0)
+        out[shorter] = dataclasses.replace(out[shorter], seconds=out[shorter].seconds * (1.0 - cluster.pair_overlap))
     return out
 
 
@@ -606,9 +614,36 @@ def _fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, flo
     return max(alpha, 0.0), 1.0 / inv_beta
 
 
-def _time_collectives(group, p: int, device, sizes, iters: int) -> list[tuple[int, float, float]]:
+def _timed_loop(fn, iters: int, sync) -> float:
+    """Seconds per call of ``fn`` run ``iters`` times, every rank at once (a fixed count:
+    ``fn`` may be a collective), between barriers."""
     import time
 
+    import torch.distributed as dist
+
+    fn()
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _between(fn, busy, busy_s: float, iters: int, sync) -> float:
+    """Seconds ``fn`` (a collective) costs as a rewritten graph pays it: each call after a
+    small computation (``busy``, whose own ``busy_s`` is taken off), so that the group's
+    ranks reach it at their own pace, as they do out of a layer's matmuls. On a host
+    whose cores the ranks share, a call timed back to back would catch its partners
+    already waiting and read a fraction of that."""
+    return max(_timed_loop(lambda: (busy(), fn()), iters, sync) - busy_s, 0.0)
+
+
+def _time_collectives(group, p: int, device, sizes, iters: int, busy, busy_s: float,
+                      sync) -> list[tuple[int, float, float]]:
+    """(ring steps, bytes sent, seconds) of an all-reduce and an all-gather of each of
+    ``sizes`` bytes over ``group`` (:func:`_between`)."""
     import torch
     import torch.distributed as dist
 
@@ -623,20 +658,36 @@ def _time_collectives(group, p: int, device, sizes, iters: int) -> list[tuple[in
                     dist.all_reduce(x, group=group)
                 else:
                     dist.all_gather_into_tensor(y, x[: numel // p], group=group)
-            once()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                once()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = (time.perf_counter() - t0) / iters
+            dt = _between(once, busy, busy_s, iters, sync)
             steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
             sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4
             out.append((steps, sent, dt))
     return out
+
+
+def _pair_overlap(world: int, rank: int, rpn: int, device, busy, busy_s: float, iters: int, sync) -> float | None:
+    """:attr:`Cluster.pair_overlap` measured: two all-gathers on two different groups of
+    2 ranks of a node (rows and columns of 2 × 2 blocks, every block at once) sent one
+    at a time, then together (:func:`autoshard.collectives.all_gather_two`); the share of
+    the shorter that the pair hid. None where the node has no 2 × 2 block."""
+    import torch
+    import torch.distributed as dist
+
+    from . import collectives as C
+
+    if rpn % 4 or world % 4:
+        return None
+    rows = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
+    cols = [dist.new_group([b + j, b + j + 2]) for b in range(0, world, 4) for j in (0, 1)]
+    row = rows[rank // 2].group_name
+    col = cols[(rank // 4) * 2 + rank % 2].group_name
+    a = torch.ones(1 << 14, device=device)
+    b = torch.ones(1 << 14, device=device)
+    t_a = _between(lambda: C.all_gather(a, 0, row), busy, busy_s, iters, sync)
+    t_b = _between(lambda: C.all_gather(b, 0, col), busy, busy_s, iters, sync)
+    t_two = _between(lambda: C.all_gather_two(a, 0, row, b, 0, col), busy, busy_s, iters, sync)
+    short = min(t_a, t_b)
+    return min(max((t_a + t_b - t_two) / short, 0.0), 1.0) if short > 0 else 1.0
 
 
 def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int = 5,
@@ -647,9 +698,13 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     Times all-reduces and all-gathers of ``sizes`` bytes inside each node (and, if
     the job spans nodes, between ranks of the same local index on different nodes,
     all such groups at once, as tensor-parallel traffic would run) and one matmul;
-    fits ``t = steps·α + bytes/β`` per link class. The figures are maxed over ranks,
-    so every rank returns the same Cluster (and ``mode="auto"`` picks the same plan
-    everywhere). With one node the inter-node figures copy the intra-node ones.
+    fits ``t = steps·α + bytes/β`` per link class. Every collective is timed as a
+    rewritten graph pays it, after a small matmul (whose own time is taken off): the
+    per-call cost of tiny all-reduces on groups of 2, 4, ... ranks, the bytes, and
+    how much of a pair sent together (:attr:`Cluster.pair_overlap`) overlaps. The
+    figures are maxed over ranks, so every rank returns the same Cluster (and
+    ``mode="auto"`` picks the same plan everywhere). With one node the inter-node
+    figures copy the intra-node ones.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -670,25 +725,34 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # the computation each timed collective follows (a layer's matmul, small)
+    w = torch.randn(256, 256, device=device)
+
+    def busy():
+        w @ w
+
+    busy_s = _timed_loop(busy, max(iters, 10), sync)
+
     # groups are created by every rank in the same order
     node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(world // rpn)]
     slot_groups = [dist.new_group(list(range(s, world, rpn))) for s in range(rpn)] if world > rpn else []
     intra = inter = None
     intra_samples: list = []
     if rpn > 1:
-        intra_samples = _time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters)
+        intra_samples = _time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters, busy, busy_s, sync)
         intra = _fit_alpha_beta(intra_samples)
     if slot_groups:
-        a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters))
+        a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters,
+                                                 busy, busy_s, sync))
         inter = (a, b * rpn)       # all rpn slots ran at once: the node's links carried rpn flows
     if intra is None:
         intra = inter if inter is not None else (0.0, 1e12)
     if inter is None:
         inter = intra
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
 
     def per_call(fn, window: float = 0.05) -> float:
         """Seconds per call of ``fn``, every rank looping at once for ``window`` seconds:
@@ -742,13 +806,8 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
     for g in sizes_p:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
         mine = groups[rank // g].group_name
-        C.all_reduce(tiny, mine, "sum")
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(max(iters, 10)):
-            C.all_reduce(tiny, mine, "sum")
-        sync()
-        tiny_t.append((2 * (g - 1), (time.perf_counter() - t0) / max(iters, 10)))
+        tiny_t.append((2 * (g - 1), _between(lambda: C.all_reduce(tiny, mine, "sum"), busy, busy_s,
+                                             max(iters, 10), sync)))
     if len(tiny_t) >= 2:
         n_ = len(tiny_t)
         mx = sum(x for x, _ in tiny_t) / n_
@@ -765,18 +824,21 @@ def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int 
             inter = intra
     elif tiny_t:
         call = max(tiny_t[0][1] - tiny_t[0][0] * intra[0], 0.0)
+    overlap = _pair_overlap(world, rank, rpn, device, busy, busy_s, max(iters, 10), sync)
+    if overlap is None:             # no 2 × 2 block to try: streams of their own on a GPU, shared cores on a CPU
+        overlap = 1.0 if cuda else 0.0
 
     if memory_bytes is None:
         if cuda:
             memory_bytes = torch.cuda.get_device_properties(device).total_memory
         else:
             memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
-    # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory
-    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes), call, op]
-                        + [-r for _, r in curve], dtype=torch.float64)
+    # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory and overlap
+    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes), call, op,
+                         -overlap] + [-r for _, r in curve], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     v = vals.tolist()
     return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
                    inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]),
                    device="cuda" if cuda else "cpu", call_overhead=v[6], op_overhead=v[7],
-                   flops_curve=tuple((e, -r) for (e, _), r in zip(curve, v[8:])))
+                   pair_overlap=-v[8], flops_curve=tuple((e, -r) for (e, _), r in zip(curve, v[9:])))
