@@ -17,6 +17,7 @@ from .module import ShardedModule
 from .signature import Recipe, batch_inputs, pad_blocker
 from .plan import ShardingPlan
 from .capture_share import capture_for_plan, capture_shared
+from . import launch_cache
 from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
@@ -187,6 +188,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         from .cost import default_cluster
         from .search import search
 
+        key = None
         cap = captured or capture_shared(model, example_inputs=example_inputs)
         ids = cap.example_inputs["input_ids"]
         pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
@@ -196,6 +198,16 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         raise_problems(auto + check_example_inputs(example_inputs),
                        f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
     else:
+        key = None if captured is not None else _launch_key(model, example_inputs, pol, world, rank,
+                                                             gather_logits=gather_logits, dropout=dropout)
+        entry = _launch_entry(key, model)
+        if entry is not None:       # every rank has its own: no capture, no planning, no rewrite
+            p = entry.plan
+            groups = _setup_groups(p, rank, world)
+            gm = launch_cache.rebuild(entry, model, rank, groups)
+            return _finish(model, gm, p, pol, groups, entry.facts, rank=rank, weights=weights, debug=debug,
+                           activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                           dropout=dropout)
         cap = captured or capture_shared(model, example_inputs=example_inputs)
     cap = prepare(cap, pol)     # the vocabulary padded to the split: plan and rewrite the same module
     ids = cap.example_inputs["input_ids"]
@@ -211,13 +223,55 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
                       gather_outputs=gather_logits, dropout=dropout)
+    groups = _setup_groups(p, rank, world)
+    gm = rewrite(cap.module, p, rank=rank, groups=groups)
+    facts = dict(input_names=cap.input_names, constants=cap.constants, example_inputs=cap.example_inputs,
+                 training=cap.training, seq_range=cap.seq_range, guards=cap.guards,
+                 batch_inputs=batch_inputs(cap.module, cap.batch_symbol), pad_blocker=blocker,
+                 batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
+    if key is not None:
+        launch_cache.write(key, launch_cache.entry_of(gm, p, groups, facts))
+    return _finish(model, gm, p, pol, groups, facts, rank=rank, weights=weights, debug=debug,
+                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits, dropout=dropout)
+
+
+def _launch_key(model, example_inputs, pol, world: int, rank: int, **options) -> str | None:
+    """The key of this rank's :mod:`autoshard.launch_cache` entry (None where the cache is off)."""
+    from .capture_share import cache_key
+
+    if not launch_cache.enabled():
+        return None
+    return launch_cache.launch_key(cache_key(model, example_inputs), policy=type(pol).__qualname__,
+                                   mesh=(pol.mesh.axes, pol.mesh.sizes), world=world, rank=rank, **options)
+
+
+def _launch_entry(key: str | None, model):
+    """This rank's launch-cache entry, where every rank has its own and it fits the
+    model (one all-reduce of a flag: the ranks take the same path either way); else None."""
+    entry = launch_cache.read(key) if key is not None else None
+    if entry is not None and not launch_cache.fits(entry, model):
+        entry = None
+    if dist.get_world_size() > 1:
+        flag = torch.tensor([0 if entry is None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag) == 0:
+            return None
+    return entry
+
+
+def _setup_groups(p: ShardingPlan, rank: int, world: int) -> dict:
+    """Checks on the plan every rank makes alike, then its process groups."""
     if any(isinstance(n.kernel, Dropout) for n in p.nodes):
         check_same_rng(world, "the model has dropout", "replicas would drop different elements",
                        "before shard(), or shard(..., seed=s)")
     _warn_fallbacks(p)
     _warn_placement(p.mesh, world)
-    groups = plan_groups(p, rank)
-    gm = rewrite(cap.module, p, rank=rank, groups=groups)
+    return plan_groups(p, rank)
+
+
+def _finish(model, gm, p: ShardingPlan, pol, groups: dict, facts: dict, *, rank: int, weights, debug: bool,
+            activation_checkpointing: bool, gather_logits: bool, dropout: str) -> ShardedModule:
+    """The ShardedModule of this rank's rewritten ``gm`` (weights filled, blocks checkpointed)."""
     if activation_checkpointing:
         from .passes.remat import checkpoint_blocks
 
@@ -226,17 +280,16 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         weights(gm, p, rank)
     config = getattr(model, "config", None)
     recipe = None if config is None else Recipe(
-        model_class=type(model), config=config, training=cap.training, policy=pol, batch_size=b * pol.dp,
-        seq_len=int(ids.shape[1]), gather_outputs=gather_logits, dropout=dropout,
+        model_class=type(model), config=config, training=facts["training"], policy=pol,
+        batch_size=facts["batch_size"], seq_len=facts["seq_len"], gather_outputs=gather_logits, dropout=dropout,
         activation_checkpointing=activation_checkpointing)
-    sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=cap.input_names, constants=cap.constants,
-                       example_inputs=cap.example_inputs, debug=debug, recipe=recipe,
-                       batch_inputs=batch_inputs(cap.module, cap.batch_symbol),
-                       pad_blocker=blocker)
-    sm._limits, sm.config = _input_limits(getattr(model, "config", None)), getattr(model, "config", None)
+    sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=facts["input_names"],
+                       constants=facts["constants"], example_inputs=facts["example_inputs"], debug=debug,
+                       recipe=recipe, batch_inputs=facts["batch_inputs"], pad_blocker=facts["pad_blocker"])
+    sm._limits, sm.config = _input_limits(config), config
     sm._seq_split = pol.seq_split()
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
-    hi = cap.seq_range[1]
+    hi = facts["seq_range"][1]
     if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
         sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return sm

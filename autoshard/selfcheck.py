@@ -58,31 +58,39 @@ def _bind(gm: fx.GraphModule, inputs: dict, dp: int = 1) -> dict:
         if node.op != "placeholder":
             continue
         v, x = node.meta.get("val"), inputs.get(node.target)
-        if not isinstance(v, torch.Tensor) or not isinstance(x, torch.Tensor) or v.dim() != x.dim():
+        shape = _shape(v)
+        if shape is None or not isinstance(x, torch.Tensor) or len(shape) != x.dim():
             continue
-        for d, (s, n) in enumerate(zip(v.shape, x.shape)):
-            if isinstance(s, torch.SymInt):
-                expr = s.node.expr
-                if getattr(expr, "is_Symbol", False):
-                    env[expr] = int(n) * (dp if d == 0 else 1)
+        for d, (expr, n) in enumerate(zip(shape, x.shape)):
+            if getattr(expr, "is_Symbol", False):
+                env[expr] = int(n) * (dp if d == 0 else 1)
     return env
+
+
+def _shape(val) -> tuple | None:
+    """A capture value's shape, symbolic sizes as sympy expressions: of a (fake) tensor,
+    or of the shape-only record a relaunch keeps (:class:`autoshard.launch_cache.ShapeOnly`)."""
+    if isinstance(val, torch.Tensor):
+        return tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
+    shape = getattr(val, "shape", None)
+    return tuple(shape) if isinstance(shape, tuple) and not isinstance(val, torch.Tensor) else None
 
 
 def expected_local_shape(val, spec: ShardSpec, mesh, env: dict) -> tuple[int, ...] | None:
     """The local shape the plan promises for a value whose capture-time (global,
     possibly symbolic) shape is ``val.shape``, or ``None`` where a size cannot be
     evaluated from ``env`` (a symbol the inputs do not bind)."""
-    if not isinstance(val, torch.Tensor) or not isinstance(spec, ShardSpec) or spec.ndim != val.dim():
+    sizes = _shape(val)
+    if sizes is None or not isinstance(spec, ShardSpec) or spec.ndim != len(sizes):
         return None
     shape = []
-    for s in val.shape:
-        if isinstance(s, torch.SymInt):
-            expr = s.node.expr
-            if not expr.free_symbols <= set(env):
-                return None
-            shape.append(int(expr.xreplace(env)))
+    for s in sizes:
+        if isinstance(s, int):
+            shape.append(s)
         else:
-            shape.append(int(s))
+            if not s.free_symbols <= set(env):
+                return None
+            shape.append(int(s.xreplace(env)))
     return spec.local_shape(shape, mesh)
 
 
