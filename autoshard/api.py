@@ -230,7 +230,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                  batch_inputs=batch_inputs(cap.module, cap.batch_symbol), pad_blocker=blocker,
                  batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
     if key is not None:
-        launch_cache.write(key, launch_cache.entry_of(gm, p, groups, facts))
+        launch_cache.store(key, gm, p, groups, facts)
     return _finish(model, gm, p, pol, groups, facts, rank=rank, weights=weights, debug=debug,
                    activation_checkpointing=activation_checkpointing, gather_logits=gather_logits, dropout=dropout)
 

@@ -42,7 +42,7 @@ from .errors import CaptureError
 from .passes.capture import Captured, capture, input_symbols
 
 __all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key",
-           "forget_loaded"]
+           "forget_loaded", "read_hashed", "write_hashed"]
 
 
 def _meta_state(ep) -> dict:
@@ -335,33 +335,41 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = ""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _cache_read(key: str) -> bytes | None:
-    d = cache_dir()
-    if d is None:
-        return None
-    f = d / f"{key}.pt2"
+def read_hashed(f: Path) -> bytes | None:
+    """The bytes :func:`write_hashed` stored at ``f``, or None: absent, or torn or corrupt
+    (the file is removed: rebuilt, never trusted)."""
     try:
         data = f.read_bytes()
     except OSError:
         return None
     digest, _, blob = data.partition(b"\n")
-    if hashlib.sha256(blob).hexdigest().encode() != digest:      # torn or corrupt: rebuilt, never trusted
+    if hashlib.sha256(blob).hexdigest().encode() != digest:
         f.unlink(missing_ok=True)
         return None
     return blob
 
 
+def write_hashed(f: Path, blob: bytes) -> None:
+    """Store ``blob`` at ``f`` behind its sha256, atomically (readers see all or nothing;
+    a folder that cannot be written is no cache)."""
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.parent / f".{f.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
+        os.replace(tmp, f)
+    except OSError:
+        pass
+
+
+def _cache_read(key: str) -> bytes | None:
+    d = cache_dir()
+    return None if d is None else read_hashed(d / f"{key}.pt2")
+
+
 def _cache_write(key: str, blob: bytes) -> None:
     d = cache_dir()
-    if d is None:
-        return
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
-        os.replace(tmp, d / f"{key}.pt2")                         # atomic: readers see all or nothing
-    except OSError:
-        pass                                                      # a cache that cannot be written is no cache
+    if d is not None:
+        write_hashed(d / f"{key}.pt2", blob)
 
 
 def _fn_tag(capture_fn) -> str:

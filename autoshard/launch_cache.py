@@ -35,7 +35,7 @@ from torch import fx
 
 from . import selfcheck
 
-__all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write",
+__all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write", "store",
            "source_hash"]
 
 _KEEP_META = ("nn_module_stack",)       # what passes after the rewrite read (remat: the blocks)
@@ -265,7 +265,16 @@ def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
             t = own.get(name)
             if t is None or tuple(t.shape) != tuple(pp.hf_shape):
                 return False
-    return entry.plan is not None and "" in entry.graphs
+    if entry.plan is None or "" not in entry.graphs:
+        return False
+    try:                # every operator resolves (a library that registered one is loaded)
+        for _, records in entry.graphs.values():
+            for op, _, target, *_ in records:
+                if op == "call_function":
+                    _target(target)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict) -> fx.GraphModule:
@@ -346,38 +355,41 @@ def enabled() -> bool:
 
 def read(key: str) -> LaunchEntry | None:
     """The entry of ``key``, or None (none, disabled, torn, corrupt: the file is removed)."""
+    from .capture_share import read_hashed
+
     d = _dir()
-    if d is None:
-        return None
-    f = d / f"{key}.bin"
-    try:
-        data = f.read_bytes()
-    except OSError:
-        return None
-    digest, _, blob = data.partition(b"\n")
-    if hashlib.sha256(blob).hexdigest().encode() != digest:
-        f.unlink(missing_ok=True)
+    blob = None if d is None else read_hashed(d / f"{key}.bin")
+    if blob is None:
         return None
     try:
         with warnings.catch_warnings():         # torch's pytree warns of its own deprecated specs
             warnings.simplefilter("ignore", FutureWarning)
             entry = pickle.loads(blob)
     except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
-        f.unlink(missing_ok=True)
+        (d / f"{key}.bin").unlink(missing_ok=True)
         return None
     return entry if isinstance(entry, LaunchEntry) else None
 
 
 def write(key: str, entry: LaunchEntry) -> None:
-    """Store ``entry`` under ``key`` (atomic; a cache that cannot be written is no cache)."""
+    """Store ``entry`` under ``key`` (atomic; best effort: an entry that does not pickle
+    is not stored, and the next launch goes the full way)."""
+    from .capture_share import write_hashed
+
     d = _dir()
     if d is None:
         return
     try:
         blob = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{key}.{os.getpid()}.tmp"
-        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
-        os.replace(tmp, d / f"{key}.bin")
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
-        pass
+    except Exception:  # noqa: BLE001 - a graph argument that does not pickle: no entry
+        return
+    write_hashed(d / f"{key}.bin", blob)
+
+
+def store(key: str, gm: fx.GraphModule, plan, groups: dict, facts: dict) -> None:
+    """:func:`entry_of` the freshly rewritten ``gm`` written under ``key`` (best effort)."""
+    try:
+        entry = entry_of(gm, plan, groups, facts)
+    except Exception:  # noqa: BLE001 - a graph this format cannot hold: no entry, no error
+        return
+    write(key, entry)
