@@ -214,6 +214,10 @@ def _tensor_kind(gm: fx.GraphModule, path: str) -> str:
 
 def entry_of(gm: fx.GraphModule, plan, groups: dict, facts: dict) -> LaunchEntry:
     """The entry of a freshly rewritten module ``gm`` (before any weights callback)."""
+    if not facts.get("guards") and any(n.op == "call_module" and n.target == "_guards_fn" for n in gm.graph.nodes):
+        # export's input guards, but not the code they were built from (a capture loaded from
+        # the program format): nothing to rebuild them from, so no entry (they stay checked)
+        raise ValueError("the graph calls _guards_fn and the capture kept no guard code")
     by_name = {v: k for k, v in groups.items()}
     planned = {name for pp in plan.params for name in (pp.name,) + pp.aliases}
     graphs = {"": _graph_record(gm, by_name)}
@@ -266,6 +270,9 @@ def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
             if t is None or tuple(t.shape) != tuple(pp.hf_shape):
                 return False
     if entry.plan is None or "" not in entry.graphs:
+        return False
+    if not entry.facts.get("guards") and any(op == "call_module" and target == "_guards_fn"
+                                             for op, _, target, *_ in entry.graphs[""][1]):
         return False
     try:                # every operator resolves (a library that registered one is loaded)
         for _, records in entry.graphs.values():

@@ -156,3 +156,27 @@ def test_the_self_check_reads_a_shape_only_record():
     assert expected_local_shape(ShapeOnly((b, s * 2, 64)), spec, mesh, {b: 4, s: 8}) == (4, 16, 32)
     assert expected_local_shape(ShapeOnly((b, s, 64)), spec, mesh, {b: 4}) is None      # s unbound
     assert expected_local_shape(torch.empty(4, 8, 64), spec, mesh, {}) == (4, 8, 32)
+
+
+def test_a_graph_with_guards_but_no_guard_code_leaves_no_entry(tmp_path, monkeypatch):
+    """A capture loaded from the program format calls export's ``_guards_fn`` but kept no
+    code to rebuild it from: no entry is stored (the next launch goes the full way and
+    its inputs stay guarded), and storing never raises."""
+    from types import SimpleNamespace
+
+    from autoshard import launch_cache as lc
+
+    root = torch.nn.Module()
+    root._guards_fn = torch.nn.Identity()
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.call_module("_guards_fn", (x,))
+    g.output(x)
+    gm = torch.fx.GraphModule(root, g)
+    plan = SimpleNamespace(params=())
+    with pytest.raises(ValueError, match="no guard code"):
+        lc.entry_of(gm, plan, {}, {"guards": ()})
+    assert lc.entry_of(gm, plan, {}, {"guards": ("code", ())}).graphs[""][1][1][1] == "_guards_fn"
+    monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
+    lc.store("k", gm, plan, {}, {"guards": ()})
+    assert not (tmp_path / "launch" / "k.bin").exists()
