@@ -1,12 +1,13 @@
-"""Setup time: ``autoshard.shard()`` on 4 gloo ranks, first launch (no capture cached)
-second launch (the on-disk capture cache warm, the programs the processes loaded
-forgotten, as in new processes) and the same processes sharding again (their loaded
-program reused), against one dense
+"""Setup time: ``autoshard.shard()`` on 4 gloo ranks, first launch (nothing cached),
+second launch (the on-disk caches warm, the graphs the processes loaded forgotten, as
+in new processes) and the same processes sharding again, against one dense
 ``torch.export`` of the same model in one process and PyTorch's
 ``parallelize_module`` with a hand-written 1d plan, all in one run.
 
-Since autoshard.capture_share, rank 0 exports and the others load the program; the
-second launch loads it from the cache (AUTOSHARD_CACHE) and exports nothing.
+Rank 0 exports and the others load the captured graph (autoshard.capture_share);
+each rank stores what its shard() ended in (autoshard.launch_cache), so the second
+launch rebuilds its module from that entry: no capture, no planning, no rewrite
+(``AUTOSHARD_LAUNCH_CACHE=off`` measures the capture cache alone).
 
     python benchmarks/bench_setup.py [--world 4] [--hidden 256] [--layers 4]
 """
