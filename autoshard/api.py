@@ -252,7 +252,8 @@ def _launch_entry(key: str | None, model):
     if entry is not None and not launch_cache.fits(entry, model):
         entry = None
     if dist.get_world_size() > 1:
-        flag = torch.tensor([0 if entry is None else 1], dtype=torch.int64)
+        flag = torch.tensor([0 if entry is None else 1], dtype=torch.int64,
+                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag) == 0:
             return None
