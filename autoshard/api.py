@@ -184,31 +184,34 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
                              weights_given=weights is not None, environ=os.environ)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
+    if mode == "auto":      # the layout is the search's: the key names what it searches with
+        from .cost import Cluster, default_cluster
+
+        clus = Cluster.preset(cluster) if cluster is not None else default_cluster()
+        layout = dict(policy="auto", cluster=repr(clus), depth=depth, dp=dp)
+    else:
+        layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
+    key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
+                                                         dropout=dropout, **layout)
+    entry = _launch_entry(key, model)
+    if entry is not None:       # every rank has its own: no capture, no search, no planning, no rewrite
+        p = entry.plan
+        if mode == "auto":
+            pol = POLICIES[entry.facts["mode"]](p.mesh)
+            _report_auto(model, pol, example_inputs, world)
+        groups = _setup_groups(p, rank, world)
+        gm = launch_cache.rebuild(entry, model, rank, groups)
+        return _finish(model, gm, p, pol, groups, entry.facts, rank=rank, weights=weights, debug=debug,
+                       activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                       dropout=dropout)
+    cap = captured or capture_shared(model, example_inputs=example_inputs)
     if mode == "auto":      # deterministic: every rank picks the same candidate
-        from .cost import default_cluster
         from .search import search
 
-        key = None
-        cap = captured or capture_shared(model, example_inputs=example_inputs)
         ids = cap.example_inputs["input_ids"]
-        pol = search(cap, world_size=world, cluster=cluster or default_cluster(), depth=depth, dp=dp,
+        pol = search(cap, world_size=world, cluster=clus, depth=depth, dp=dp,
                      batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
-        # the search chose this layout knowing its fallbacks: report them, refuse nothing
-        auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None), pol)]
-        raise_problems(auto + check_example_inputs(example_inputs),
-                       f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
-    else:
-        key = None if captured is not None else _launch_key(model, example_inputs, pol, world, rank,
-                                                             gather_logits=gather_logits, dropout=dropout)
-        entry = _launch_entry(key, model)
-        if entry is not None:       # every rank has its own: no capture, no planning, no rewrite
-            p = entry.plan
-            groups = _setup_groups(p, rank, world)
-            gm = launch_cache.rebuild(entry, model, rank, groups)
-            return _finish(model, gm, p, pol, groups, entry.facts, rank=rank, weights=weights, debug=debug,
-                           activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                           dropout=dropout)
-        cap = captured or capture_shared(model, example_inputs=example_inputs)
+        _report_auto(model, pol, example_inputs, world)
     cap = prepare(cap, pol)     # the vocabulary padded to the split: plan and rewrite the same module
     ids = cap.example_inputs["input_ids"]
     blocker = pad_blocker(cap.module, cap.batch_symbol)
@@ -225,7 +228,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                       gather_outputs=gather_logits, dropout=dropout)
     groups = _setup_groups(p, rank, world)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
-    facts = dict(input_names=cap.input_names, constants=cap.constants, example_inputs=cap.example_inputs,
+    facts = dict(mode=pol.name, input_names=cap.input_names, constants=cap.constants, example_inputs=cap.example_inputs,
                  training=cap.training, seq_range=cap.seq_range, guards=cap.guards,
                  batch_inputs=batch_inputs(cap.module, cap.batch_symbol), pad_blocker=blocker,
                  batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
@@ -235,14 +238,23 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                    activation_checkpointing=activation_checkpointing, gather_logits=gather_logits, dropout=dropout)
 
 
-def _launch_key(model, example_inputs, pol, world: int, rank: int, **options) -> str | None:
-    """The key of this rank's :mod:`autoshard.launch_cache` entry (None where the cache is off)."""
+def _report_auto(model, pol, example_inputs, world: int) -> None:
+    """What the layout ``mode="auto"`` chose leaves whole (warnings: the search chose it
+    knowing its fallbacks), and the example inputs' problems."""
+    auto = [Problem(x.what, x.message, error=False) for x in check_dims(getattr(model, "config", None), pol)]
+    raise_problems(auto + check_example_inputs(example_inputs),
+                   f"autoshard.shard(mode='auto' -> {pol.name!r}) on {world} ranks")
+
+
+def _launch_key(model, example_inputs, world: int, rank: int, **options) -> str | None:
+    """The key of this rank's :mod:`autoshard.launch_cache` entry (None where the cache is off):
+    ``options`` name the layout (a policy and its mesh, or ``"auto"`` and what it searches
+    with) and the shard() options the graph depends on."""
     from .capture_share import cache_key
 
     if not launch_cache.enabled():
         return None
-    return launch_cache.launch_key(cache_key(model, example_inputs), policy=type(pol).__qualname__,
-                                   mesh=(pol.mesh.axes, pol.mesh.sizes), world=world, rank=rank, **options)
+    return launch_cache.launch_key(cache_key(model, example_inputs), world=world, rank=rank, **options)
 
 
 def _launch_entry(key: str | None, model):

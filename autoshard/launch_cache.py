@@ -16,7 +16,10 @@ On by default wherever the capture cache is (``AUTOSHARD_CACHE``); a folder
 rebuilt, never trusted; the key holds a hash of autoshard's own source, so an
 edited checkout never runs an old rewrite. ``shard()`` uses an entry only where
 every rank has its own (one small all-reduce), so the ranks never take
-different paths. ``mode="auto"`` and a ``captured=`` graph bypass it.
+different paths. ``mode="auto"`` is keyed by what it searches with (the cluster,
+``depth``, ``dp``) and its entry names the layout it chose: a relaunch searches
+nothing either (a cluster profiled anew at each launch differs, and misses). A
+``captured=`` graph bypasses the cache.
 """
 
 from __future__ import annotations

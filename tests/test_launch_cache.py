@@ -77,18 +77,26 @@ def _key_of(name, inputs, mode, depth):
     import torch.distributed as dist
 
     from autoshard import api
+    from autoshard.cost import default_cluster
     from autoshard.policies import make_policy
 
-    pol = make_policy(mode, dist.get_world_size(), depth, 1)
-    return api._launch_key(models.build(name), inputs, pol, dist.get_world_size(), dist.get_rank(),
-                           gather_logits=True, dropout="sharded")
+    world = dist.get_world_size()
+    if mode == "auto":
+        layout = dict(policy="auto", cluster=repr(default_cluster()), depth=depth, dp=1)
+    else:
+        pol = make_policy(mode, world, depth, 1)
+        layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
+    return api._launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True,
+                           dropout="sharded", **layout)
 
 
-@pytest.mark.parametrize("name,mode,world", [("llama", "1d", 2), ("gpt2", "2d", 4), ("llama-v131", "1d-sp", 2)])
+@pytest.mark.parametrize("name,mode,world", [("llama", "1d", 2), ("gpt2", "2d", 4), ("llama-v131", "1d-sp", 2),
+                                            ("llama", "auto", 2)])
 def test_a_relaunch_rebuilds_the_same_module_without_capturing(name, mode, world):
     """Second launch: no capture on any rank, the same generated code, bitwise the same
     logits, loss and every local gradient (tied GPT-2 weights, a vocabulary padded to
-    the split, sequence parallelism), and the loss still the dense model's."""
+    the split, sequence parallelism, the layout mode="auto" chose: no search either),
+    and the loss still the dense model's."""
     for r in get_pool(world).run(_twice, name, mode):
         assert r["captures"] == (1, 0), r
         assert r["entries"] == world and r["has_mine"]          # one entry per rank
