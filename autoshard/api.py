@@ -193,7 +193,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
     key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
                                                          dropout=dropout, **layout)
-    entry = _launch_entry(key, model)
+    entry = None if captured is not None else _launch_entry(key, model)     # every rank passes captured= alike
     if entry is not None:       # every rank has its own: no capture, no search, no planning, no rewrite
         p = entry.plan
         if mode == "auto":

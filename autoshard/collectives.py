@@ -208,24 +208,22 @@ def _fake_out(kind: str, x, dim: int, group: str):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("autoshard::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return _launch("all_gather", x, dim, group, async_op=False)()
+def _def_one(kind: str):
+    """Register ``autoshard::<kind>``: one blocking ``kind`` collective of ``x`` on ``dim``
+    over ``group`` (its fake kernel: the shape only)."""
+    def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        return _launch(kind, x, dim, group, async_op=False)()
+
+    op = torch.library.custom_op(f"autoshard::{kind}", impl, mutates_args=())
+
+    @op.register_fake
+    def _(x, dim, group):
+        return _fake_out(kind, x, dim, group)
+    return op
 
 
-@all_gather.register_fake
-def _(x, dim, group):
-    return _fake_out("all_gather", x, dim, group)
-
-
-@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    return _launch("reduce_scatter", x, dim, group, async_op=False)()
-
-
-@reduce_scatter.register_fake
-def _(x, dim, group):
-    return _fake_out("reduce_scatter", x, dim, group)
+all_gather = _def_one("all_gather")
+reduce_scatter = _def_one("reduce_scatter")
 
 
 def all_gather_start(x: torch.Tensor, dim: int, group: str):

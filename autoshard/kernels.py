@@ -111,7 +111,8 @@ class Kernel:
 
     name: ClassVar[str] = ""          # short label for tables
     # its collectives of one phase and kind run two at a time, in flight together
-    # (parallel_ops.paired_collectives): the cost model counts the longer of each pair
+    # (parallel_ops.paired_collectives): the cost model charges the longer of each pair in
+    # full and the shorter for what Cluster.pair_overlap does not hide
     paired: ClassVar[bool] = False
 
     def groups(self) -> tuple[tuple[str, ...], ...]:

@@ -37,6 +37,8 @@ import torch
 from torch import fx
 
 from . import selfcheck
+from .passes.pad import zero_padded
+from .passes.rewrite import slice_params
 
 __all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write", "store",
            "source_hash"]
@@ -82,7 +84,7 @@ class ShapeOnly:
 
 def _shape_of(v):
     if isinstance(v, torch.Tensor):
-        return ShapeOnly(tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in v.shape))
+        return ShapeOnly(selfcheck.shape_of(v))
     if isinstance(v, (tuple, list)):
         return type(v)(_shape_of(x) for x in v)
     return None
@@ -203,7 +205,7 @@ class LaunchEntry:
     graphs: dict            # "" -> the top graph's record; "submod_1" -> a subgraph's
     tensors: dict           # attribute path -> (kind, value): "param" / "buffer" / "const"
     plan: object            # the ShardingPlan
-    facts: dict             # input_names, constants, example_inputs, batch_inputs, pad_blocker, padding, guards, ...
+    facts: dict             # mode, input_names, constants, example_inputs, batch_inputs, pad_blocker, guards, ...
     groups: dict            # axes label -> c10d name when written (the graph's group arguments by label)
     modules: tuple = ()     # the module tree's paths in order ("" first): parameters come back in the same order
     order: tuple = ()       # parameter and buffer names in the module's order
@@ -261,19 +263,25 @@ def _set(root: torch.nn.Module, path: str, kind: str, value) -> None:
         mod.__dict__[parts[-1]] = value
 
 
+def _tensors(model: torch.nn.Module) -> dict:
+    """``model``'s parameters and buffers by every name (tied ones under each)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    return own
+
+
 def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
     """Whether ``model`` has every tensor the entry's plan slices, under each of its
     names, in the shape the plan was made for (checked before the ranks agree to use
     the entry: :func:`rebuild` then cannot fail on one rank alone)."""
-    own = dict(model.named_parameters(remove_duplicate=False))
-    own.update(model.named_buffers(remove_duplicate=False))
-    for pp in getattr(entry.plan, "params", None) or ():
+    if entry.plan is None or "" not in entry.graphs:
+        return False
+    own = _tensors(model)
+    for pp in entry.plan.params:
         for name in (pp.name,) + pp.aliases:
             t = own.get(name)
             if t is None or tuple(t.shape) != tuple(pp.hf_shape):
                 return False
-    if entry.plan is None or "" not in entry.graphs:
-        return False
     if not entry.facts.get("guards") and any(op == "call_module" and target == "_guards_fn"
                                              for op, _, target, *_ in entry.graphs[""][1]):
         return False
@@ -295,9 +303,7 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
 
     names = {label: groups[label] for label in entry.groups}
     plan = entry.plan
-    mesh = plan.mesh
-    own = dict(model.named_parameters(remove_duplicate=False))
-    own.update(model.named_buffers(remove_duplicate=False))
+    own = _tensors(model)
     root = torch.nn.Module()
     for path in entry.modules:          # the tree first, in its order (tied weights keep their first name)
         if path:
@@ -305,26 +311,20 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
     for path, record in entry.graphs.items():       # subgraphs take their places in it
         if path:
             _set(root, path, "module", fx.GraphModule(torch.nn.Module(), _graph_from(record, names)))
-    local: dict = {}
+    # the model's own tensors, whole (the vocabulary padded as passes.pad pads it), as the
+    # rewrite finds them; slice_params below cuts them as the rewrite does
+    whole: dict = {}
     for pp in plan.params:
-        full = own[pp.name].detach()
-        dim = pp.pad_dim            # the vocabulary padded to the split, as passes.pad does it
-        if dim is not None:
-            shape = list(full.shape)
-            shape[dim] = pp.global_shape[dim] - full.shape[dim]
-            full = torch.cat([full, full.new_zeros(shape)], dim=dim)
-        if full.device.type == "meta":
-            t = torch.empty(pp.spec.local_shape(full.shape, mesh), dtype=full.dtype, device="meta")
-        else:
-            t = pp.spec.local(full, mesh, rank)
-        # as the rewrite leaves it (passes.rewrite._slice_params): a Parameter, buffers too
-        value = torch.nn.Parameter(t, requires_grad=own[pp.name].requires_grad)
+        full = own[pp.name]
+        if pp.pad_dim is not None:
+            full = zero_padded(full, pp.pad_dim, pp.global_shape[pp.pad_dim])
+        value = torch.nn.Parameter(full.detach(), requires_grad=own[pp.name].requires_grad)
         for name in (pp.name,) + pp.aliases:
-            local[name] = value
-    for name in entry.order + tuple(n for n in local if n not in entry.order) \
+            whole[name] = value
+    for name in entry.order + tuple(n for n in whole if n not in entry.order) \
             + tuple(n for n in entry.tensors if n not in entry.order):
-        if name in local:
-            _set(root, name, "param", local[name])
+        if name in whole:
+            _set(root, name, "param", whole[name])
         elif name in entry.tensors:
             _set(root, name, *entry.tensors[name])
     graph = _graph_from(entry.graphs[""], names)
@@ -340,6 +340,7 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
     for k, v in vars(root).items():
         if isinstance(v, torch.Tensor):
             gm.__dict__[k] = v
+    slice_params(gm, plan, plan.mesh, rank)
     gm.recompile()
     return gm
 

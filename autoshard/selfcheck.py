@@ -38,7 +38,7 @@ from torch import fx
 from .errors import ShardingError
 from .spec import ShardSpec
 
-__all__ = ["PlanCheckError", "expected_local_shape", "run_checked"]
+__all__ = ["PlanCheckError", "expected_local_shape", "run_checked", "shape_of"]
 
 META = "autoshard_check"        # node.meta key the rewrite sets: (plan node name, out spec, capture value)
 
@@ -58,7 +58,7 @@ def _bind(gm: fx.GraphModule, inputs: dict, dp: int = 1) -> dict:
         if node.op != "placeholder":
             continue
         v, x = node.meta.get("val"), inputs.get(node.target)
-        shape = _shape(v)
+        shape = shape_of(v)
         if shape is None or not isinstance(x, torch.Tensor) or len(shape) != x.dim():
             continue
         for d, (expr, n) in enumerate(zip(shape, x.shape)):
@@ -67,20 +67,20 @@ def _bind(gm: fx.GraphModule, inputs: dict, dp: int = 1) -> dict:
     return env
 
 
-def _shape(val) -> tuple | None:
+def shape_of(val) -> tuple | None:
     """A capture value's shape, symbolic sizes as sympy expressions: of a (fake) tensor,
     or of the shape-only record a relaunch keeps (:class:`autoshard.launch_cache.ShapeOnly`)."""
     if isinstance(val, torch.Tensor):
         return tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
     shape = getattr(val, "shape", None)
-    return tuple(shape) if isinstance(shape, tuple) and not isinstance(val, torch.Tensor) else None
+    return tuple(shape) if isinstance(shape, tuple) else None
 
 
 def expected_local_shape(val, spec: ShardSpec, mesh, env: dict) -> tuple[int, ...] | None:
     """The local shape the plan promises for a value whose capture-time (global,
     possibly symbolic) shape is ``val.shape``, or ``None`` where a size cannot be
     evaluated from ``env`` (a symbol the inputs do not bind)."""
-    sizes = _shape(val)
+    sizes = shape_of(val)
     if sizes is None or not isinstance(spec, ShardSpec) or spec.ndim != len(sizes):
         return None
     shape = []

@@ -47,7 +47,7 @@ from .capture import Captured, copy_sharing
 
 aten = torch.ops.aten
 
-__all__ = ["Padding", "pad_vocab"]
+__all__ = ["Padding", "pad_vocab", "zero_padded"]
 
 
 @dataclass(frozen=True)
@@ -294,6 +294,18 @@ def _vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, di
     return V, found
 
 
+def zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` (detached) with zero rows appended on ``dim`` up to ``size``: a padded vocabulary.
+
+    >>> zero_padded(torch.ones(2, 3), 0, 4).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    """
+    t = t.detach()
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Captured:
     """``cap`` with its vocabulary padded to a multiple of ``multiple`` (the same
     ``cap`` where it divides already, or where nothing is to pad). ``cap`` itself
@@ -317,11 +329,7 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
     targets: dict[str, int] = {}
     padding = []
     for key, (p, dim) in params.items():
-        shape = list(p.shape)
-        shape[dim] = Vp - V
-        with torch.no_grad():
-            grown = torch.cat([p.detach(), p.detach().new_zeros(shape)], dim=dim)
-        grown = torch.nn.Parameter(grown, requires_grad=p.requires_grad)
+        grown = torch.nn.Parameter(zero_padded(p, dim, Vp), requires_grad=p.requires_grad)
         for name in names[key]:
             mod_path, _, attr = name.rpartition(".")
             setattr(new.get_submodule(mod_path) if mod_path else new, attr, grown)

@@ -20,7 +20,7 @@ from autoshard.groups import axes_label
 from autoshard.mesh import Mesh
 from autoshard.plan import ShardingPlan, Step
 
-__all__ = ["rewrite"]
+__all__ = ["rewrite", "slice_params"]
 
 
 def _step_node(graph: fx.Graph, x: fx.Node, st: Step, groups: dict) -> fx.Node:
@@ -28,7 +28,9 @@ def _step_node(graph: fx.Graph, x: fx.Node, st: Step, groups: dict) -> fx.Node:
     return graph.call_function(parallel_ops.step, (x, st.op, group, st.dim, st.segments, st.factor))
 
 
-def _slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) -> None:
+def slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) -> None:
+    """Replace each of ``plan``'s tensors in ``gm`` (every name of it) by this rank's slice, a
+    Parameter (meta where the whole one is)."""
     for pp in plan.params:
         full = gm.get_parameter(pp.name)
         local = nn.Parameter(pp.spec.local(full.detach(), mesh, rank), requires_grad=full.requires_grad) \
@@ -48,7 +50,7 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
         gm = copy.deepcopy(gm)
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
-    _slice_params(gm, plan, plan.mesh, rank)
+    slice_params(gm, plan, plan.mesh, rank)
     shared: dict = {}     # (value name, steps) -> node made for the first consumer
     for np_ in plan.nodes:
         if np_.name == "output":
