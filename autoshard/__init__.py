@@ -8,7 +8,7 @@ device mesh, and rewrites it into a trainable distributed module::
     sharded = autoshard.shard(model, mode="1d")                          # under torchrun
 
 The names below are resolved on first use (PEP 562), so ``import autoshard`` or
-``import autoshard.spec`` loads neither ``torch.distributed`` nor ``transformers``.
+``import autoshard.ir.spec`` loads neither ``torch.distributed`` nor ``transformers``.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ import types
 # public name -> the module that defines it
 _WHERE = {
     "shard": "api", "plan": "api", "MODES": "api",
-    "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "export",
-    "CommLedger": "collectives",
-    "CLUSTERS": "cost", "Cluster": "cost", "estimate": "cost", "profile": "cost",
-    "AutoshardError": "errors", "CaptureError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
-    "ShardingError": "errors", "CollectiveError": "errors",
-    "Mesh": "mesh",
+    "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "io.export",
+    "CommLedger": "runtime.collectives",
+    "CLUSTERS": "planning.cost", "Cluster": "planning.cost", "estimate": "planning.cost", "profile": "planning.cost",
+    "AutoshardError": "ir.errors", "CaptureError": "ir.errors", "CheckpointError": "ir.errors", "ConfigError": "ir.errors",
+    "ShardingError": "ir.errors", "CollectiveError": "ir.errors",
+    "Mesh": "ir.mesh",
     "ShardedModule": "module",
-    "ShardingPlan": "plan",
-    "search": "search",
-    "ShardSpec": "spec",
+    "ShardingPlan": "ir.plan",
+    "search": "planning.search",
+    "ShardSpec": "ir.spec",
 }
 
 __all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "export_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
@@ -37,22 +37,6 @@ __all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "export_checkp
            "search", "profile", "estimate", "Cluster", "CLUSTERS",
            "AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "CollectiveError"]
 __version__ = "0.1.0"
-
-
-# ``plan`` and ``search`` are both public functions and submodules; importing the
-# submodule would make the package attribute the module, so it is not stored
-# (the function is resolved through __getattr__, as it was by the eager import).
-_SHADOWED = {"plan", "search"}
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name, value):
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -6,29 +6,29 @@ import datetime
 import functools
 import gc
 import os
-from .log import warn
+from .ir.log import warn
 
 import torch
 import torch.distributed as dist
 
-from .errors import AutoshardWarning, ConfigError, ShardingError
-from .kernels import Dropout, check_dropout_mode
+from .ir.errors import AutoshardWarning, ConfigError, ShardingError
+from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
-from .signature import Recipe, batch_inputs, pad_blocker
-from .plan import ShardingPlan
-from .capture_share import capture_for_plan, capture_shared
-from . import launch_cache
+from .ir.signature import Recipe, batch_inputs, pad_blocker
+from .ir.plan import ShardingPlan
+from .launch.capture_share import capture_for_plan, capture_shared
+from .launch import launch_cache
 from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
 from .policies import POLICIES, make_policy
-from .builder import model_from
-from .heartbeat import stale_after
-from .heartbeat import start as start_heartbeat
-from .hf_fill import open_folder
-from .groups import check_same_rng, plan_groups
-from .validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
-                       check_model, check_seq, raise_problems, timeout_seconds)
+from .io.builder import model_from
+from .runtime.heartbeat import stale_after
+from .runtime.heartbeat import start as start_heartbeat
+from .io.hf_fill import open_folder
+from .runtime.groups import check_same_rng, plan_groups, timeout_seconds
+from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
+                       check_model, check_seq, raise_problems)
 
 __all__ = ["shard", "plan", "validate", "MODES"]
 
@@ -37,7 +37,7 @@ MODES = tuple(POLICIES)
 
 def _ensure_dist() -> None:
     """Join the torchrun job, with a bounded collective timeout (``AUTOSHARD_TIMEOUT``
-    seconds, default :data:`autoshard.validate.DEFAULT_TIMEOUT_S`): a dead or stuck rank
+    seconds, default :data:`autoshard.runtime.groups.DEFAULT_TIMEOUT_S`): a dead or stuck rank
     becomes an error on the others instead of a hang. A process group the caller made
     keeps its own timeout."""
     if dist.is_available() and dist.is_initialized():
@@ -68,7 +68,7 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     if pol is not None:
         problems += check_dims(config, pol)
     # a batch that does not divide the batch split is padded (refused later only where
-    # padding would not be exact: autoshard.signature.pad_blocker)
+    # padding would not be exact: autoshard.ir.signature.pad_blocker)
     problems += check_example_inputs(example_inputs, config=config)
     return pol, problems
 
@@ -120,19 +120,19 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     The module takes what the model's forward takes (``input_ids``, ``attention_mask``,
     ``token_type_ids``, ``labels`` or none, ...), at any batch size: a call whose
     inputs no graph has yet captures one (once per input signature, about the cost of
-    the first capture; :mod:`autoshard.signature`), and a batch that does not divide the
+    the first capture; :mod:`autoshard.ir.signature`), and a batch that does not divide the
     batch split is padded and trimmed, exactly.
     ``example_inputs`` (HF kwargs) fix which inputs the module takes and the batch
     shape the plan's communication figures are computed for. ``weights(gm, plan,
     rank)``, if given, fills the rewritten module's parameters and buffers (e.g.
     from files, for a model built on meta) before the ShardedModule is built.
     ``mode="auto"`` picks the cheapest TP layout for this world size and ``dp`` on
-    ``cluster`` (a preset name, a :class:`~autoshard.cost.Cluster`, e.g. from
+    ``cluster`` (a preset name, a :class:`~autoshard.planning.cost.Cluster`, e.g. from
     :func:`autoshard.profile`; default: guessed from the device), see
-    :func:`autoshard.search`.
+    :func:`autoshard.planning.search`.
 
-    Every input is checked first, on every rank alike (see :mod:`autoshard.validate`):
-    a bad one raises one :class:`~autoshard.errors.ConfigError` listing every problem
+    Every input is checked first, on every rank alike (see :mod:`autoshard.planning.validate`):
+    a bad one raises one :class:`~autoshard.ir.errors.ConfigError` listing every problem
     before any collective. ``debug=True`` makes each call of the module compare a
     checksum of its inputs across the TP ranks of a replica (one small all-gather)
     and raise if they differ. ``activation_checkpointing=True`` recomputes each
@@ -185,7 +185,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                              weights_given=weights is not None, environ=os.environ)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
     if mode == "auto":      # the layout is the search's: the key names what it searches with
-        from .cost import Cluster, default_cluster
+        from .planning.cost import Cluster, default_cluster
 
         clus = Cluster.preset(cluster) if cluster is not None else default_cluster()
         layout = dict(policy="auto", cluster=repr(clus), depth=depth, dp=dp)
@@ -206,7 +206,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                        dropout=dropout)
     cap = captured or capture_shared(model, example_inputs=example_inputs)
     if mode == "auto":      # deterministic: every rank picks the same candidate
-        from .search import search
+        from .planning.search import search
 
         ids = cap.example_inputs["input_ids"]
         pol = search(cap, world_size=world, cluster=clus, depth=depth, dp=dp,
@@ -247,10 +247,10 @@ def _report_auto(model, pol, example_inputs, world: int) -> None:
 
 
 def _launch_key(model, example_inputs, world: int, rank: int, **options) -> str | None:
-    """The key of this rank's :mod:`autoshard.launch_cache` entry (None where the cache is off):
+    """The key of this rank's :mod:`autoshard.launch.launch_cache` entry (None where the cache is off):
     ``options`` name the layout (a policy and its mesh, or ``"auto"`` and what it searches
     with) and the shard() options the graph depends on."""
-    from .capture_share import cache_key
+    from .launch.capture_share import cache_key
 
     if not launch_cache.enabled():
         return None
@@ -359,7 +359,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         >>> p.mesh.axes, p.param("lm_head.weight").spec
         (('row', 'col'), [S(col), S(row)])
 
-    ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
+    ``mode="auto"`` returns the best plan of :func:`autoshard.planning.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
     ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`).
@@ -368,13 +368,13 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     per token (per prompt) instead: the model's step with a static KV cache of
     ``max_len`` positions (default ``seq_len`` rounded up to 64) for ``batch_size``
     sequences, its parameters laid out as the model's plan lays them; its ``state``
-    rows and :attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank` are the cache
+    rows and :attr:`~autoshard.ir.plan.ShardingPlan.state_bytes_per_rank` are the cache
     each rank holds, its collectives those of one token
-    (:func:`autoshard.cost.forward_latency` predicts the per-token time).
+    (:func:`autoshard.planning.cost.forward_latency` predicts the per-token time).
     """
-    mode = _sp_mode(mode, sequence_parallel, "autoshard.plan")
+    mode = _sp_mode(mode, sequence_parallel, "autoshard.ir.plan")
     if step is not None:
-        from .builder import model_from as _model_from
+        from .io.builder import model_from as _model_from
         from .generate import LEN_QUANTUM, plan_step
 
         # the model's own plan fixes the parameter layouts the step keeps; they do not depend on the
@@ -386,7 +386,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         length = max_len or -(-seq_len // LEN_QUANTUM) * LEN_QUANTUM
         return plan_step(_model_from(model_or_config), pol, held, step=step, max_len=length, batch=batch_size)
     if mode == "auto":
-        from .search import search
+        from .planning.search import search
 
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,

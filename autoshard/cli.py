@@ -21,8 +21,8 @@ CLUSTER_NAMES = ("dgx-a100", "h100-sxm", "cpu-gloo", "tesseract-paper")
 
 
 def human_bytes(n: float) -> str:
-    """:func:`autoshard.cost.human_bytes`, imported on first use."""
-    from .cost import human_bytes as hb
+    """:func:`autoshard.planning.cost.human_bytes`, imported on first use."""
+    from .planning.cost import human_bytes as hb
 
     return hb(n)
 
@@ -70,7 +70,7 @@ examples:
   autoshard plan llama:7b --world-size 8 --mode 1d --batch-size 8 --seq-len 2048 --step decode --no-table
 
 Numbers are per rank and per training step (forward + backward). The predicted
-time is the cost model's (see autoshard/cost.py): compute = 3 x forward FLOPs /
+time is the cost model's (see autoshard/planning/cost.py): compute = 3 x forward FLOPs /
 cluster FLOP/s, plus every collective's latency + bytes / bandwidth on its link.
 --batch-size is the global batch: dp replicas split it, the mode's batch axes split it further.
 """
@@ -264,7 +264,7 @@ def resolve_model(spec: str):
 
 
 def _cluster(arg):
-    from .cost import Cluster
+    from .planning.cost import Cluster
 
     if arg is None:
         return Cluster.preset("dgx-a100")
@@ -330,8 +330,8 @@ def print_summary(console, plan, cost, cluster) -> None:
 
 def _plan_or_search(args, cluster):
     from .api import plan as make_plan
-    from .builder import model_from
-    from .search import search
+    from .io.builder import model_from
+    from .planning.search import search
 
     cfg = resolve_model(args.model)
     if getattr(args, "step", None):
@@ -348,8 +348,8 @@ def _plan_or_search(args, cluster):
 
 
 def cmd_plan(args) -> int:
-    from .cost import estimate
-    from .errors import AutoshardError
+    from .planning.cost import estimate
+    from .ir.errors import AutoshardError
 
     console = _console(args.width)
     cluster = _cluster(args.cluster)
@@ -359,7 +359,7 @@ def cmd_plan(args) -> int:
         console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
         return 1
     if args.step:
-        from .cost import forward_latency
+        from .planning.cost import forward_latency
 
         if not args.no_table:
             console.print(plan.table(all_nodes=args.all_nodes))
@@ -395,12 +395,12 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
     """(problems, notes, plan-or-None) for the ``check`` command: every problem at once.
 
     The mesh, the model's dimensions against the split and the batch are checked as
-    :func:`autoshard.shard` checks them (:mod:`autoshard.validate`); then the model is
+    :func:`autoshard.shard` checks them (:mod:`autoshard.planning.validate`); then the model is
     planned, and planning errors, fallback nodes and (with a cluster) memory are added."""
-    from .cost import estimate
-    from .errors import ConfigError
+    from .planning.cost import estimate
+    from .ir.errors import ConfigError
     from .policies import make_policy
-    from .validate import check_dims
+    from .planning.validate import check_dims
 
     problems, notes = [], []
     cfg = resolve_model(args.model)
@@ -498,9 +498,9 @@ def cmd_check(args) -> int:
 
 
 def read_plan(path: str):
-    """A :class:`~autoshard.plan.ShardingPlan` from a JSON file: the output of
+    """A :class:`~autoshard.ir.plan.ShardingPlan` from a JSON file: the output of
     ``autoshard plan --json`` (its ``plan`` entry) or of ``ShardingPlan.to_json()``."""
-    from .plan import ShardingPlan
+    from .ir.plan import ShardingPlan
 
     try:
         with open(path) as f:
@@ -512,7 +512,7 @@ def read_plan(path: str):
 
 
 def cmd_diff(args) -> int:
-    from .plan_diff import counts, diff, table
+    from .planning.plan_diff import counts, diff, table
 
     a, b = read_plan(args.plan_a), read_plan(args.plan_b)
     console = _console(args.width)
@@ -525,8 +525,8 @@ def cmd_diff(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .builder import resolve_class
-    from .export import export_checkpoint
+    from .io.builder import resolve_class
+    from .io.export import export_checkpoint
 
     cls = resolve_class(None, args.model_class) if args.model_class else None
     out = export_checkpoint(args.checkpoint, args.out, model_class=cls, max_shard_size=args.max_shard_size,
@@ -537,7 +537,7 @@ def cmd_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``autoshard`` console script."""
-    from .errors import CheckpointError, ConfigError
+    from .ir.errors import CheckpointError, ConfigError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -10,12 +10,12 @@ The model is captured again, on meta, as *steps*: its forward with a static cach
 encoder as a graph of its own, run once, and steps its decoder (cross-attention
 recomputed from the encoder output at each step). Each is planned with the module's
 policy and its parameter layouts pinned, rewritten for the rank and bound to the
-module's own slices (:func:`autoshard.recapture.rewrite_bound`). The cache inputs are
+module's own slices (:func:`autoshard.launch.recapture.rewrite_bound`). The cache inputs are
 *state inputs* (:func:`autoshard.passes.propagate.state_inputs`): the propagate pass
 gives each the layout of what its first write brings -- heads over the
 tensor-parallel axis in 1d, batch rows and heads over the mesh axes in 2d / 2.5d /
 3d -- and each rank allocates only its block
-(:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`). Each graph is captured
+(:attr:`~autoshard.ir.plan.ShardingPlan.state_bytes_per_rank`). Each graph is captured
 once per ``max_len`` (rounded up to a multiple of 64; rank 0 exports, the others
 load, and the disk cache keeps it) and reused for every token and every later call.
 
@@ -40,15 +40,15 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from .builder import build_meta
-from .capture_share import capture_shared
-from .errors import ConfigError
-from .hf_fill import meta_tensors
-from .log import logger
+from .io.builder import build_meta
+from .launch.capture_share import capture_shared
+from .ir.errors import ConfigError
+from .io.hf_fill import meta_tensors
+from .ir.log import logger
 from .passes.capture import Captured, input_symbols, unlift
 from .passes.pipeline import plan_captured, prepare
-from .plan import ShardingPlan
-from .recapture import rewrite_bound
+from .ir.plan import ShardingPlan
+from .launch.recapture import rewrite_bound
 
 __all__ = ["Generator", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
            "cache_shapes", "capture_step", "step_inputs", "drop_guards", "plan_graph", "plan_step", "LEN_QUANTUM"]
@@ -338,8 +338,8 @@ def plan_step(model: nn.Module, policy, held_plan, *, step: str = "decode", max_
     ``"prefill"``: the prompt) for a cache of ``max_len`` positions and ``batch``
     sequences, laid out as ``held_plan`` (the model's own plan under ``policy``) lays the
     parameters: what :meth:`~autoshard.module.ShardedModule.generate` would run, planned
-    without processes (:func:`autoshard.plan` with ``step=``)."""
-    from .capture_share import capture_cached
+    without processes (:func:`autoshard.ir.plan` with ``step=``)."""
+    from .launch.capture_share import capture_cached
 
     if step not in ("decode", "prefill"):
         raise ConfigError(f"step={step!r}: the generation steps are 'decode' and 'prefill'")

@@ -2,10 +2,10 @@
 (a Hugging Face folder, each rank reading only its slices) and
 :func:`load_checkpoint` (an autoshard checkpoint onto any mode and world size).
 
-Both build the model on meta (:mod:`autoshard.builder`), check the files
+Both build the model on meta (:mod:`autoshard.io.builder`), check the files
 against it before any process group, and hand :func:`autoshard.shard` a
 ``weights`` callback that fills the rewritten module
-(:mod:`autoshard.hf_fill`, :mod:`autoshard.sharded_format`).
+(:mod:`autoshard.io.hf_fill`, :mod:`autoshard.io.sharded_format`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Callable
 from torch import nn
 
 from .api import shard
-from .builder import build_meta, load_config
-from .errors import CheckpointError, ConfigError
-from .hf_fill import open_folder
-from .safetensors_io import HFFolder
-from .sharded_format import Saved, check_matches, checkpoint_class, fill_from_checkpoint, load_optimizer, read_manifest, \
+from .io.builder import build_meta, load_config
+from .ir.errors import CheckpointError, ConfigError
+from .io.hf_fill import open_folder
+from .io.safetensors_io import HFFolder
+from .io.sharded_format import Saved, check_matches, checkpoint_class, fill_from_checkpoint, load_optimizer, read_manifest, \
     verify_checkpoint
 
 __all__ = ["from_pretrained", "load_checkpoint"]

@@ -8,14 +8,14 @@ import os
 import torch
 from torch import fx, nn
 
-from . import collectives as C
-from . import parallel_ops
-from .errors import ConfigError
-from .plan import ShardingPlan
-from .recapture import capture_graph
-from .selfcheck import run_checked
-from .signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
-from .validate import Problem as _P
+from .runtime import collectives as C
+from .runtime import parallel_ops
+from .ir.errors import ConfigError
+from .ir.plan import ShardingPlan
+from .launch.recapture import capture_graph
+from .runtime.selfcheck import run_checked
+from .ir.signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
+from .planning.validate import Problem as _P
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
 
@@ -58,7 +58,7 @@ class ShardedModule(nn.Module):
         self._hooks = []
         self.debug = debug
         # the first call of each graph (every call under debug) runs node by node and checks
-        # every local shape against the plan (autoshard.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
+        # every local shape against the plan (autoshard.runtime.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
         self.self_check = os.environ.get("AUTOSHARD_SELF_CHECK", "1") != "0"
         self._checked: set[int] = set()
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
@@ -68,14 +68,14 @@ class ShardedModule(nn.Module):
         self._config = None
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
-        self._bucketed = None        # autoshard.overlap.BucketedGradSync after overlap_grad_sync()
+        self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
         self.set_grad_sync()
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
         """(Re-)register the gradient hooks that all-reduce each parameter's gradient
         over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
-        reduce-scatters the ``dp`` part itself: :mod:`autoshard.zero`). Collective when
+        reduce-scatters the ``dp`` part itself: :mod:`autoshard.training.zero`). Collective when
         a new axes subset needs a process group (call on every rank)."""
         self._drop_grad_hooks()
         for p, group in self._synced_params(exclude):
@@ -92,13 +92,13 @@ class ShardedModule(nn.Module):
     def overlap_grad_sync(self, bucket_bytes: int | None = 1 << 20, exclude: tuple[str, ...] = ()) -> None:
         """All-reduce the gradients in buckets of about ``bucket_bytes``, launched
         asynchronously during backward so they travel while autograd computes the next
-        gradients (:mod:`autoshard.overlap`; DDP-style). Exact, and fewer calls than the
+        gradients (:mod:`autoshard.runtime.overlap`; DDP-style). Exact, and fewer calls than the
         plan's per-parameter list (the ledger counts buckets). ``None``: back to one
         blocking all-reduce per parameter (:meth:`set_grad_sync`). Collective where a
         process group is new (call on every rank)."""
         if bucket_bytes is None:
             return self.set_grad_sync(exclude)
-        from .overlap import BucketedGradSync
+        from .runtime.overlap import BucketedGradSync
 
         self._drop_grad_hooks()
         self._bucketed = BucketedGradSync(self._synced_params(exclude), bucket_bytes)
@@ -106,7 +106,7 @@ class ShardedModule(nn.Module):
     def _synced_params(self, exclude: tuple[str, ...]) -> list:
         """(parameter, group name) for every parameter whose gradient the plan syncs over
         axes not in ``exclude`` (process groups created as needed, collectively)."""
-        from .groups import axes_label, mesh_group
+        from .runtime.groups import axes_label, mesh_group
 
         params = dict(self.named_parameters(remove_duplicate=False))
         out = []
@@ -165,7 +165,7 @@ class ShardedModule(nn.Module):
 
         A tensor of a planned parameter with the global shape (where that differs
         from the local one) is sliced to this rank's block through the plan's spec
-        (:meth:`~autoshard.spec.ShardSpec.local`); local tensors load as they are.
+        (:meth:`~autoshard.ir.spec.ShardSpec.local`); local tensors load as they are.
         No collective: every rank slices its own part."""
         plans = {n: pp for pp in self.plan.params for n in (pp.name, *pp.aliases)}
         local = type(state_dict)() if isinstance(state_dict, dict) else {}
@@ -194,13 +194,13 @@ class ShardedModule(nn.Module):
     @property
     def signatures(self) -> list[str]:
         """The input signatures this module has a graph for, in capture order (see
-        :mod:`autoshard.signature`); a call with another one captures a new graph."""
+        :mod:`autoshard.ir.signature`); a call with another one captures a new graph."""
         return [g.signature.describe() for g in self._graphs]
 
     def forward(self, **kwargs):
         """Run the graph captured for this call's inputs (capturing one first if no
         graph has them). A batch that does not divide the batch split is padded and
-        the padded rows cut from the outputs (exact; see :mod:`autoshard.signature`)."""
+        the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`)."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if kwargs.get("use_cache"):
             raise ConfigError("use_cache=True: a sharded module's forward runs without a KV cache (its graphs are "
@@ -272,7 +272,7 @@ class ShardedModule(nn.Module):
         if sample is None:
             sample = getattr(gc, "do_sample", False)
         if sample:
-            from .groups import check_same_rng
+            from .runtime.groups import check_same_rng
 
             check_same_rng(self.mesh.size(self.mesh.axes), "generate(do_sample=True)",
                            "the ranks would sample different tokens", "before generate()")
@@ -289,7 +289,7 @@ class ShardedModule(nn.Module):
         """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
         the prompt) for cache length ``max_len`` (default: the latest captured): its
         collectives are per token, its ``state`` rows the KV cache each rank holds
-        (:attr:`~autoshard.plan.ShardingPlan.state_bytes_per_rank`)."""
+        (:attr:`~autoshard.ir.plan.ShardingPlan.state_bytes_per_rank`)."""
         graphs = self._generator.graphs if self._generator is not None else {}
         keys = [k for k in graphs if k[0] == (step == "prefill") and (max_len is None or k[1] == max_len)]
         if step not in ("decode", "prefill") or not keys:
@@ -370,7 +370,7 @@ class ShardedModule(nn.Module):
 
     def _check_inputs(self, full: dict) -> None:
         """Shapes and dtypes a call must have; local and cheap (no collective)."""
-        from .validate import check_example_inputs
+        from .planning.validate import check_example_inputs
 
         ids = full.get("input_ids")
         if not isinstance(ids, torch.Tensor):
@@ -381,7 +381,7 @@ class ShardedModule(nn.Module):
             if s < 2:
                 problems.append(_P("input_ids", f"sequence length {s}: the graph was captured for seq >= 2"))
             if self._seq_split > 1 and s % self._seq_split:
-                from .validate import check_seq
+                from .planning.validate import check_seq
                 problems += check_seq(s, self._seq_split, source="input_ids")
             lim = self._limits.get("max_positions")
             if lim and s > lim[1]:
@@ -394,7 +394,7 @@ class ShardedModule(nn.Module):
                                                     f"0..{voc[1] - 1} (a vocab-parallel embedding would "
                                                     f"silently read zeros)"))
         if problems:
-            from .validate import raise_problems
+            from .planning.validate import raise_problems
             raise_problems(problems, "ShardedModule call")
 
     def _check_same_inputs(self, full: dict, input_names) -> None:
@@ -431,22 +431,22 @@ class ShardedModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._gm
 
-    # -- checkpoints: autoshard.gather and autoshard.sharded_format (collective: call on every rank)
+    # -- checkpoints: autoshard.io.gather and autoshard.io.sharded_format (collective: call on every rank)
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """Dense tensors under HF names (tied aliases included), gathered tensor by tensor;
         the counterpart of ``state_dict()`` (local slices). Call on every rank; with
         ``rank0_only`` the other ranks get ``{}``."""
-        from .gather import full_state_dict
+        from .io.gather import full_state_dict
         return full_state_dict(self, rank0_only=rank0_only)
 
     def save_checkpoint(self, path, optimizer=None) -> None:
         """Sharded checkpoint (a safetensors file per rank + manifest); see autoshard.load_checkpoint."""
-        from .sharded_format import save_checkpoint
+        from .io.sharded_format import save_checkpoint
         save_checkpoint(self, path, optimizer)
 
     def save_pretrained(self, path, *, config=None, max_shard_size="5GB") -> None:
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
-        from .gather import save_pretrained
+        from .io.gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
 
 

@@ -43,7 +43,7 @@ def write_result(name: str, data: dict) -> str:
 
 
 def human_bytes(n: float) -> str:
-    from autoshard.cost import human_bytes as hb
+    from autoshard.planning.cost import human_bytes as hb
 
     return hb(n)
 

@@ -71,8 +71,8 @@ def comm_and_memory(rank: int, world: int, mode: str, depth, cfg_kw: dict, b: in
     import torch
 
     import autoshard
-    from autoshard.activations import SavedBytes
-    from autoshard.collectives import CommLedger
+    from autoshard.planning.activations import SavedBytes
+    from autoshard.runtime.collectives import CommLedger
 
     warnings.filterwarnings("ignore", category=FutureWarning)    # gloo's *_tensor deprecations
     torch.set_num_threads(1)
@@ -176,7 +176,7 @@ def setup_time(rank: int, world: int, cfg_kw: dict, b: int, s: int, cache: str) 
     torch.set_num_threads(1)
     os.environ["AUTOSHARD_CACHE"] = cache
     inputs = _batch(cfg_kw["vocab_size"], b, s)
-    from autoshard.capture_share import forget_loaded
+    from autoshard.launch.capture_share import forget_loaded
 
     out = {}
     for label in ("first", "warm", "again"):
@@ -248,7 +248,7 @@ def step_time_variants(rank: int, world: int, cfg_kw: dict, b: int, s: int, step
     import torch.distributed as dist
 
     import autoshard
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -297,7 +297,7 @@ def step_time_variants(rank: int, world: int, cfg_kw: dict, b: int, s: int, step
             times[label].append(time.perf_counter() - t0)
             loss = loss.detach()
             losses[label] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
-    from autoshard.zero import optimizer_state_bytes
+    from autoshard.training.zero import optimizer_state_bytes
 
     opt_bytes = {k: optimizer_state_bytes(opt) for k, (_, opt, _) in runs.items()}
     return {"times": times, "losses": losses, "errors": errors, "optimizer_bytes": opt_bytes}
@@ -309,14 +309,14 @@ def auto_choice(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int,
     profiled first (:func:`autoshard.profile`, all ranks at once, as the layouts run),
     then each candidate sharded and timed (forward + backward + AdamW, ``steps`` after
     ``warmup``, each step between barriers) with the global batch ``b`` cut over its
-    dp replicas; rank 0 also predicts each step with :func:`autoshard.cost.estimate`."""
+    dp replicas; rank 0 also predicts each step with :func:`autoshard.planning.cost.estimate`."""
     import warnings
 
     import torch
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.cost import estimate
+    from autoshard.planning.cost import estimate
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -367,7 +367,7 @@ def generate_time(rank: int, world: int, cfg_kw: dict, mode: str, depth, b: int,
     import torch
 
     import autoshard
-    from autoshard.cost import forward_latency
+    from autoshard.planning.cost import forward_latency
 
     torch.set_num_threads(1)
     cluster = autoshard.profile()           # this machine's collectives and matmul, all ranks at once
@@ -422,8 +422,8 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
     import torch.distributed as dist
 
     import autoshard
-    from autoshard.collectives import CommLedger
-    from autoshard.parallel_ops import paired_collectives
+    from autoshard.runtime.collectives import CommLedger
+    from autoshard.runtime.parallel_ops import paired_collectives
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)

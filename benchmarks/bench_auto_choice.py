@@ -2,7 +2,7 @@
 (default 8 ranks) measured in one run next to its predicted step time.
 
 The cluster is measured first with :func:`autoshard.profile` on the same ranks (all at
-once, as the layouts run); each candidate of :func:`autoshard.search.candidates` is
+once, as the layouts run); each candidate of :func:`autoshard.planning.search.candidates` is
 then sharded and timed (forward + backward + AdamW; the step's time is its slowest
 rank's; median of ``--steps``) with the same global batch, cut over its dp replicas.
 The table gives predicted / measured per candidate, the Spearman rank correlation
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from rich.table import Table
 
     import _workers
-    from autoshard.search import candidates
+    from autoshard.planning.search import candidates
     from dist_pool import get_pool
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -6,7 +6,7 @@ run per layout. Greedy, a batch of left-padded prompts; each figure is a run of
 ``--new`` tokens minus a run of one token over ``new - 1`` (prefill and set-up
 cancel), median over ``--reps``, slowest rank. Also: tokens equal to dense, the
 KV-cache bytes each rank holds against the decode plan's, collectives per token,
-and the cost model's per-token prediction (``autoshard.cost.forward_latency``) on a
+and the cost model's per-token prediction (``autoshard.planning.cost.forward_latency``) on a
 cluster measured by ``autoshard.profile()`` on the same ranks first, and on the
 ``cpu-gloo`` preset.
 

@@ -95,7 +95,7 @@ def rank_task(rank, world, kind, path, out_dir=None):
     import transformers  # noqa: F401  (imported before the measured phase, as in every kind)
 
     import autoshard
-    from autoshard.builder import build_meta, load_config
+    from autoshard.io.builder import build_meta, load_config
 
     inputs = _inputs()
     res = {"rank": rank}
@@ -144,7 +144,7 @@ def make_model(path: str) -> dict:
         del model
         gc.collect()
     cfg = transformers.AutoConfig.from_pretrained(path)
-    from autoshard.builder import build_meta
+    from autoshard.io.builder import build_meta
 
     built = build_meta(cfg)
     n = sum(p.numel() for p in {id(p): p for p in built.model.parameters()}.values())

@@ -2,7 +2,7 @@
 parameter and gradient bytes (measured on the sharded module vs the plan) and the
 peak activation bytes (tensors saved for backward at the end of the forward,
 parameters excluded, measured with ``torch.autograd.graph.saved_tensors_hooks``)
-vs the cost model's prediction (:mod:`autoshard.activations`: the plan's forward
+vs the cost model's prediction (:mod:`autoshard.planning.activations`: the plan's forward
 traced on meta, CPU attention rule), which must agree within ±5% (issue 7).
 
     python benchmarks/bench_memory.py

@@ -2,7 +2,7 @@
 of the same layout, weights and batch with every collective one after the other
 (``sequential``); with a SUMMA / 3D Linear's two operand all-gathers and two gradient
 reduce-scatters in flight together (``paired``, the default,
-:func:`autoshard.parallel_ops.paired_collectives`); with each SUMMA / 3D weight gather also
+:func:`autoshard.runtime.parallel_ops.paired_collectives`); with each SUMMA / 3D weight gather also
 launched one Linear early (``sharded.prefetch_weights()``); and with the gradient
 all-reduces in asynchronous buckets during backward (``sharded.overlap_grad_sync(bucket_bytes)``).
 Timed alternately step by step in one run per layout (slowest rank, median). Also the

@@ -4,8 +4,8 @@ in new processes) and the same processes sharding again, against one dense
 ``torch.export`` of the same model in one process and PyTorch's
 ``parallelize_module`` with a hand-written 1d plan, all in one run.
 
-Rank 0 exports and the others load the captured graph (autoshard.capture_share);
-each rank stores what its shard() ended in (autoshard.launch_cache), so the second
+Rank 0 exports and the others load the captured graph (autoshard.launch.capture_share);
+each rank stores what its shard() ended in (autoshard.launch.launch_cache), so the second
 launch rebuilds its module from that entry: no capture, no planning, no rewrite
 (``AUTOSHARD_LAUNCH_CACHE=off`` measures the capture cache alone).
 

@@ -3,7 +3,7 @@ scaling) with the cost model on the ``tesseract-paper`` cluster preset.
 
 Each row of the tables (method, GPU shape, batch, hidden, heads) is planned by
 autoshard on a Transformer of that shape (GPT-2 blocks: LayerNorm, attention,
-4h MLP) and its training step is predicted by ``autoshard.cost.estimate``. The
+4h MLP) and its training step is predicted by ``autoshard.planning.cost.estimate``. The
 predicted ratios between Megatron 1D, Optimus 2D and Tesseract 2.5D are printed
 next to the ratios measured in the paper.
 
@@ -117,7 +117,7 @@ TOLERANCE = 0.30
 def _capture(hidden: int, heads: int, layers: int, vocab: int, seq: int):
     import transformers
 
-    from autoshard.builder import model_from
+    from autoshard.io.builder import model_from
     from autoshard.passes.capture import capture
 
     cfg = transformers.GPT2Config(n_embd=hidden, n_head=heads, n_layer=layers, vocab_size=vocab,
@@ -160,7 +160,7 @@ def _paper_code_comm_s(plan, cluster) -> tuple[float, float]:
     each all-gather / reduce-scatter of a SUMMA operand over q ranks becomes q
     pipelined broadcasts / reduces of one block each; all-reduces stay; no depth
     all-reduce of weight gradients."""
-    from autoshard.cost import broadcast_time, collective_time
+    from autoshard.planning.cost import broadcast_time, collective_time
 
     mesh = plan.mesh
     out = {"fwd": 0.0, "bwd": 0.0}
@@ -179,7 +179,7 @@ def _paper_code_comm_s(plan, cluster) -> tuple[float, float]:
 
 def _predict(cap, mode, shape, batch, seq, cluster, variant: str = "autoshard"):
     """(fwd s, bwd s, note, estimate) for one row; interpolates over the batch when it does not split."""
-    from autoshard.cost import estimate
+    from autoshard.planning.cost import estimate
     from autoshard.passes.pipeline import plan_captured
 
     pol = _policy(mode, shape)
@@ -284,7 +284,7 @@ def verdict(cmp, order) -> dict:
 def main(argv=None) -> int:
     from rich.table import Table
 
-    from autoshard.cost import Cluster
+    from autoshard.planning.cost import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=2048, help="assumed sequence length (not given in the paper)")

@@ -208,7 +208,7 @@ def main(argv=None):
     import transformers
 
     import autoshard
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     if args.model is None:
         args.model = "tiny-gpt2" if args.task == "clm" else default_model()

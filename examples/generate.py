@@ -83,7 +83,7 @@ def worker(rank: int, world: int, args, port: int | None) -> None:
 
     import autoshard
     import transformers
-    from autoshard.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger
     from rich.console import Console
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)

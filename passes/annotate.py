@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.grouped import grouped_linear
+from autoshard.ir.grouped import grouped_linear
 
 __all__ = ["Annotation", "annotate", "module_path", "param_names"]
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from autoshard.errors import CaptureError, ConfigError
-from autoshard.signature import pad_rows
+from autoshard.ir.errors import CaptureError, ConfigError
+from autoshard.ir.signature import pad_rows
 
 __all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols", "unlift"]
 
@@ -168,7 +168,7 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
 def unlift(ep) -> tuple:
     """``(ep.module(), guards)``: the unlifted module and what export built its input
     guards (the ``_guards_fn`` submodule) from, ``(guard code lines, input paths)``, so
-    that another process can rebuild them (:mod:`autoshard.capture_share` sends the
+    that another process can rebuild them (:mod:`autoshard.launch.capture_share` sends the
     graph, not the program); ``()`` where this torch builds no guards that way."""
     from torch.export import _unlift
 

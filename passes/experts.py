@@ -10,7 +10,7 @@ splits a parameter where it is consumed, would see a view and leave the
 experts whole.
 
 This pass folds ``op(x, transpose(P, -2, -1), offs)`` (or ``op(x, P, offs)``)
-into :func:`~autoshard.grouped.grouped_linear` ``(x, P, offs, transposed, impl)`` with the
+into :func:`~autoshard.ir.grouped.grouped_linear` ``(x, P, offs, transposed, impl)`` with the
 parameter as a direct operand. Annotation then counts it as a ``linear`` (it
 appears in the plan table like any Linear), and the Linear rules split its
 output features (column) or its input features (row) per expert, as for a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoshard.grouped import grouped_linear, grouped_ops
+from autoshard.ir.grouped import grouped_linear, grouped_ops
 
 import dataclasses
 

@@ -13,7 +13,7 @@ dense shape). The padded graph is itself a dense graph equal to the original,
 and the planner shards it like any other: the vocabulary now divides.
 
 The padding is recorded on :class:`~autoshard.passes.capture.Captured`
-(``padding``) and on each :class:`~autoshard.plan.ParamPlan` (``dense_shape``),
+(``padding``) and on each :class:`~autoshard.ir.plan.ParamPlan` (``dense_shape``),
 so loading and saving (``from_pretrained``, ``save_pretrained``, checkpoints)
 keep the unpadded Hugging Face shapes.
 
@@ -37,8 +37,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from autoshard.errors import AutoshardWarning
-from autoshard.log import warn
+from autoshard.ir.errors import AutoshardWarning
+from autoshard.ir.log import warn
 from autoshard.policies.generic import TRIM_META
 from autoshard.policies.linear_ops import linear_operands
 

@@ -10,7 +10,7 @@ plan; the rewrite is per rank (:func:`autoshard.passes.rewrite.rewrite`).
 
 from __future__ import annotations
 
-from autoshard.plan import ShardingPlan
+from autoshard.ir.plan import ShardingPlan
 from autoshard.policies.base import Policy
 
 from .capture import Captured

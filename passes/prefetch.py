@@ -4,9 +4,9 @@ computes (issue 22's "launch the next gather while the current matmul runs").
 
 The weights of a SUMMA (2d, 2.5d) or 3D Linear do not depend on the activations:
 their gather can start at any point. :func:`prefetch_weights` finds the Linears in
-graph order (calls of :func:`autoshard.parallel_ops.summa` / ``three_d`` whose weight
+graph order (calls of :func:`autoshard.runtime.parallel_ops.summa` / ``three_d`` whose weight
 is a parameter read by ``get_attr``), inserts before Linear ``i-1`` a
-:func:`~autoshard.parallel_ops.gather_weight_start` of Linear ``i``'s weight, and hands
+:func:`~autoshard.runtime.parallel_ops.gather_weight_start` of Linear ``i``'s weight, and hands
 Linear ``i`` the gathering (``ready=``), which it waits for in place of gathering the
 weight itself. The same collectives, bytes and arithmetic: only when the weight's
 gather is issued moves, the same on every rank (every rank runs the same graph), so
@@ -29,7 +29,7 @@ import copy
 
 from torch import fx
 
-from autoshard import parallel_ops
+from autoshard.runtime import parallel_ops
 
 __all__ = ["prefetch_weights"]
 

@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.argpath import get_arg
-from autoshard.errors import ShardingError
-from autoshard.kernels import KernelIO, check_dropout_mode
-from autoshard.mesh import Mesh
-from autoshard.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
+from autoshard.ir.argpath import get_arg
+from autoshard.ir.errors import ShardingError
+from autoshard.ir.kernels import KernelIO, check_dropout_mode
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.plan import Comm, NodePlan, ParamPlan, ShardingPlan, Step
 from autoshard.policies.base import Choice, NeedReplicate, Policy, SymbolicSizes
 from autoshard.policies.generic import rule_for, writes_first_arg
 from autoshard.policies.linear_ops import linear_operands
-from autoshard.spec import ShardSpec, replicated
+from autoshard.ir.spec import ShardSpec, replicated
 
 from .annotate import Annotation, annotate, param_names
 from .row_order import CONFLICT, RowFact, row_facts
@@ -865,7 +865,7 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,
               gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None) -> ShardingPlan:
     """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``.
-    ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.kernels.Dropout`).
+    ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.ir.kernels.Dropout`).
     ``pinned`` (parameter name -> ShardSpec) fixes layouts before any use, as a tied
     weight's first use fixes it for the next: another graph of a model whose parameters
     are already sliced (a generation step) plans around the slices it is given."""

@@ -13,12 +13,12 @@ import copy
 import torch
 from torch import fx, nn
 
-from autoshard import collectives as C
-from autoshard import parallel_ops, selfcheck
-from autoshard.argpath import apply_patches, get_arg, set_arg
-from autoshard.groups import axes_label
-from autoshard.mesh import Mesh
-from autoshard.plan import ShardingPlan, Step
+from autoshard.runtime import collectives as C
+from autoshard.runtime import parallel_ops, selfcheck
+from autoshard.ir.argpath import apply_patches, get_arg, set_arg
+from autoshard.runtime.groups import axes_label
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.plan import ShardingPlan, Step
 
 __all__ = ["rewrite", "slice_params"]
 
@@ -79,7 +79,7 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
         apply_patches(node, np_.patches)
         target = node
         if np_.kernel:
-            fn, args, kwargs = np_.kernel.bind(node, lambda axes: groups[axes_label(axes)],
+            fn, args, kwargs = parallel_ops.bind(np_.kernel, node, lambda axes: groups[axes_label(axes)],
                                                lambda axes: C.group_rank_size(groups[axes_label(axes)])[1])
             with graph.inserting_before(node):
                 new = graph.call_function(fn, args, kwargs)

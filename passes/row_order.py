@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.grouped import grouped_linear
+from autoshard.ir.grouped import grouped_linear
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ the head must read no layer but the last, and the stamped module must hold
 exactly the full model's parameter and buffer names and shapes.
 
     >>> import transformers
-    >>> from autoshard.builder import model_from
+    >>> from autoshard.io.builder import model_from
     >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
     ...                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
     >>> cap = capture_stamped(model_from(cfg).train(), build=model_from)

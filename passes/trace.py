@@ -4,9 +4,9 @@ Runs after propagation, on the finished plan: executes this rank's forward on
 the **meta** device — every ATen op of the captured graph with the plan's local
 shapes and patched size arguments, the plan's kernel objects and re-layout steps
 as they run (their collectives on shape-only groups,
-:func:`autoshard.collectives.sim_group`, so no process group and no memory) —
+:func:`autoshard.runtime.collectives.sim_group`, so no process group and no memory) —
 and records on each node the tensors autograd saves (:attr:`NodePlan.saved`).
-:mod:`autoshard.activations` turns those records into bytes per device.
+:mod:`autoshard.planning.activations` turns those records into bytes per device.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import types
 import torch
 from torch import fx
 
-from autoshard import parallel_ops
-from autoshard.argpath import apply_patches, get_arg, set_arg
-from autoshard.collectives import sim_group
-from autoshard.errors import ShardingError
-from autoshard.plan import NodePlan, SavedTensor, ShardingPlan
+from autoshard.runtime import parallel_ops
+from autoshard.ir.argpath import apply_patches, get_arg, set_arg
+from autoshard.runtime.collectives import sim_group
+from autoshard.ir.errors import ShardingError
+from autoshard.ir.plan import NodePlan, SavedTensor, ShardingPlan
 
 __all__ = ["trace"]
 
@@ -206,7 +206,7 @@ class _Trace:
                 set_arg(call, path, self.shared[k])
             apply_patches(call, np_.patches)
             if np_.kernel:
-                fn, args, kwargs = np_.kernel.bind(call, self._group, lambda axes: self.mesh.size(tuple(axes)))
+                fn, args, kwargs = parallel_ops.bind(np_.kernel, call, self._group, lambda axes: self.mesh.size(tuple(axes)))
                 return fn(*args, **kwargs)
         if node.target is _SDPA:
             return self._attention(node, call)

@@ -47,9 +47,9 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     >>> make_policy("4d", 8)
     Traceback (most recent call last):
     ...
-    autoshard.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'
+    autoshard.ir.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'
     """
-    from autoshard.errors import ConfigError
+    from autoshard.ir.errors import ConfigError
 
     if mode == "auto":
         raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "

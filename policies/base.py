@@ -3,7 +3,7 @@
 A rule looks at one node through a :class:`RuleContext` (given by the propagate
 pass; rules use nothing else of it) and returns an immutable :class:`Choice`: the
 spec each tensor input must have (the pass inserts the re-layout), the spec of the
-output, and for heavy ops the :class:`~autoshard.kernels.Kernel` object to run. A
+output, and for heavy ops the :class:`~autoshard.ir.kernels.Kernel` object to run. A
 rule that cannot take an input's split raises :class:`NeedReplicate`; any other
 exception is re-raised by the pass with the node, its module path and its input
 specs. Policies import no pass and nothing that touches ``torch.distributed``.
@@ -23,11 +23,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from autoshard.errors import ConfigError
-from autoshard.kernels import KComm, Kernel, PartialHead
-from autoshard.mesh import Mesh
-from autoshard.plan import Step
-from autoshard.spec import ShardSpec
+from autoshard.ir.errors import ConfigError
+from autoshard.ir.kernels import KComm, Kernel, PartialHead
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.plan import Step
+from autoshard.ir.spec import ShardSpec
 
 __all__ = ["Choice", "KComm", "Policy", "NeedReplicate", "RuleContext", "SymbolicSizes", "spec_of"]
 

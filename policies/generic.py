@@ -15,11 +15,11 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.errors import ShardingError
-from autoshard.plan import Step
-from autoshard.spec import ShardSpec, replicated
+from autoshard.ir.errors import ShardingError
+from autoshard.ir.plan import Step
+from autoshard.ir.spec import ShardSpec, replicated
 
-from autoshard.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout
+from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout
 
 from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
@@ -801,7 +801,7 @@ def type_as(ctx: RuleContext) -> Choice:
 
 def dropout(ctx: RuleContext) -> Choice:
     """Dropout keeps the layout; in train mode with p > 0 it runs the
-    :class:`~autoshard.kernels.Dropout` kernel (rank-consistent masks, no collective).
+    :class:`~autoshard.ir.kernels.Dropout` kernel (rank-consistent masks, no collective).
     A partial value passes: the mask is the same on every rank of its partial axes."""
     x, p, train = ctx.node.args[:3]
     s = ctx.spec(x)

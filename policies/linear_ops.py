@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.grouped import grouped_linear, grouped_weight_dims
-from autoshard.spec import ShardSpec
+from autoshard.ir.grouped import grouped_linear, grouped_weight_dims
+from autoshard.ir.spec import ShardSpec
 
 aten = torch.ops.aten
 
@@ -17,7 +17,7 @@ def linear_operands(node):
     weight's ``n_dim`` is its output features and ``k_dim`` its input features.
 
     ``aten.linear(x, w[n,k], b)``; ``aten.addmm(b, x, w[k,n])`` (GPT-2 Conv1D);
-    ``aten.mm/matmul(x, w[k,n])``; :func:`~autoshard.grouped.grouped_linear` ``(x, w[E,n,k]
+    ``aten.mm/matmul(x, w[k,n])``; :func:`~autoshard.ir.grouped.grouped_linear` ``(x, w[E,n,k]
     or w[E,k,n], offs)``, a Linear per expert (its weight is 3-D)."""
     t = node.target
     if t is grouped_linear:

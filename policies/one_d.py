@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.argpath import get_arg
-from autoshard.errors import ConfigError
-from autoshard.grouped import grouped_linear
-from autoshard.kernels import RowLinear, VocabEmbedding
-from autoshard.mesh import Mesh
-from autoshard.spec import ShardSpec
+from autoshard.ir.argpath import get_arg
+from autoshard.ir.errors import ConfigError
+from autoshard.ir.grouped import grouped_linear
+from autoshard.ir.kernels import RowLinear, VocabEmbedding
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext
 from .linear_ops import grouped_offs_spec, linear_operands

@@ -8,12 +8,12 @@ graph, as 1D is:
 
 - the vocabulary-parallel token lookup (and any other split lookup) is
   reduce-scattered on the sequence instead of all-reduced
-  (:class:`~autoshard.kernels.VocabEmbedding` with ``scatter_dim``);
+  (:class:`~autoshard.ir.kernels.VocabEmbedding` with ``scatter_dim``);
 - a column-parallel Linear reading a sequence-split input gathers it first: the
   planner's re-layout, one all-gather whose backward reduce-scatters the
   gradient (the ``gather_partial`` step), shared by the Linears reading it;
 - a row-parallel Linear reduce-scatters its product on the sequence in place of
-  the all-reduce (:class:`~autoshard.kernels.RowLinear` with ``scatter_dim``);
+  the all-reduce (:class:`~autoshard.ir.kernels.RowLinear` with ``scatter_dim``);
   where its output has no sequence dim of its own (tokens flattened, GPT-2's
   Conv1D), it all-reduces and the stream takes its slice.
 
@@ -27,9 +27,9 @@ import dataclasses
 
 import torch
 
-from autoshard.argpath import get_arg
-from autoshard.kernels import RowLinear, VocabEmbedding
-from autoshard.spec import ShardSpec
+from autoshard.ir.argpath import get_arg
+from autoshard.ir.kernels import RowLinear, VocabEmbedding
+from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, RuleContext, SymbolicSizes
 from .linear_ops import linear_operands

@@ -16,12 +16,12 @@ on the residual stream's layout. Nothing here is named after a layer.
 
 from __future__ import annotations
 
-from autoshard.argpath import get_arg
-from autoshard.errors import ConfigError
-from autoshard.grouped import grouped_linear
-from autoshard.kernels import Summa, ThreeDLinear
-from autoshard.mesh import Mesh
-from autoshard.spec import ShardSpec
+from autoshard.ir.argpath import get_arg
+from autoshard.ir.errors import ConfigError
+from autoshard.ir.grouped import grouped_linear
+from autoshard.ir.kernels import Summa, ThreeDLinear
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext, tied_head_choice
 from .linear_ops import grouped_offs_spec, linear_operands

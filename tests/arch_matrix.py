@@ -141,7 +141,7 @@ def plan_cell(captured, mode: str):
 
 def collect(archs=None) -> dict:
     """``{(arch, mode): Cell}`` for every cell, from plans only."""
-    from autoshard.errors import AutoshardError
+    from autoshard.ir.errors import AutoshardError
 
     out = {}
     for arch in archs or ARCHS:

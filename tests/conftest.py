@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # ranks of test_faults) while the tensors stay on the CPU: hide the GPUs from this
 # process and every rank it starts. torch reads this when CUDA is first initialised.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# Captures are cached on disk (autoshard.capture_share): one folder per test session, shared
+# Captures are cached on disk (autoshard.launch.capture_share): one folder per test session, shared
 # by every rank process this session starts (they inherit the environment), never ~/.cache.
 if "AUTOSHARD_CACHE" not in os.environ:
     import tempfile

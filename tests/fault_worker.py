@@ -4,7 +4,7 @@ WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment), for tests/test_faults.
     python tests/fault_worker.py CKPT_ROOT --steps 6 --save-every 2 [--stall-at 5] [--resume]
 
 Trains a tiny Llama with autoshard 1d on a fixed batch; after every ``--save-every``
-steps saves ``CKPT_ROOT/step_000K`` (autoshard.train.save_state). ``--stall-at S``:
+steps saves ``CKPT_ROOT/step_000K`` (autoshard.training.train.save_state). ``--stall-at S``:
 rank 1 stops in the middle of step S (after its forward, before backward), writes
 ``CKPT_ROOT/stalled`` and sleeps, for the test to kill it. ``--resume`` continues
 from the last complete checkpoint under CKPT_ROOT. Prints one JSON line per step:
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
 
     import autoshard
-    from autoshard import train as T
-    from autoshard.errors import CollectiveError
+    from autoshard.training import train as T
+    from autoshard.ir.errors import CollectiveError
 
     root = Path(args.root)
     lr = 1e-3

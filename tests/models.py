@@ -66,7 +66,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ``share_capture`` reuses this worker's earlier export of the same model
     (same seed, same input shapes), so several modes pay for one capture."""
     import autoshard
-    from autoshard.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
     dense = build(name)
@@ -142,7 +142,7 @@ def assert_same_values(cap, folded, inputs: dict) -> None:
 def shared_capture(name: str, model, inputs: dict):
     """One export per model and input shapes per worker: the rewrite copies the
     captured module, so planning several modes from it leaves it untouched."""
-    from autoshard.capture_share import capture_shared
+    from autoshard.launch.capture_share import capture_shared
     from dist_pool import worker_cache
 
     key = ("captured", name, tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))

@@ -1,4 +1,4 @@
-"""Activation memory (autoshard/activations.py): the bytes the plan predicts a rank
+"""Activation memory (autoshard/planning/activations.py): the bytes the plan predicts a rank
 saves for backward vs the bytes ``saved_tensors_hooks`` sees in a real forward
 (distinct storages, parameters excluded), within 5% (issue 7, benchmark 2)."""
 
@@ -9,11 +9,11 @@ import torch
 
 import autoshard
 import models
-from autoshard.activations import SavedBytes, attention_saved, saved_bytes
+from autoshard.planning.activations import SavedBytes, attention_saved, saved_bytes
 from autoshard.passes.pipeline import plan_captured
 from autoshard.policies import make_policy
-from autoshard.cost import estimate
-from autoshard.plan import ShardingPlan
+from autoshard.planning.cost import estimate
+from autoshard.ir.plan import ShardingPlan
 from dist_pool import get_pool
 
 B, S = 4, 8

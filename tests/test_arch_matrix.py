@@ -136,7 +136,7 @@ def test_check_lists_fallback_nodes(tmp_path, cells, capsys, monkeypatch):
 
 def test_refused_cell_is_reported_with_its_reason():
     """A refusal is a documented result: the table says refused, the details name node and reason."""
-    from autoshard.errors import ShardingError
+    from autoshard.ir.errors import ShardingError
 
     class _Node:
         meta: dict = {}

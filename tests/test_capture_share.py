@@ -1,4 +1,4 @@
-"""Capture once per job (autoshard/capture_share.py): rank 0 exports, the others load
+"""Capture once per job (autoshard/launch/capture_share.py): rank 0 exports, the others load
 the program and bind their own weights; the result plans and runs as a capture of
 their own would."""
 
@@ -15,7 +15,7 @@ from dist_pool import get_pool
 
 
 def _counted(rank, world, name):
-    from autoshard.capture_share import capture_shared
+    from autoshard.launch.capture_share import capture_shared
     from autoshard.passes.capture import capture
 
     torch.set_num_threads(1)
@@ -70,8 +70,8 @@ def test_rank0_exports_and_the_others_load(name):
 
 
 def _fails(rank, world):
-    from autoshard.capture_share import capture_shared
-    from autoshard.errors import CaptureError
+    from autoshard.launch.capture_share import capture_shared
+    from autoshard.ir.errors import CaptureError
 
     class Bad(torch.nn.Module):
         def __init__(self):
@@ -100,7 +100,7 @@ def test_the_disk_cache_hits_misses_and_rebuilds(tmp_path, monkeypatch):
     """A second capture of the same model and inputs loads from the cache (no export);
     another config, train mode or input shape misses; a corrupt entry is rebuilt;
     AUTOSHARD_CACHE=off turns it off."""
-    from autoshard.capture_share import cache_key, capture_shared
+    from autoshard.launch.capture_share import cache_key, capture_shared
 
     monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
     calls = []
@@ -143,7 +143,7 @@ def test_the_packed_graph_runs_as_the_capture_and_keeps_its_guards(monkeypatch):
     module paths) without the program: the loaded module computes what the captured one
     does, keeps export's input guards (a sequence longer than the capture proved is
     refused alike), and a graph the graph pickler cannot write goes as the program."""
-    from autoshard.capture_share import pack, unpack
+    from autoshard.launch.capture_share import pack, unpack
     from autoshard.passes.capture import capture, input_symbols
 
     monkeypatch.setenv("AUTOSHARD_CACHE", "off")

@@ -24,8 +24,8 @@ from dist_pool import get_pool
 import autoshard
 from autoshard import CheckpointError
 from autoshard.checkpoint import MANIFEST, place_local, read_local
-from autoshard.mesh import Mesh
-from autoshard.spec import ShardSpec
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.spec import ShardSpec
 
 TIMEOUT = 600
 # eps large enough that a gradient that is zero up to rounding (GPT-2's key bias:

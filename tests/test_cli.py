@@ -119,7 +119,7 @@ def test_help_imports_no_torch_and_names_match_the_registries():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tensor-parallel mode, one of auto, 1d, 1d-sp, 2d, 2.5d, 3d" in " ".join(r.stdout.split())
     from autoshard.cli import CLUSTER_NAMES, MODE_NAMES
-    from autoshard.cost import CLUSTERS
+    from autoshard.planning.cost import CLUSTERS
     from autoshard.policies import POLICIES
 
     assert MODE_NAMES == ("auto", *POLICIES)
@@ -164,7 +164,7 @@ def test_plan_a_decode_step(config_json, tmp_path, capsys):
                  "--no-table", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "decode step" in text and "KV cache of 128 positions" in text and "per token" in text
-    from autoshard.plan import ShardingPlan
+    from autoshard.ir.plan import ShardingPlan
 
     p = ShardingPlan.from_json(out.read_text())
     cfg = transformers.LlamaConfig(**TINY)

@@ -1,6 +1,6 @@
 """Collective misuse is an error, not a hang: a collective entry point called on
 one rank only raises CollectiveError on that rank, naming the call and the ranks
-that did not arrive (autoshard.collectives.entry_barrier)."""
+that did not arrive (autoshard.runtime.collectives.entry_barrier)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _save_on_rank0_only(rank, world, out_dir):
     from torch.distributed import distributed_c10d as c10d
 
     import autoshard
-    from autoshard.errors import CollectiveError
+    from autoshard.ir.errors import CollectiveError
 
     torch.set_num_threads(1)
     model = models.build("llama")
@@ -57,7 +57,7 @@ def test_save_pretrained_on_one_rank_raises(tmp_path, monkeypatch):
 
 
 def _entry_barrier_all(rank, world):
-    from autoshard.collectives import entry_barrier
+    from autoshard.runtime.collectives import entry_barrier
 
     t0 = time.monotonic()
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""Cost model and ``mode="auto"`` search (autoshard/cost.py, autoshard/search.py).
+"""Cost model and ``mode="auto"`` search (autoshard/planning/cost.py, autoshard/planning/search.py).
 
 One tiny Llama is captured once per module and reused by every search, as the
 search itself does across candidates.
@@ -15,12 +15,12 @@ import transformers
 from rich.console import Console
 
 import autoshard
-from autoshard.cost import CLUSTERS, Cluster, broadcast_time, collective_time, estimate, link_of
-from autoshard.errors import ConfigError
-from autoshard.mesh import Mesh
-from autoshard.plan import Comm
+from autoshard.planning.cost import CLUSTERS, Cluster, broadcast_time, collective_time, estimate, link_of
+from autoshard.ir.errors import ConfigError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.plan import Comm
 from autoshard.policies import POLICIES
-from autoshard.search import candidates, search
+from autoshard.planning.search import candidates, search
 
 B, S = 8, 16
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -29,7 +29,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_atte
 
 @pytest.fixture(scope="module")
 def cap():
-    from autoshard.builder import model_from
+    from autoshard.io.builder import model_from
     from autoshard.passes.capture import capture
 
     m = model_from(transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
@@ -291,7 +291,7 @@ def test_paired_collectives_are_charged_the_longer_and_what_the_pair_does_not_hi
     (parallel_ops.paired_collectives): the estimate charges the longer of each pair in
     full and the shorter for the share the cluster's pair_overlap does not hide (0 s
     at overlap 1, all of it at 0); every call and byte is still counted."""
-    from autoshard.kernels import Summa, ThreeDLinear
+    from autoshard.ir.kernels import Summa, ThreeDLinear
     from autoshard.passes.pipeline import plan_captured
     from autoshard.policies import make_policy
 

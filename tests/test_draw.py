@@ -1,4 +1,4 @@
-"""The plan picture (autoshard/draw.py): every drawn block is where the plan puts it.
+"""The plan picture (autoshard/ir/draw.py): every drawn block is where the plan puts it.
 
 The SVG is parsed with ``xml.etree``; for every drawn weight, the rectangles that
 name a rank (``data-ranks``) must cover exactly the elements ``ShardSpec.local``
@@ -21,8 +21,8 @@ import torch
 
 import tiny_plans
 from autoshard import Mesh, ShardingPlan, ShardSpec
-from autoshard.draw import render_svg
-from autoshard.plan import Comm, NodePlan, ParamPlan
+from autoshard.ir.draw import render_svg
+from autoshard.ir.plan import Comm, NodePlan, ParamPlan
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 

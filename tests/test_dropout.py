@@ -1,4 +1,4 @@
-"""Dropout in train mode (the Dropout / AttentionDropout kernels, autoshard/kernels.py).
+"""Dropout in train mode (the Dropout / AttentionDropout kernels, autoshard/ir/kernels.py).
 
 * ``dropout="dense"`` draws every mask of the whole tensor and keeps the rank's
   block: loss and every local gradient equal a dense run seeded alike, step by step.
@@ -95,9 +95,9 @@ def _masks(rank, world):
     """Masks of the runtime on a 2-rank tp axis: replicated value vs split value."""
     import torch.distributed as dist
 
-    from autoshard import parallel_ops
-    from autoshard.groups import mesh_group
-    from autoshard.mesh import Mesh
+    from autoshard.runtime import parallel_ops
+    from autoshard.runtime.groups import mesh_group
+    from autoshard.ir.mesh import Mesh
 
     mesh = Mesh(axes=("tp",), sizes=(world,))
     g = mesh_group(mesh, ("tp",), rank).group_name
@@ -144,7 +144,7 @@ def test_sharded_dropout_keeps_replicated_grads_identical():
 
 def _differing_rng(rank, world):
     import autoshard
-    from autoshard.errors import ConfigError
+    from autoshard.ir.errors import ConfigError
 
     model = _build("gpt2")
     torch.manual_seed(rank)              # a mistake: each rank seeded differently

@@ -301,7 +301,7 @@ def _do(cid: str, rank: int, ctx: dict) -> None:
 
 
 def _observe(cid: str, rank: int, ctx: dict) -> tuple[str, str, float]:
-    from autoshard.errors import AutoshardWarning
+    from autoshard.ir.errors import AutoshardWarning
 
     t0 = time.perf_counter()
     try:
@@ -428,7 +428,7 @@ def test_bad_input(observed, case):
     seen = observed[case.id]
     assert len(seen) == max(case.world, 1)
     if case.error == "AutoshardWarning":
-        # a warning is printed once per job, on rank 0 (autoshard.log.warn); the others go on silently
+        # a warning is printed once per job, on rank 0 (autoshard.ir.log.warn); the others go on silently
         assert all(etype == "no error" for etype, _, _ in seen[1:]), seen
         seen = seen[:1]
     for rank, (etype, msg, secs) in enumerate(seen):
@@ -453,7 +453,7 @@ def render_doc(observed: dict) -> str:
         "(or `AUTOSHARD_WRITE_ERRORS_DOC=1 pytest tests/test_errors.py`).",
         "",
         "Every check runs before the first collective, from arguments every rank has alike, so each",
-        "rank raises the same error and none waits for another (`autoshard/validate.py`;",
+        "rank raises the same error and none waits for another (`autoshard/planning/validate.py`;",
         "`autoshard check MODEL --world-size N --mode M` lists the same problems without processes).",
         "A rank that dies or stalls later turns into an error on the others after the collective",
         "timeout: `AUTOSHARD_TIMEOUT` seconds (default 300) when autoshard creates the process group.",

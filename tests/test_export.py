@@ -1,4 +1,4 @@
-"""Fine-tune → Hugging Face folder (autoshard/export.py, gather.save_pretrained,
+"""Fine-tune → Hugging Face folder (autoshard/io/export.py, gather.save_pretrained,
 sharded_format): a classifier fine-tuned from a checkpoint whose config names the
 bare encoder (as all-MiniLM-L6-v2's does) saves, exports and reloads as the
 classifier, with the sharded model's logits."""
@@ -59,7 +59,7 @@ def test_fine_tune_exports_a_folder_transformers_loads(tmp_path):
     import transformers
 
     from autoshard.cli import main
-    from autoshard.export import export_checkpoint
+    from autoshard.io.export import export_checkpoint
 
     ckpt, hf, out = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "exported"
     logits = get_pool(2).run(_fine_tune_and_save, str(ckpt), str(hf))[0]
@@ -79,8 +79,8 @@ def test_fine_tune_exports_a_folder_transformers_loads(tmp_path):
 
 
 def test_export_refuses_what_is_not_a_complete_checkpoint(tmp_path):
-    from autoshard.errors import CheckpointError
-    from autoshard.export import export_checkpoint
+    from autoshard.ir.errors import CheckpointError
+    from autoshard.io.export import export_checkpoint
 
     with pytest.raises(CheckpointError, match="no such directory"):
         export_checkpoint(tmp_path / "nope", tmp_path / "out")

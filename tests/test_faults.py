@@ -93,8 +93,8 @@ def test_killed_rank_errors_others_then_resume(tmp_path):
     all-reduce, must exit with a CollectiveError within 60 s. A copy of step_0004
     without its manifest (a save killed before commit) is skipped. Resuming from
     the last complete checkpoint reproduces the step-5 forward loss exactly."""
-    from autoshard.errors import CheckpointError
-    from autoshard.train import last_complete_state
+    from autoshard.ir.errors import CheckpointError
+    from autoshard.training.train import last_complete_state
 
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -114,7 +114,7 @@ def test_killed_rank_errors_others_then_resume(tmp_path):
     shutil.copytree(root / "step_0004", root / "step_0008")
     (root / "step_0008" / "train_state.json").unlink()
     assert last_complete_state(root) == root / "step_0004"
-    import autoshard.train as T
+    import autoshard.training.train as T
 
     with pytest.raises(CheckpointError, match="manifest missing, refusing an incomplete checkpoint"):
         T.load_state(root / "step_0006", None, mode="1d", example_inputs={}, lr=1e-3, steps=6)

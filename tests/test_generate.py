@@ -125,7 +125,7 @@ def test_t5_greedy_equals_dense():
 
 def _sample_and_ledger(rank, world, mode):
     import autoshard
-    from autoshard.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
     dense = _model("llama")

@@ -1,5 +1,5 @@
 """Importing autoshard is cheap: the package resolves its public names lazily
-(PEP 562), so ``import autoshard`` / ``import autoshard.spec`` load neither
+(PEP 562), so ``import autoshard`` / ``import autoshard.ir.spec`` load neither
 torch.distributed nor transformers, and the public names still resolve."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("stmt", ["import autoshard", "import autoshard.spec", "import autoshard.mesh",
-                                  "import autoshard.errors"])
+@pytest.mark.parametrize("stmt", ["import autoshard", "import autoshard.ir.spec", "import autoshard.ir.mesh",
+                                  "import autoshard.ir.errors"])
 def test_import_loads_no_distributed_or_transformers(stmt):
     r = _run(f"{stmt}, sys; heavy = [m for m in ('torch.distributed', 'transformers') if m in sys.modules]; "
              f"assert not heavy, heavy")
@@ -27,9 +27,9 @@ def test_public_names_resolve_lazily():
              "assert 'autoshard.api' not in sys.modules\n"
              "assert set(autoshard.__all__) <= set(dir(autoshard))\n"
              "for n in autoshard.__all__: getattr(autoshard, n)\n"
-             "import autoshard.plan, autoshard.search\n"       # the submodules share these names
+             "import autoshard.ir.plan, autoshard.planning.search\n"    # modules named like the functions
              "assert callable(autoshard.plan) and autoshard.plan.__module__ == 'autoshard.api', autoshard.plan\n"
-             "assert autoshard.search.__module__ == 'autoshard.search' and callable(autoshard.search)\n"
+             "assert autoshard.search.__module__ == 'autoshard.planning.search' and callable(autoshard.search)\n"
              "from autoshard import plan, shard, ShardSpec, load_checkpoint\n"
              "assert plan is autoshard.plan\n")
     assert r.returncode == 0, r.stderr

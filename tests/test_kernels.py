@@ -1,4 +1,4 @@
-"""Kernel objects (autoshard/kernels.py): frozen, serialisable, and the groups they
+"""Kernel objects (autoshard/ir/kernels.py): frozen, serialisable, and the groups they
 declare are the ones their collectives use, in every mode's real plans."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 import tiny_plans as tp
-from autoshard.kernels import KERNELS, Kernel, KernelIO, RowLinear
-from autoshard.mesh import Mesh
-from autoshard.plan import ShardingPlan
-from autoshard.spec import ShardSpec
+from autoshard.ir.kernels import KERNELS, Kernel, KernelIO, RowLinear
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.plan import ShardingPlan
+from autoshard.ir.spec import ShardSpec
 
 CASES = [("llama", "1d", 4, None), ("gpt2", "2d", 4, None), ("llama", "2.5d", 8, 2), ("gpt2", "3d", 8, None),
          ("bert", "2d", 4, None)]

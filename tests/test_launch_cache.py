@@ -1,5 +1,5 @@
 """A relaunch rebuilds each rank's sharded module from its launch-cache entry
-(autoshard/launch_cache.py): no capture, no planning, no rewrite; the same graph
+(autoshard/launch/launch_cache.py): no capture, no planning, no rewrite; the same graph
 code, bitwise the same logits, loss and gradients as the launch that wrote it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _launch(name: str, mode: str, inputs: dict, depth=None):
     logits, loss, grads, capture_shared calls)."""
     import autoshard
     import autoshard.api as api
-    from autoshard import capture_share
+    from autoshard.launch import capture_share
 
     calls = []
     real = api.capture_shared
@@ -77,7 +77,7 @@ def _key_of(name, inputs, mode, depth):
     import torch.distributed as dist
 
     from autoshard import api
-    from autoshard.cost import default_cluster
+    from autoshard.planning.cost import default_cluster
     from autoshard.policies import make_policy
 
     world = dist.get_world_size()
@@ -116,7 +116,7 @@ def test_keys_entries_and_corruption(tmp_path, monkeypatch):
     """The key follows the layout, rank, world size and options; an entry round-trips;
     a corrupt one is removed and reads as absent; AUTOSHARD_LAUNCH_CACHE=off turns it off alone,
     AUTOSHARD_CACHE=off with the capture cache."""
-    from autoshard import launch_cache as lc
+    from autoshard.launch import launch_cache as lc
 
     k = lc.launch_key("cap", policy="OneD", mesh=(("tp",), (2,)), world=2, rank=0, dropout="sharded")
     assert k == lc.launch_key("cap", policy="OneD", mesh=(("tp",), (2,)), world=2, rank=0, dropout="sharded")
@@ -152,10 +152,10 @@ def test_the_self_check_reads_a_shape_only_record():
     first-call self-check computes the same promised local shape from it."""
     import sympy
 
-    from autoshard.launch_cache import ShapeOnly
-    from autoshard.mesh import Mesh
-    from autoshard.selfcheck import expected_local_shape
-    from autoshard.spec import ShardSpec
+    from autoshard.launch.launch_cache import ShapeOnly
+    from autoshard.ir.mesh import Mesh
+    from autoshard.runtime.selfcheck import expected_local_shape
+    from autoshard.ir.spec import ShardSpec
 
     b, s = sympy.symbols("s0 s1", integer=True, positive=True)
     mesh = Mesh(axes=("tp",), sizes=(2,))
@@ -172,7 +172,7 @@ def test_a_graph_with_guards_but_no_guard_code_leaves_no_entry(tmp_path, monkeyp
     its inputs stay guarded), and storing never raises."""
     from types import SimpleNamespace
 
-    from autoshard import launch_cache as lc
+    from autoshard.launch import launch_cache as lc
 
     root = torch.nn.Module()
     root._guards_fn = torch.nn.Identity()

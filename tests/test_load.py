@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import autoshard
-from autoshard.errors import CheckpointError, ConfigError
-from autoshard.train import last_complete_state
+from autoshard.ir.errors import CheckpointError, ConfigError
+from autoshard.training.train import last_complete_state
 
 
 def test_load_checkpoint_missing_directory(tmp_path):

@@ -1,4 +1,4 @@
-"""autoshard.log.warn: a warning once per job, on rank 0; other ranks log it at debug."""
+"""autoshard.ir.log.warn: a warning once per job, on rank 0; other ranks log it at debug."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import warnings
 
 from dist_pool import get_pool
 
-from autoshard.errors import AutoshardWarning
-from autoshard.log import warn
+from autoshard.ir.errors import AutoshardWarning
+from autoshard.ir.log import warn
 
 
 def _warn_on_rank(rank, world_size):
     import logging
     import warnings
 
-    from autoshard.log import warn
+    from autoshard.ir.log import warn
 
     records = []
     handler = logging.Handler()

@@ -15,7 +15,7 @@ def _load_dense(rank, world, name, mode):
     """Shard a model with other weights (seed 1), check its logits differ from the
     dense model's (seed 0), then load the dense state dict and compare again."""
     import autoshard
-    from autoshard.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
     dense = models.build(name, seed=0).eval()
@@ -60,7 +60,7 @@ def test_load_full_state_dict_equals_dense(name, world, mode):
 
 
 def test_ledger_repr_counts_by_kind():
-    from autoshard.collectives import CallRecord, CommLedger
+    from autoshard.runtime.collectives import CallRecord, CommLedger
 
     led = CommLedger()
     led.calls += [CallRecord("all_reduce", "tp", 2, 1000), CallRecord("all_reduce", "tp", 2, 1000)]

@@ -16,7 +16,7 @@ import models
 from dist_pool import get_pool
 
 import autoshard
-from autoshard.grouped import grouped_linear
+from autoshard.ir.grouped import grouped_linear
 from autoshard.passes.capture import capture
 from autoshard.passes.experts import fold_grouped_weights
 

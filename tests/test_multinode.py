@@ -55,7 +55,7 @@ def test_two_agents_equal_one():
 
 
 def test_tensor_parallel_across_nodes_is_reported():
-    from autoshard.mesh import Mesh
+    from autoshard.ir.mesh import Mesh
 
     m = Mesh(axes=("dp", "tp"), sizes=(1, 4))
     assert m.across_nodes(2) == {"dp": False, "tp": True}

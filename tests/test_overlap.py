@@ -16,7 +16,7 @@ from dist_pool import get_pool
 
 def _compare(rank, world, mode, dp, bucket_bytes):
     import autoshard
-    from autoshard.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
     dense = models.build("llama")
@@ -66,8 +66,8 @@ def _toggled(rank, world, mode, what):
     collectives, "prefetch": the weight prefetch) off and on; and how many weight gathers
     the prefetch moves."""
     import autoshard
-    from autoshard.collectives import CommLedger
-    from autoshard.parallel_ops import paired_collectives
+    from autoshard.runtime.collectives import CommLedger
+    from autoshard.runtime.parallel_ops import paired_collectives
     from autoshard.passes.prefetch import prefetch_weights
 
     torch.set_num_threads(1)

@@ -131,7 +131,7 @@ def test_save_pretrained_keeps_the_vocabulary(tmp_path):
 def test_an_op_the_pass_cannot_follow_leaves_the_vocabulary_whole(monkeypatch):
     """If following the padded dim fails at some node, nothing is padded (the
     vocabulary stays replicated, exact, as without the pass) and a warning names the node."""
-    from autoshard.errors import AutoshardWarning
+    from autoshard.ir.errors import AutoshardWarning
     from autoshard.passes import pad
 
     model = models.build("gpt2-v131")

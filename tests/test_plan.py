@@ -14,7 +14,7 @@ from rich.console import Console
 import autoshard
 import tiny_plans as tp
 from autoshard import ShardingPlan
-from autoshard.plan import NodePlan, ParamPlan
+from autoshard.ir.plan import NodePlan, ParamPlan
 
 SUMMARY_KEYS = {"model", "mode", "mesh", "world_size", "batch_size", "seq_len", "param_bytes_per_rank",
                 "comm_bytes_per_rank_fwd", "comm_bytes_per_rank_bwd", "collective_calls_per_step", "fallbacks",

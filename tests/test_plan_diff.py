@@ -1,4 +1,4 @@
-"""Plan diff (autoshard/plan_diff.py) and ``autoshard diff A.json B.json``."""
+"""Plan diff (autoshard/planning/plan_diff.py) and ``autoshard diff A.json B.json``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import tiny_plans
 from autoshard import ShardingPlan
 from autoshard.cli import main
-from autoshard.plan_diff import counts, diff, table
+from autoshard.planning.plan_diff import counts, diff, table
 
 
 def _raw(n):

@@ -1,4 +1,4 @@
-"""The runtime self-check (``autoshard/selfcheck.py``): the first call of every
+"""The runtime self-check (``autoshard/runtime/selfcheck.py``): the first call of every
 graph compares each node's local output shape with its plan spec.
 
 A mutation test plants a wrong rule (the activation of Llama's MLP claims its
@@ -23,11 +23,11 @@ def _run(rank, world, mutate: bool, skip_trace: bool = False, self_check: bool =
     import torch
 
     import autoshard
-    from autoshard.errors import ShardingError
+    from autoshard.ir.errors import ShardingError
     from autoshard.passes import pipeline
     from autoshard.policies import generic
-    from autoshard.selfcheck import PlanCheckError
-    from autoshard.spec import ShardSpec
+    from autoshard.runtime.selfcheck import PlanCheckError
+    from autoshard.ir.spec import ShardSpec
 
     torch.set_num_threads(1)
     orig = generic.pointwise

@@ -37,8 +37,8 @@ def test_sequence_parallel_equals_dense(case):
 
 def _saved_bytes(rank, world, name):
     import autoshard
-    from autoshard.activations import SavedBytes
-    from autoshard.cost import estimate
+    from autoshard.planning.activations import SavedBytes
+    from autoshard.planning.cost import estimate
 
     torch.set_num_threads(1)
     model = models.build(name)

@@ -1,6 +1,6 @@
 """A sharded module takes what the model takes: any set of inputs (one graph per
 input signature, captured on first use) and any batch size (padded rows, exact).
-Mirrors autoshard/signature.py and autoshard/recapture.py."""
+Mirrors autoshard/ir/signature.py and autoshard/launch/recapture.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from dist_pool import get_pool
 from models import build
 
-from autoshard.errors import ConfigError
+from autoshard.ir.errors import ConfigError
 from autoshard.passes.capture import capture
-from autoshard.signature import IGNORE_INDEX, InputSignature, pad_blocker, pad_rows, trim_rows
+from autoshard.ir.signature import IGNORE_INDEX, InputSignature, pad_blocker, pad_rows, trim_rows
 
 
 def _inputs(b: int, s: int = 8, seed: int = 1, labels: bool = True, vocab: int = 128) -> dict:

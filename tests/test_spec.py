@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autoshard import Mesh, ShardingError, ShardSpec
-from autoshard.spec import replicated
+from autoshard.ir.spec import replicated
 
 M1 = Mesh(axes=("tp",), sizes=(2,))
 M1_3 = Mesh(axes=("tp",), sizes=(3,))

@@ -22,8 +22,13 @@ PACKAGES = {"autoshard": ROOT / "autoshard", "autoshard.passes": ROOT / "passes"
 def _modules() -> dict[str, pathlib.Path]:
     mods = {}
     for pkg, folder in PACKAGES.items():
-        for f in sorted(folder.glob("*.py")):
-            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted(folder.rglob("*.py")):
+            parts = [pkg, *f.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            if pkg == "autoshard" and len(parts) > 1 and parts[1] in ("passes", "policies"):
+                continue
+            mods[".".join(parts)] = f
     return mods
 
 
@@ -129,7 +134,7 @@ def test_the_scan_sees_every_module():
     assert {"autoshard.api", "autoshard.passes.propagate", "autoshard.policies.one_d"} <= set(MODS)
     edges = import_graph()
     assert "autoshard.policies.base" in edges["autoshard.passes.propagate"]
-    assert "autoshard.kernels" in edges["autoshard.policies.one_d"]
+    assert "autoshard.ir.kernels" in edges["autoshard.policies.one_d"]
 
 
 def test_no_import_cycle():
@@ -147,8 +152,8 @@ def test_no_private_name_across_modules():
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("autoshard.policies", ("autoshard.passes", "autoshard.parallel_ops", "autoshard.collectives", "autoshard.api")),
-    ("autoshard.passes", ("autoshard.api", "autoshard.cli", "autoshard.search")),
+    ("autoshard.policies", ("autoshard.passes", "autoshard.runtime.parallel_ops", "autoshard.runtime.collectives", "autoshard.api")),
+    ("autoshard.passes", ("autoshard.api", "autoshard.cli", "autoshard.planning.search")),
 ])
 def test_layers_import_downwards(layer, forbidden):
     """Policies import no pass and no runtime; passes never import the face (DESIGN §2)."""
@@ -156,3 +161,36 @@ def test_layers_import_downwards(layer, forbidden):
     bad = sorted(f"{m} → {t}" for m, ts in edges.items() if m == layer or m.startswith(layer + ".")
                  for t in ts if any(t == f or t.startswith(f + ".") for f in forbidden))
     assert not bad, bad
+
+
+# The layers of the package, bottom to top (docs/design.md, "Layers"): a module may
+# import its own layer and the layers below it, never one above.
+LAYERS = ("autoshard.ir", "autoshard.policies", "autoshard.runtime", "autoshard.passes", "autoshard.io",
+          "autoshard.launch", "autoshard.planning", "autoshard", "autoshard.training")
+
+
+def layer_of(mod: str) -> int:
+    """The index in :data:`LAYERS` of the layer ``mod`` belongs to (the top-level
+    modules of ``autoshard``, the face, are ``autoshard`` itself)."""
+    best = max((l for l in LAYERS if mod == l or mod.startswith(l + ".")), key=len)
+    return LAYERS.index(best)
+
+
+def layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} → {t}" for m, ts in edges.items() for t in ts if layer_of(t) > layer_of(m))
+
+
+def test_every_module_has_a_layer():
+    assert layer_of("autoshard.ir.spec") == 0 and layer_of("autoshard.api") == LAYERS.index("autoshard")
+    assert layer_of("autoshard.training.zero") == len(LAYERS) - 1
+
+
+def test_imports_run_down_the_layers():
+    found = layer_violations(import_graph())
+    assert not found, "imports up the layers:\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert layer_violations({"autoshard.ir.kernels": {"autoshard.runtime.parallel_ops"},
+                             "autoshard.runtime.groups": {"autoshard.ir.mesh"}}) \
+        == ["autoshard.ir.kernels → autoshard.runtime.parallel_ops"]

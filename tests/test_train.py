@@ -1,4 +1,4 @@
-"""autoshard.train on gloo CPU ranks: 1D tp2 × dp2, 2.5D (q2 d2) and 3D (q2) training with gradient
+"""autoshard.training.train on gloo CPU ranks: 1D tp2 × dp2, 2.5D (q2 d2) and 3D (q2) training with gradient
 accumulation and active global-norm clipping follows the dense single-process
 run step by step (loss within 1e-4, grad norm within 1e-5 relative); a run
 checkpointed at step 10 and resumed on a fresh module continues the same curve."""
@@ -30,7 +30,7 @@ def _global_batches(n: int, b: int = 8, s: int = 8, seed: int = 5) -> list[dict]
 
 
 def _dense_run(name: str, batches: list[dict], steps: int):
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     torch.manual_seed(0)
     dense = models.build(name)
@@ -45,7 +45,7 @@ def _dense_run(name: str, batches: list[dict], steps: int):
 
 def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
     import autoshard
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     torch.set_num_threads(1)
     batches = _global_batches(steps * ACCUM)
@@ -93,7 +93,7 @@ def test_train_accum_clip_equals_dense(world, mode, depth, dp):
 
 def _resume_run(rank, world, name, dp, path):
     import autoshard
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     torch.set_num_threads(1)
     steps, half = 20, 10

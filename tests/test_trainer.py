@@ -1,5 +1,5 @@
-"""transformers.Trainer on a sharded module (autoshard/trainer.py): 5 steps equal
-autoshard's own loop (autoshard.train.train) and the dense model, step by step."""
+"""transformers.Trainer on a sharded module (autoshard/training/trainer.py): 5 steps equal
+autoshard's own loop (autoshard.training.train.train) and the dense model, step by step."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
     from torch.utils.data import DistributedSampler
 
     import autoshard
-    from autoshard.train import train as autoshard_train
-    from autoshard.trainer import ShardedTrainer
+    from autoshard.training.train import train as autoshard_train
+    from autoshard.training.trainer import ShardedTrainer
 
     torch.set_num_threads(1)
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}

@@ -1,6 +1,6 @@
 """Optimizer state sharded over the data-parallel replicas (ZeRO-1 / ZeRO-2, issue 20).
 
-The training curve of ``autoshard.zero.ZeroAdamW`` (20 AdamW steps, warmup +
+The training curve of ``autoshard.training.zero.ZeroAdamW`` (20 AdamW steps, warmup +
 cosine, 2 accumulated micro-batches, global-norm clipping active every step) must
 be the dense model's; each rank must hold 1/dp of the AdamW state a plain
 optimizer over its TP shards holds; a checkpoint saved with ZeRO at one dp must
@@ -21,9 +21,9 @@ from test_train import ACCUM, CLIP, LR, STEPS, _dense_reference, _global_batches
 
 def _zero_run(rank, world, name, dp, stage, mode, steps):
     import autoshard
-    from autoshard import train as T
-    from autoshard.collectives import CommLedger
-    from autoshard.zero import optimizer_state_bytes
+    from autoshard.training import train as T
+    from autoshard.runtime.collectives import CommLedger
+    from autoshard.training.zero import optimizer_state_bytes
 
     torch.set_num_threads(1)
     batches = _global_batches(steps * ACCUM)
@@ -84,7 +84,7 @@ def test_zero_equals_dense(case):
 
 def _zero_resume(rank, world, name, dp_save, dp_load, path, phase):
     import autoshard
-    from autoshard import train as T
+    from autoshard.training import train as T
 
     torch.set_num_threads(1)
     steps, half = 12, 6
@@ -125,7 +125,7 @@ def test_zero_checkpoint_resumes_on_another_dp(tmp_path):
 def test_estimate_counts_zero():
     """The cost model splits the optimizer state (ZeRO-1) and the gradients (ZeRO-2) over dp."""
     import autoshard
-    from autoshard.cost import estimate
+    from autoshard.planning.cost import estimate
 
     p = autoshard.plan(models.build("llama"), world_size=4, mode="1d", dp=2, batch_size=8, seq_len=8,
                        example_inputs=models.batch("llama"))

@@ -1,10 +1,10 @@
 """Cached captures and plans of the tiny models, shared by the planning tests.
 
-``torch.export`` dominates the cost of ``autoshard.plan`` on a tiny model (seconds
+``torch.export`` dominates the cost of ``autoshard.ir.plan`` on a tiny model (seconds
 per call on a loaded CPU box), so a capture is made once per (model class,
 config, mode, device) and reused; everything after the capture
 (policy / mesh validation, model construction, propagation) runs for real in every
-``autoshard.plan`` call. The memo is installed only for the duration of one
+``autoshard.ir.plan`` call. The memo is installed only for the duration of one
 :func:`plan_for` call, so other tests see the unpatched library.
 """
 
@@ -39,7 +39,7 @@ def case_id(case) -> str:
 
 def config(name: str):
     """The tiny config of ``name`` with ``architectures`` set so that
-    ``autoshard.plan`` builds the right head class."""
+    ``autoshard.ir.plan`` builds the right head class."""
     cls, cfg_cls, kw = models.TINY[name]
     cfg = getattr(transformers, cfg_cls)(**kw)
     cfg.architectures = [cls]

@@ -153,7 +153,7 @@ def test_a_guard_on_the_maximum_length_is_excluded_from_the_range():
 
 def _gptneo_call_at_the_excluded_length(rank, world):
     import autoshard
-    from autoshard.errors import ConfigError
+    from autoshard.ir.errors import ConfigError
 
     model = models.build("gptneo")
     sharded = autoshard.shard(model, mode="1d", example_inputs=models.batch("gptneo"))

@@ -14,7 +14,7 @@ import tiny_plans as tp
 from autoshard import Mesh, ShardingError, ShardSpec
 from autoshard.passes.pipeline import plan_captured
 from autoshard.passes.propagate import _redistribute, propagate
-from autoshard.plan import Comm, Step
+from autoshard.ir.plan import Comm, Step
 from autoshard.policies import POLICIES
 
 MESH = Mesh(axes=("row", "col"), sizes=(2, 2))

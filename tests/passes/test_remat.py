@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import models
-from autoshard.activations import SavedBytes
+from autoshard.planning.activations import SavedBytes
 from dist_pool import get_pool
 
 

@@ -18,8 +18,8 @@ import transformers
 from torch import fx
 
 from arch_models import ARCHS
-from autoshard.builder import model_from
-from autoshard.capture_share import capture_cached
+from autoshard.io.builder import model_from
+from autoshard.launch.capture_share import capture_cached
 from autoshard.passes.annotate import module_path
 from autoshard.passes.pipeline import plan_captured
 from autoshard.passes.stamp import KEEP, capture_stamped, shrink_config, stamp

@@ -11,7 +11,7 @@ import models
 import tiny_plans as tp
 from autoshard import ShardingError
 from autoshard.policies import generic
-from autoshard.spec import ShardSpec
+from autoshard.ir.spec import ShardSpec
 
 
 def _config(name: str):

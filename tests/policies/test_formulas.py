@@ -19,7 +19,7 @@ N = B * S
 
 
 def _plan(name, world, mode, depth=None):
-    """``autoshard.plan`` of the tiny config (batch B × seq S) through tiny_plans: one
+    """``autoshard.ir.plan`` of the tiny config (batch B × seq S) through tiny_plans: one
     export per model, shared with the other planning tests."""
     return tp.plan_for(name, mode, world, depth)
 

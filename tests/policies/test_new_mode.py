@@ -2,7 +2,7 @@
 
 ``VocabOnly`` below is a whole mode in one class, written against the public
 policy contract only (:class:`~autoshard.policies.base.Policy`, the
-``RuleContext`` a rule receives, the kernel objects of :mod:`autoshard.kernels`):
+``RuleContext`` a rule receives, the kernel objects of :mod:`autoshard.ir.kernels`):
 embedding tables and a tied LM head are vocab-parallel, every other Linear stays
 whole. Registered, it is planned, validated, listed by the auto search, and
 shards a model exactly on 2 gloo ranks with ledger = plan, without a line
@@ -17,14 +17,14 @@ import pytest
 import transformers
 
 import models
-from autoshard.argpath import get_arg
-from autoshard.errors import ConfigError
-from autoshard.kernels import VocabEmbedding
-from autoshard.mesh import Mesh
+from autoshard.ir.argpath import get_arg
+from autoshard.ir.errors import ConfigError
+from autoshard.ir.kernels import VocabEmbedding
+from autoshard.ir.mesh import Mesh
 from autoshard.policies import POLICIES, register_policy
 from autoshard.policies.base import Choice, Policy, RuleContext
 from autoshard.policies.linear_ops import linear_operands
-from autoshard.spec import ShardSpec
+from autoshard.ir.spec import ShardSpec
 from dist_pool import get_pool
 
 
@@ -111,8 +111,8 @@ def test_registered_mode_plans_with_vocab_parallel_table_and_head():
 
 def test_registered_mode_is_validated_and_searched():
     import autoshard
-    from autoshard.search import candidates
-    from autoshard.validate import check_dims
+    from autoshard.planning.search import candidates
+    from autoshard.planning.validate import check_dims
 
     with registered():
         # the mode's dim_splits drive validation and the vocabulary padding: 127 is padded to 128

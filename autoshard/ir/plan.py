@@ -1,0 +1,503 @@
+"""The sharding plan: frozen data that says, node by node, how the graph is split.
+
+It prints (:meth:`ShardingPlan.table`), serialises (:meth:`to_json` /
+:meth:`from_json`) and drives the rewrite; nothing in it runs a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .kernels import Kernel
+from .mesh import Mesh
+from .spec import ShardSpec
+
+__all__ = ["Step", "Comm", "SavedTensor", "NodePlan", "ParamPlan", "ShardingPlan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """One re-layout of a value (inserted by the rewrite as a collective op).
+
+    ``op`` is one of ``reduce_from``, ``copy_to``, ``all_reduce_both``, ``gather``,
+    ``scatter``, ``reduce_scatter``, ``gather_partial``, ``scale``.
+    """
+
+    op: str
+    axes: tuple[str, ...] = ()
+    dim: int | None = None
+    segments: int = 1
+    factor: float | None = None
+
+    def effect(self, spec: "ShardSpec", global_shape, mesh: Mesh, elem_bytes: int,
+               needs_grad: bool) -> tuple[list["Comm"], "ShardSpec"]:
+        """The collectives this step issues on a value laid out as ``spec`` (one
+        training step; backward ones only if the value ``needs_grad``), and the
+        value's layout after it.
+
+        >>> m = Mesh(axes=("tp",), sizes=(2,))
+        >>> cs, after = Step(op="gather", axes=("tp",), dim=1).effect(
+        ...     ShardSpec(dims=((), ("tp",))), (4, 8), m, 4, True)
+        >>> [(c.phase, c.kind, c.buffer_bytes) for c in cs], after.is_replicated
+        ([('fwd', 'all_gather', 128)], True)
+        """
+        loc = math.prod(spec.local_shape(global_shape, mesh))
+        p = mesh.size(self.axes) if self.axes else 1
+        out: list[Comm] = []
+
+        def c(phase, kind, numel):
+            out.append(Comm(phase=phase, kind=kind, axes=self.axes, group_size=p, buffer_bytes=numel * elem_bytes))
+
+        s = spec
+        if self.op == "reduce_from":
+            c("fwd", "all_reduce", loc)
+            s = s.with_partial(())
+        elif self.op == "copy_to":
+            if needs_grad:
+                c("bwd", "all_reduce", loc)
+        elif self.op == "all_reduce_both":
+            c("fwd", "all_reduce", loc)
+            if needs_grad:
+                c("bwd", "all_reduce", loc)
+        elif self.op in ("gather", "gather_partial"):     # gathers the inner axes of the dim's split
+            c("fwd", "all_gather", loc * p)
+            if self.op == "gather_partial" and needs_grad:     # its gradient arrives partial: reduce-scattered
+                c("bwd", "reduce_scatter", loc * p)
+            have = s.dims[self.dim]
+            s = s.with_dim(self.dim, have[:len(have) - len(self.axes)], s.segments[self.dim])
+        elif self.op == "scatter":         # splits further over inner axes
+            if needs_grad:
+                c("bwd", "all_gather", loc)
+            s = s.with_dim(self.dim, s.dims[self.dim] + self.axes, self.segments)
+        elif self.op == "reduce_scatter":
+            c("fwd", "reduce_scatter", loc)
+            if needs_grad:
+                c("bwd", "all_gather", loc)
+            s = s.with_partial(()).with_dim(self.dim, self.axes)
+        return out, s
+
+    def __str__(self) -> str:
+        s = f"{self.op}({','.join(self.axes)}"
+        if self.dim is not None:
+            s += f"; dim {self.dim}"
+        if self.factor is not None:
+            s += f"; ×{self.factor:g}"
+        return s + ")"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comm:
+    """One collective call predicted for one training step on one rank."""
+
+    phase: str          # fwd | bwd
+    kind: str           # all_reduce | all_gather | reduce_scatter
+    axes: tuple[str, ...]
+    group_size: int
+    buffer_bytes: int
+
+    @property
+    def bytes_per_rank(self) -> float:
+        p = self.group_size
+        if p <= 1:
+            return 0.0
+        f = 2 * (p - 1) / p if self.kind == "all_reduce" else (p - 1) / p
+        return f * self.buffer_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedTensor:
+    """One tensor a node saves for backward on one rank (see :mod:`autoshard.planning.activations`).
+
+    ``key`` names the storage (the node that allocated it, ``node#i`` for a
+    tensor made inside the op, ``value>step`` for a re-layout's result): views share
+    their base's key, so a storage saved by several nodes is counted once.
+    ``nbytes`` is the whole storage; ``shape`` the saved view's. ``role`` is empty,
+    or for an attention op, which operand the backend rule reads (``q``, ``k``,
+    ``v``, ``mask``, ``out``): those are decided per device at estimate time.
+    """
+
+    key: str
+    nbytes: int
+    dtype: str
+    shape: tuple = ()
+    role: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    name: str
+    op: str
+    kind: str                     # linear | norm | attention | embedding | loss | other
+    module: str
+    out_spec: Any                 # ShardSpec | tuple[ShardSpec|None, ...] | None
+    kernel: Kernel | None = None  # the kernel object the rewrite binds (autoshard.ir.kernels)
+    arg_steps: tuple = ()         # ((arg path, (Step, ...)), ...)
+    post: tuple = ()              # steps applied to the output
+    patches: tuple = ()           # ((arg path, new value), ...)
+    comms: tuple = ()             # (Comm, ...)
+    global_shape: tuple = ()
+    local_shape: tuple = ()
+    weight: str = ""              # weight slice text for the table
+    param_bytes: int = 0          # parameter bytes per rank (a ``state`` row: its block's bytes)
+    notes: tuple = ()
+    fallback: bool = False
+    saved: tuple | None = None    # (SavedTensor, ...); None: not traced
+    flops: int = 0                # a Linear's dense forward FLOPs, 2·rows·k·n (parallel_fraction)
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(c.bytes_per_rank for c in self.comms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamPlan:
+    name: str                     # HF name (state_dict key)
+    global_shape: tuple
+    spec: ShardSpec
+    grad_sync: tuple[str, ...]    # axes its gradient is all-reduced over after backward
+    dtype_bytes: int = 4
+    is_buffer: bool = False
+    aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
+    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary was padded (else empty)
+
+    def local_shape(self, mesh: Mesh) -> tuple:
+        return self.spec.local_shape(self.global_shape, mesh)
+
+    @property
+    def hf_shape(self) -> tuple:
+        """The shape users, checkpoints and ``from_pretrained`` see: ``global_shape``
+        without the vocabulary padding (:mod:`autoshard.passes.pad`)."""
+        return tuple(self.dense_shape) or tuple(self.global_shape)
+
+    @property
+    def pad_dim(self) -> int | None:
+        """The padded dim, or None."""
+        if not self.dense_shape or tuple(self.dense_shape) == tuple(self.global_shape):
+            return None
+        return next(d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape)) if a != b)
+
+    def pad(self, t):
+        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape``."""
+        d = self.pad_dim
+        if d is None or tuple(t.shape) == tuple(self.global_shape):
+            return t
+        shape = list(t.shape)
+        shape[d] = self.global_shape[d] - shape[d]
+        import torch
+
+        return torch.cat([t, t.new_zeros(shape)], dim=d)
+
+    def trim(self, t):
+        """A tensor of ``global_shape`` cut back to :attr:`hf_shape`."""
+        d = self.pad_dim
+        if d is None or tuple(t.shape) == tuple(self.dense_shape):
+            return t
+        return t.narrow(d, 0, self.dense_shape[d]).contiguous()
+
+    def local_bytes(self, mesh: Mesh) -> int:
+        n = 1
+        for s in self.local_shape(mesh):
+            n *= s
+        return n * self.dtype_bytes
+
+
+def _spec_to_json(s):
+    if s is None:
+        return None
+    if isinstance(s, ShardSpec):
+        return {"spec": s.to_dict()}
+    return {"list": [_spec_to_json(x) for x in s]}
+
+
+def _spec_from_json(d):
+    if d is None:
+        return None
+    if "spec" in d:
+        return ShardSpec.from_dict(d["spec"])
+    return tuple(_spec_from_json(x) for x in d["list"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """Everything decided about one model on one mesh."""
+
+    model: str
+    mode: str
+    mesh: Mesh
+    tp_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...]
+    batch_size: int
+    seq_len: int
+    nodes: tuple[NodePlan, ...]
+    params: tuple[ParamPlan, ...]
+    dp: int = 1
+    # local shape of every graph value by node name (a tuple of shapes for a
+    # multi-output node): what the activation-trace pass runs the rank's forward
+    # with. Made by propagation; not serialised, not compared.
+    local_shapes: Any = field(default=None, compare=False, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"ShardingPlan(model={self.model}, mode={self.mode}, mesh={self.mesh}, nodes={len(self.nodes)}, "
+                f"params={len(self.params)}, param_bytes_per_rank={self.param_bytes_per_rank:,})")
+
+    # ------------------------------------------------------------- summaries
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def param_bytes_per_rank(self) -> int:
+        return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer)
+
+    def grad_sync_comms(self) -> list[Comm]:
+        out = []
+        for p in self.params:
+            if p.grad_sync and not p.is_buffer:
+                out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
+                                group_size=self.mesh.size(p.grad_sync),
+                                buffer_bytes=p.local_bytes(self.mesh)))
+        return out
+
+    @property
+    def state_bytes_per_rank(self) -> int:
+        """Bytes of the state inputs one rank holds (a generation step's KV cache, at the
+        plan's batch size; 0 for a training graph)."""
+        return sum(n.param_bytes for n in self.nodes if n.kind == "state")
+
+    def comms(self, phase: str | None = None) -> list[Comm]:
+        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_comms()
+        return [c for c in cs if phase is None or c.phase == phase]
+
+    def comm_bytes_per_rank(self, phase: str | None = None) -> float:
+        return sum(c.bytes_per_rank for c in self.comms(phase))
+
+    @property
+    def fallbacks(self) -> list[NodePlan]:
+        return [n for n in self.nodes if n.fallback]
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of one tensor-parallel group (the mesh without ``dp``)."""
+        return self.mesh.world_size // self.dp
+
+    def parallel_fraction(self) -> dict:
+        """How much of the model the plan really splits.
+
+        ``params_split``: the share of parameter elements split over a tensor-parallel
+        axis; ``flops_split``: the share of the Linears' dense FLOPs (2·rows·k·n each)
+        run with a split weight; ``vs_ideal``: parameter bytes per rank over the ideal
+        (dense bytes / :attr:`weight_ways`; 1.0 is perfect); ``replicated``: the largest
+        parameters held whole; ``held_back``: the parameters whose bytes per rank exceed
+        their ideal share the most (whole, or split fewer ways than the mode allows).
+
+        >>> from autoshard.ir.mesh import Mesh
+        >>> from autoshard.ir.spec import ShardSpec
+        >>> p = ShardingPlan(model="m", mode="1d", mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
+        ...                  batch_axes=(), batch_size=1, seq_len=1, nodes=(), params=(
+        ...     ParamPlan(name="w", global_shape=(4, 4), spec=ShardSpec(dims=(("tp",), ())), grad_sync=()),
+        ...     ParamPlan(name="b", global_shape=(4,), spec=ShardSpec(dims=((),)), grad_sync=())))
+        >>> f = p.parallel_fraction(); f["params_split"], f["vs_ideal"], f["replicated"], f["held_back"]
+        (0.8, 1.2, ['b'], ['b'])
+        """
+        params = [p for p in self.params if not p.is_buffer]
+        total = sum(math.prod(p.global_shape) for p in params) or 1
+        tp = set(self.tp_axes) - {"dp"}
+        split = sum(math.prod(p.global_shape) for p in params if tp & set(p.spec.axes))
+        dense = sum(math.prod(p.hf_shape) * p.dtype_bytes for p in params) or 1     # padding counts as cost
+        whole = sorted((p for p in params if not tp & set(p.spec.axes)), key=lambda p: -math.prod(p.global_shape))
+        ways = self.weight_ways
+        excess = sorted(((math.prod(p.local_shape(self.mesh)) - math.prod(p.hf_shape) / ways) * p.dtype_bytes, p.name)
+                        for p in params)
+        lin = [n for n in self.nodes if n.kind == "linear" and n.flops]
+        flops = sum(n.flops for n in lin)
+        return {"params_split": split / total, "vs_ideal": self.param_bytes_per_rank / (dense / self.weight_ways),
+                "flops_split": sum(n.flops for n in lin if not n.weight.startswith("replicated")) / flops
+                if flops else 0.0,
+                "replicated": [p.name for p in whole[:8]],
+                "held_back": [name for b, name in reversed(excess[-5:]) if b > 0]}
+
+    @property
+    def weight_ways(self) -> int:
+        """Into how many parts the mode ideally splits a weight: the TP size, except
+        2.5d, whose depth axis replicates the weights by design (DESIGN §4): q²."""
+        return self.tp_size // (self.mesh.size(("dep",)) if "dep" in self.mesh.axes else 1)
+
+    def padding(self) -> list[dict]:
+        """Where the vocabulary was padded (:mod:`autoshard.passes.pad`): per parameter,
+        its Hugging Face and padded shapes and the bytes per rank the zero rows cost."""
+        out = []
+        for p in self.params:
+            if p.pad_dim is None:
+                continue
+            local = math.prod(p.local_shape(self.mesh))
+            share = local / math.prod(p.global_shape)
+            extra = (math.prod(p.global_shape) - math.prod(p.hf_shape)) * share * p.dtype_bytes
+            out.append({"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
+                        "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)})
+        return out
+
+    def summary(self) -> dict:
+        return {
+            "model": self.model, "mode": self.mode, "mesh": str(self.mesh),
+            "world_size": self.mesh.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "comm_bytes_per_rank_fwd": self.comm_bytes_per_rank("fwd"),
+            "comm_bytes_per_rank_bwd": self.comm_bytes_per_rank("bwd"),
+            "collective_calls_per_step": len(self.comms()),
+            **({"state_bytes_per_rank": self.state_bytes_per_rank} if self.state_bytes_per_rank else {}),
+            "fallbacks": [n.name for n in self.fallbacks],
+            "parallel_fraction": self.parallel_fraction(),
+            "padding": self.padding(),
+        }
+
+    def fingerprint(self) -> str:
+        """Stable hash of the decisions (mesh, mode, parameter slices)."""
+        blob = json.dumps({"mode": self.mode, "mesh": self.mesh.to_dict(),
+                           "params": [(p.name, list(p.global_shape), p.spec.to_dict()) for p in self.params]},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # --------------------------------------------------------------- printing
+    def table(self, *, all_nodes: bool = False):
+        """A ``rich.table.Table`` with one row per annotated node (all nodes with
+        ``all_nodes=True``)."""
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(title=f"autoshard plan · {self.model} · {self.mode} · mesh {self.mesh}",
+                  show_lines=False, header_style="bold")
+        for col in ("node", "op", "module", "kernel", "global shape", "per-rank shape", "weight slice",
+                    "collectives (fwd / bwd)", "comm B/rank", "param B/rank", "notes"):
+            t.add_column(col, overflow="fold")
+        for n in self.nodes:
+            if not all_nodes and n.kind == "other" and not n.fallback:
+                continue
+            fwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "fwd") or "-"
+            bwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "bwd") or "-"
+            row = (n.name, n.op, n.module, n.kernel.name if n.kernel else "-", _shape(n.global_shape), _shape(n.local_shape),
+                   n.weight or "-", f"{fwd} / {bwd}", f"{n.comm_bytes:,.0f}", f"{n.param_bytes:,}", "; ".join(n.notes))
+            t.add_row(*(escape(str(c)) for c in row), style="yellow" if n.fallback else None)
+        return t
+
+    def show(self, console=None, *, all_nodes: bool = False, node_size: int | None = None) -> None:
+        """Print the table and a summary. ``node_size``: ranks per node (default: torchrun's
+        ``LOCAL_WORLD_SIZE`` when this plan's world is the job's) adds which axes' groups
+        stay inside a node and which cross nodes."""
+        import os
+
+        from rich.console import Console
+
+        console = console or Console(width=220)
+        console.print(self.table(all_nodes=all_nodes))
+        s = self.summary()
+        console.print(
+            f"[bold]per rank:[/bold] parameters {s['param_bytes_per_rank']:,} B · "
+            f"comm/step fwd {s['comm_bytes_per_rank_fwd']:,.0f} B, bwd {s['comm_bytes_per_rank_bwd']:,.0f} B · "
+            f"{s['collective_calls_per_step']} collective calls/step · "
+            f"fallbacks: {len(s['fallbacks'])}{' (' + ', '.join(s['fallbacks']) + ')' if s['fallbacks'] else ''}")
+        f = s["parallel_fraction"]
+        console.print(f"[bold]split:[/bold] {f['params_split']:.0%} of parameters split over TP · parameter bytes per "
+                      f"rank {f['vs_ideal']:.2f}× the ideal (dense / {self.tp_size})"
+                      + (f" · largest held whole: {', '.join(f['replicated'][:4])}" if f["vs_ideal"] > 1.15 else ""))
+        if s.get("state_bytes_per_rank"):
+            n = sum(1 for x in self.nodes if x.kind == "state")
+            console.print(f"[bold]KV cache:[/bold] {s['state_bytes_per_rank']:,} B per rank in {n} state inputs at "
+                          f"batch {self.batch_size} (each rank holds its block; a generation step's comm/step is "
+                          f"per token)")
+        for pad in s["padding"]:
+            d, g = pad["dense_shape"], pad["padded_shape"]
+            console.print(f"[bold]padded:[/bold] {pad['param']} {list(d)} → {list(g)} so the vocabulary splits "
+                          f"({pad['extra_bytes_per_rank']:,} B of zero rows per rank; the padded logits are masked "
+                          f"out of the loss and trimmed from the outputs; checkpoints keep {list(d)})")
+        if node_size is None and os.environ.get("WORLD_SIZE") == str(self.mesh.world_size):
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        where = self.mesh.placement(node_size)
+        if where:
+            console.print(f"[bold]nodes:[/bold] {where}")
+
+    def draw(self, path) -> str:
+        """Write an SVG picture of the plan to ``path``: for the stem/head and the first
+        repeated block, each weight's blocks coloured by the rank that holds them, the
+        mesh, and one Linear's collectives (see :mod:`autoshard.ir.draw`). Returns ``path``.
+
+            >>> plan.draw("plan.svg")       # doctest: +SKIP
+            'plan.svg'
+        """
+        from .draw import draw      # the drawing code is loaded only by those who draw
+
+        return draw(self, path)
+
+    # ------------------------------------------------------------ serialising
+    def to_json(self) -> str:
+        def node_d(n: NodePlan):
+            d = asdict(n)
+            d["kernel"] = n.kernel.to_dict() if n.kernel is not None else None
+            d["out_spec"] = _spec_to_json(n.out_spec)
+            d["arg_steps"] = [[list(p), [asdict(s) for s in steps]] for p, steps in n.arg_steps]
+            d["post"] = [asdict(s) for s in n.post]
+            d["patches"] = [[list(p), v] for p, v in n.patches]
+            d["saved"] = None if n.saved is None else [[s.key, s.nbytes, s.dtype, list(s.shape), s.role]
+                                                       for s in n.saved]
+            return d
+
+        return json.dumps({
+            "model": self.model, "mode": self.mode, "mesh": self.mesh.to_dict(),
+            "tp_axes": list(self.tp_axes), "batch_axes": list(self.batch_axes),
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "dp": self.dp,
+            "nodes": [node_d(n) for n in self.nodes],
+            "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
+                        "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
+                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape)}
+                       for p in self.params],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        d = json.loads(text)
+
+        def tup(x):
+            return tuple(tup(i) for i in x) if isinstance(x, list) else x
+
+        nodes = []
+        for n in d["nodes"]:
+            nodes.append(NodePlan(
+                name=n["name"], op=n["op"], kind=n["kind"], module=n["module"],
+                out_spec=_spec_from_json(n["out_spec"]), kernel=Kernel.from_dict(n["kernel"]) if n["kernel"] else None,
+                arg_steps=tuple((tup(p), tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in steps))
+                                for p, steps in n["arg_steps"]),
+                post=tuple(Step(**{**s, "axes": tuple(s["axes"])}) for s in n["post"]),
+                patches=tuple((tup(p), v) for p, v in n["patches"]),
+                comms=tuple(Comm(**{**c, "axes": tuple(c["axes"])}) for c in n["comms"]),
+                global_shape=tup(n["global_shape"]), local_shape=tup(n["local_shape"]),
+                weight=n["weight"], param_bytes=n["param_bytes"], notes=tuple(n["notes"]),
+                fallback=n["fallback"], flops=n.get("flops", 0),
+                saved=None if n.get("saved") is None else tuple(
+                    SavedTensor(key=k, nbytes=b, dtype=t, shape=tuple(sh), role=r) for k, b, t, sh, r in n["saved"])))
+        params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),
+                                 spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
+                                 dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
+                                 aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())))
+                       for p in d["params"])
+        return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
+                   batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
+                   nodes=tuple(nodes), params=params, dp=d.get("dp", 1))
+
+
+def _shape(s) -> str:
+    if not s:
+        return "-"
+    if isinstance(s[0], (tuple, list)):
+        return " ".join(_shape(x) for x in s)
+    return "[" + ", ".join(str(x) for x in s) + "]"

@@ -1,0 +1,844 @@
+"""Cost model: per-rank FLOPs, memory and alpha-beta communication time of a plan.
+
+Everything here reads a :class:`~autoshard.ir.plan.ShardingPlan` (pure data) and a
+:class:`Cluster`; nothing runs a collective except :func:`profile`, which times
+a few on the current process group and returns a measured :class:`Cluster`.
+
+Model (one training step on one rank, no overlap of compute and communication)::
+
+    step = 3·F_fwd / flops                          # backward ≈ 2 × forward
+         + Σ_collectives  steps·α_link + load·B / β_link
+
+* ``F_fwd``: Linear ``2·N·k·n / w`` where ``w`` is the number of ranks that share
+  the work (mesh axes splitting the output, the weight, or holding a partial
+  sum), attention ``4·b·h·s²·d`` on the local ``[b, h, s, d]`` block.
+* ``B``: bytes one rank sends (ring model, DESIGN §5); ``steps``: ``2(p−1)`` for
+  an all-reduce, ``p−1`` for an all-gather / reduce-scatter.
+* link class: a group whose ranks all sit in one node (``rank // ranks_per_node``
+  with the mesh's rank = coordinate formula, outermost axis first) runs at
+  ``intra_bw`` / ``intra_latency``; otherwise its ring crosses node boundaries
+  and each node's network (``inter_bw``, the node's links together) carries every
+  crossing edge of every group running at the same time, so ``load`` is the
+  busiest node's number of outgoing crossing edges.
+* memory per rank: parameters + gradients (same size) + optimizer state
+  (AdamW: two fp32 moments per parameter) + activations: the bytes autograd
+  saves for backward in one forward, traced on meta when the plan is made
+  (:mod:`autoshard.planning.activations`; fused attention per the cluster's ``device``).
+
+Example:
+    >>> c = Cluster.preset("dgx-a100")
+    >>> c.ranks_per_node, c.memory_bytes // 2**30
+    (8, 80)
+    >>> link_of(Mesh(axes=("dep", "row", "col"), sizes=(4, 4, 4)), ("col",), 4)
+    ('intra', 0)
+    >>> link_of(Mesh(axes=("dep", "row", "col"), sizes=(4, 4, 4)), ("row",), 4)
+    ('inter', 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+
+from .activations import saved_bytes
+from ..ir.errors import ConfigError
+from ..ir.mesh import Mesh
+from ..ir.plan import Comm, NodePlan, ShardingPlan
+
+__all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "forward_latency", "link_of", "collective_time",
+           "node_flops", "default_cluster", "profile", "human_bytes"]
+
+GiB = 2 ** 30
+
+
+def human_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``.
+
+    >>> human_bytes(1536), human_bytes(80 * 2**30)
+    ('1.50 KiB', '80.00 GiB')
+    """
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} TiB"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Hardware figures the cost model needs (SI units: bytes, seconds, FLOP/s).
+
+    Attributes:
+        ranks_per_node: ranks that share a node (NVLink / shared memory).
+        intra_bw: bytes/s one rank sends to a peer in its node.
+        intra_latency: seconds per ring step inside a node.
+        inter_bw: bytes/s of one node's network links together (shared by the
+            ranks of that node that send across nodes at the same time).
+        inter_latency: seconds per ring step across nodes.
+        flops: sustained matmul FLOP/s of one rank.
+        memory_bytes: memory of one rank (GPU memory, or host memory / ranks).
+        name: preset name or ``"custom"`` / ``"measured"``.
+        device: ``"cuda"`` or ``"cpu"``: which fused attention kernel the
+            activation prediction assumes (:func:`autoshard.planning.activations.attention_saved`).
+        call_overhead: seconds every collective call costs on top of its ring steps
+            (the Python op, the launch, the backend's handshake).
+        op_overhead: seconds one graph node costs per step (forward and backward
+            dispatch of one small op), whatever it computes.
+        flops_curve: ``((edge, FLOP/s), ...)``: the matmul rate by size (the cube
+            root of ``m·k·n``), measured by :func:`profile`; a Linear is timed at the
+            rate of its own size (interpolated), ``flops`` where the curve is empty.
+        pair_overlap: the share (0-1) of the shorter of two collectives sent together
+            (a SUMMA / 3D Linear's two operand gathers, ``Kernel.paired``) hidden behind
+            the longer: 1 where they travel on links of their own (NCCL streams), about
+            0 where both eat the same CPU cores (gloo on an oversubscribed host).
+    """
+
+    ranks_per_node: int
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    flops: float
+    memory_bytes: int
+    name: str = "custom"
+    device: str = "cuda"
+    call_overhead: float = 0.0
+    op_overhead: float = 0.0
+    flops_curve: tuple = ()
+    pair_overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
+            if not getattr(self, f) > 0:
+                raise ConfigError(f"Cluster.{f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("intra_latency", "inter_latency", "call_overhead", "op_overhead"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
+        if not 0.0 <= self.pair_overlap <= 1.0:
+            raise ConfigError(f"Cluster.pair_overlap must be within 0-1, got {self.pair_overlap!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"Cluster.device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    @classmethod
+    def preset(cls, name: str) -> "Cluster":
+        """One of :data:`CLUSTERS` by name (``dgx-a100``, ``h100-sxm``, ``cpu-gloo``,
+        ``tesseract-paper``), or the path of a ``.json`` cluster file (:meth:`save`)."""
+        if isinstance(name, Cluster):
+            return name
+        if isinstance(name, str) and name.endswith(".json"):
+            return cls.load(name)
+        try:
+            return CLUSTERS[name]
+        except KeyError:
+            raise ConfigError(f"unknown cluster preset {name!r}; presets: {', '.join(CLUSTERS)}") from None
+
+    def rate(self, flop: float) -> float:
+        """FLOP/s of a matmul of ``flop`` FLOPs (``2·m·k·n``): :attr:`flops_curve` at its
+        size ``(m·k·n)^(1/3)``, else :attr:`flops`.
+
+        >>> c = CLUSTERS["cpu-gloo"].replace(flops_curve=((64, 1e9), (256, 4e9)))
+        >>> [round(c.rate(2 * e ** 3) / 1e9, 3) for e in (32, 64, 128, 1024)]
+        [1.0, 1.0, 2.0, 4.0]
+        """
+        curve = sorted(self.flops_curve)
+        if not curve:
+            return self.flops
+        size = max(flop / 2, 1) ** (1 / 3)
+        if size <= curve[0][0]:
+            return curve[0][1]
+        for (x0, r0), (x1, r1) in zip(curve, curve[1:]):
+            if size <= x1:
+                f = math.log(size / x0) / math.log(x1 / x0)
+                return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    def to_dict(self) -> dict:
+        """The fields as JSON-ready data (:meth:`from_dict` reads them back)."""
+        d = dataclasses.asdict(self)
+        d["flops_curve"] = [list(x) for x in self.flops_curve]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cluster":
+        """A Cluster from :meth:`to_dict`'s data (e.g. a ``cluster.json`` of ``autoshard profile --out``);
+        a ConfigError names an unknown or missing field."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"cluster file: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        d = dict(d)
+        d["flops_curve"] = tuple(tuple(x) for x in d.get("flops_curve", ()))
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"cluster file: {e}") from None
+
+    @classmethod
+    def load(cls, path) -> "Cluster":
+        """The Cluster saved at ``path`` (JSON, :meth:`save`)."""
+        import json
+
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the cluster file {path}: {e}") from None
+
+    def save(self, path) -> str:
+        """Write this Cluster as JSON to ``path`` (reuse it with ``--cluster path`` / :meth:`load`)."""
+        import json
+
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        return str(path)
+
+    def replace(self, **changes) -> "Cluster":
+        """A copy with some fields changed (e.g. ``memory_bytes``)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.ranks_per_node} ranks/node, intra {self.intra_bw / 1e9:g} GB/s "
+                f"+ {self.intra_latency * 1e6:g} µs, inter {self.inter_bw / 1e9:g} GB/s/node "
+                f"+ {self.inter_latency * 1e6:g} µs, {self.flops / 1e12:g} TFLOP/s, "
+                f"{self.memory_bytes / GiB:g} GiB/rank")
+
+
+#: Presets. ``flops`` is a *sustained* rate (roughly 60% of the dense peak of the
+#: training dtype), what :func:`profile` would measure, not the datasheet peak.
+#: Latencies per ring step follow NCCL's own tuning model (src/graph/tuning.cc,
+#: Ring/Simple: NVLink 3.4-5.7 µs, network 6.6-9.6 µs per hop).
+CLUSTERS: dict[str, Cluster] = {
+    # DGX A100 80GB: NVLink3 via NVSwitch 300 GB/s per direction per GPU (≈230 achieved
+    # by NCCL), 8 × HDR 200 Gb/s NICs per node; bf16 dense peak 312 TFLOP/s.
+    "dgx-a100": Cluster(name="dgx-a100", ranks_per_node=8, intra_bw=230e9, intra_latency=5e-6,
+                        inter_bw=8 * 25e9, inter_latency=10e-6, flops=190e12, memory_bytes=80 * GiB),
+    # DGX H100 / HGX H100 SXM: NVLink4 450 GB/s per direction per GPU (≈360 achieved),
+    # 8 × NDR 400 Gb/s NICs; bf16 dense peak 989 TFLOP/s.
+    "h100-sxm": Cluster(name="h100-sxm", ranks_per_node=8, intra_bw=360e9, intra_latency=5e-6,
+                        inter_bw=8 * 50e9, inter_latency=10e-6, flops=600e12, memory_bytes=80 * GiB),
+    # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
+    "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
+                        inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB,
+                        device="cpu", pair_overlap=0.0),
+    # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
+    # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
+    # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
+    "tesseract-paper": Cluster(name="tesseract-paper", ranks_per_node=4, intra_bw=200e9, intra_latency=5e-6,
+                               inter_bw=25e9, inter_latency=10e-6, flops=0.4 * 156e12, memory_bytes=40 * GiB),
+}
+
+
+def default_cluster() -> Cluster:
+    """A preset guessed from this process's device: ``h100-sxm`` on an H100,
+    ``dgx-a100`` on another GPU, ``cpu-gloo`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return CLUSTERS["cpu-gloo"]
+    name = torch.cuda.get_device_name()
+    return CLUSTERS["h100-sxm"] if "H100" in name or "H200" in name else CLUSTERS["dgx-a100"]
+
+
+# --------------------------------------------------------------------------- links
+
+@functools.lru_cache(maxsize=4096)
+def link_of(mesh: Mesh, axes: tuple[str, ...], ranks_per_node: int) -> tuple[str, int]:
+    """``("intra", 0)`` if every group along ``axes`` sits inside one node, else
+    ``("inter", load)`` where ``load`` is the largest number of ring edges (over all
+    groups along ``axes``, running at once) that leave one node."""
+    axes = tuple(axes)
+    if mesh.size(axes) <= 1 or ranks_per_node >= mesh.world_size:
+        return ("intra", 0)
+    strides = {}
+    s = 1
+    for a, n in zip(reversed(mesh.axes), reversed(mesh.sizes)):
+        strides[a] = s
+        s *= n
+    # offsets of a group's members from its first rank, in ring order (first axis most significant)
+    ring = [0]
+    for a in axes:
+        ring = [o + c * strides[a] for o in ring for c in range(mesh.size(a))]
+    others = [a for a in mesh.axes if a not in axes]
+    bases = [0]
+    for a in others:
+        bases = [b + c * strides[a] for b in bases for c in range(mesh.size(a))]
+    out_edges: dict[int, int] = {}
+    crossing = False
+    for b in bases:
+        nodes = [(b + o) // ranks_per_node for o in ring]
+        for x, y in zip(nodes, nodes[1:] + nodes[:1]):
+            if x != y:
+                crossing = True
+                out_edges[x] = out_edges.get(x, 0) + 1
+    if not crossing:
+        return ("intra", 0)
+    return ("inter", max(out_edges.values()))
+
+
+def _link(mesh: Mesh, axes, cluster: Cluster) -> tuple[str, float, float]:
+    """(link class, latency per step, effective bytes/s of one rank's stream) for
+    a group along ``axes``: NVLink inside a node; across nodes the ring is as slow
+    as its slowest edge, the node's network links shared by ``load`` streams."""
+    link, load = link_of(mesh, tuple(axes), cluster.ranks_per_node)
+    if link == "intra":
+        return link, cluster.intra_latency, cluster.intra_bw
+    return link, cluster.inter_latency, min(cluster.intra_bw, cluster.inter_bw / load)
+
+
+def collective_time(c: Comm, mesh: Mesh, cluster: Cluster) -> tuple[float, str]:
+    """Seconds for one collective call and its link class (``intra`` / ``inter``)."""
+    p = c.group_size
+    if p <= 1 or c.buffer_bytes == 0:
+        return 0.0, "none"
+    steps = 2 * (p - 1) if c.kind == "all_reduce" else (p - 1)
+    link, alpha, bw = _link(mesh, c.axes, cluster)
+    return cluster.call_overhead + steps * alpha + c.bytes_per_rank / bw, link
+
+
+def broadcast_time(nbytes: float, group_size: int, axes, mesh: Mesh, cluster: Cluster) -> float:
+    """Seconds for one pipelined (chain) broadcast or reduce of ``nbytes`` over a
+    group along ``axes``: ``(p-1)`` latency steps plus the message once over the
+    slowest link. Used to model implementations that move SUMMA operands with
+    one broadcast / reduce per step (the Tesseract paper's Algorithm 3) instead
+    of one all-gather / reduce-scatter.
+
+    >>> m = Mesh(axes=("row", "col"), sizes=(2, 2))
+    >>> c = CLUSTERS["dgx-a100"]
+    >>> round((broadcast_time(230e6, 2, ("col",), m, c) - c.intra_latency) * 1e3, 9)   # ms on NVLink
+    1.0
+    """
+    if group_size <= 1 or nbytes == 0:
+        return 0.0
+    _, alpha, bw = _link(mesh, axes, cluster)
+    return (group_size - 1) * alpha + nbytes / bw
+
+
+# --------------------------------------------------------------------------- flops
+
+_VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "permute", "transpose.int", "t", "expand", "unsqueeze", "squeeze",
+    "squeeze.dim", "slice.Tensor", "select.int", "getitem", "alias", "detach", "split.Tensor",
+    "split_with_sizes", "chunk", "sym_size.int", "output", "unflatten.int", "flatten.using_ints",
+    "lift_fresh_copy", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size",
+})
+
+
+def _numel(shape) -> int:
+    if shape is None:
+        return 0
+    if len(shape) == 0:          # a scalar
+        return 1
+    if isinstance(shape[0], (tuple, list)):
+        return sum(_numel(s) for s in shape)
+    return math.prod(int(x) for x in shape)
+
+
+def _spec_axes(spec) -> set:
+    if spec is None:
+        return set()
+    if isinstance(spec, tuple):
+        out = set()
+        for s in spec:
+            out |= _spec_axes(s)
+        return out
+    return set(spec.axes) | set(spec.partial)
+
+
+def _param_index(plan: ShardingPlan) -> dict:
+    idx = {}
+    for p in plan.params:
+        for n in (p.name, *p.aliases):
+            idx[n] = p
+    return idx
+
+
+def node_flops(n: NodePlan, plan: ShardingPlan, params: dict | None = None) -> float:
+    """Forward FLOPs of one node on one rank (0 for cheap elementwise / view ops)."""
+    if n.kind == "linear":
+        params = params if params is not None else _param_index(plan)
+        pp = params.get(f"{n.module}.weight") if n.module else None
+        gshape = n.global_shape[0] if n.global_shape and isinstance(n.global_shape[0], tuple) else n.global_shape
+        if not gshape:
+            return 0.0
+        out = math.prod(gshape)                      # N·n
+        n_feat = gshape[-1]
+        work = _spec_axes(n.out_spec)
+        if pp is not None and len(pp.global_shape) == 2:
+            nd = getattr(n.kernel, "n_dim", None)
+            if nd in (0, 1):
+                k = pp.global_shape[1 - nd]
+            else:
+                a, b = pp.global_shape
+                k = b if a == n_feat else a
+            work |= set(pp.spec.axes)
+        else:                                        # weight unknown: assume square
+            k = n_feat
+        return 2.0 * out * k / plan.mesh.size(tuple(sorted(work, key=plan.mesh.axes.index)))
+    if n.kind == "attention":
+        ls = n.local_shape
+        if ls and not isinstance(ls[0], tuple) and len(ls) == 4:
+            b, h, s, d = ls
+            return 4.0 * b * h * s * s * d
+    return 0.0
+
+
+# --------------------------------------------------------------------------- estimate
+
+@dataclass(frozen=True, kw_only=True)
+class CommTime:
+    """One collective of the step with its predicted time."""
+
+    comm: Comm
+    seconds: float
+    link: str
+    node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostEstimate:
+    """Predicted figures for one training step on one rank (bytes, seconds, FLOPs)."""
+
+    cluster: str
+    flops_fwd: float
+    compute_s: float
+    comm_s_fwd: float
+    comm_s_bwd: float
+    comm_bytes: float
+    inter_node_bytes: float
+    collective_calls: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    memory_limit: int
+    notes: tuple[str, ...] = ()
+    comms: tuple[CommTime, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm_s_fwd + self.comm_s_bwd
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_limit
+
+    def to_dict(self) -> dict:
+        return {"cluster": self.cluster, "flops_fwd": self.flops_fwd, "compute_s": self.compute_s,
+                "comm_s_fwd": self.comm_s_fwd, "comm_s_bwd": self.comm_s_bwd, "comm_s": self.comm_s,
+                "step_s": self.step_s, "comm_bytes": self.comm_bytes, "inter_node_bytes": self.inter_node_bytes,
+                "collective_calls": self.collective_calls, "param_bytes": self.param_bytes,
+                "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes,
+                "memory_limit": self.memory_limit, "fits": self.fits, "notes": list(self.notes)}
+
+
+def _dp_grad_comms(plan: ShardingPlan) -> list[Comm]:
+    """Gradient all-reduce over ``dp`` for parameters whose plan does not sync it."""
+    if "dp" not in plan.mesh.axes or plan.mesh.size("dp") <= 1:
+        return []
+    return [Comm(phase="bwd", kind="all_reduce", axes=("dp",), group_size=plan.mesh.size("dp"),
+                 buffer_bytes=p.local_bytes(plan.mesh))
+            for p in plan.params if not p.is_buffer and "dp" not in p.grad_sync]
+
+
+def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device: str = "cuda") -> int:
+    """Bytes one rank saves for backward (:func:`autoshard.planning.activations.saved_bytes`
+    on ``device``); for a plan without a trace (built by hand), the rough sum of the
+    local output bytes of every node that allocates (views excluded)."""
+    traced = saved_bytes(plan, device, dtype_bytes=dtype_bytes)
+    if traced is not None:
+        return traced
+    if dtype_bytes is None:
+        sizes = [p.dtype_bytes for p in plan.params if not p.is_buffer]
+        dtype_bytes = max(set(sizes), key=sizes.count) if sizes else 4
+    total = 0
+    for n in plan.nodes:
+        if n.kind == "input" or n.op in _VIEW_OPS or n.op.startswith(("sym_", "_assert")):
+            continue
+        total += _numel(n.local_shape) * dtype_bytes
+    return int(total)
+
+
+def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime]:
+    """The node's collectives, timed. A kernel whose collectives go two at a time
+    (``Kernel.paired``: a SUMMA / 3D Linear's two operand gathers, its two gradient
+    scatters) is charged the longer of each pair in full and the shorter for the
+    share the longer does not hide (``1 - cluster.pair_overlap``; its bytes and call
+    count either way)."""
+    out = []
+    pending: dict = {}          # (phase, kind) -> index in out of the pair's first call
+    paired = getattr(n.kernel, "paired", False)
+    for c in n.comms:
+        t, link = collective_time(c, mesh, cluster)
+        out.append(CommTime(comm=c, seconds=t, link=link, node=n.name))
+        if not paired:
+            continue
+        key = (c.phase, c.kind)
+        if key not in pending:
+            pending[key] = len(out) - 1
+            continue
+        first = pending.pop(key)
+        shorter = first if out[first].seconds < out[-1].seconds else len(out) - 1
+        out[shorter] = dataclasses.replace(out[shorter], seconds=out[shorter].seconds * (1.0 - cluster.pair_overlap))
+    return out
+
+
+def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
+             activation_dtype_bytes: int | None = None, zero: int = 0) -> CostEstimate:
+    """Predict one training step of ``plan`` on ``cluster`` for one rank.
+
+    ``zero=1`` (:class:`autoshard.training.zero.ZeroAdamW`): the optimizer state is split
+    over the ``dp`` replicas; ``zero=2``: the gradients too. The bytes on the wire
+    stay those of the dp all-reduce (a reduce-scatter plus an all-gather).
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> import autoshard
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> p = autoshard.plan(cfg, world_size=2, mode="1d", batch_size=4, seq_len=16)
+        >>> e = estimate(p, "cpu-gloo")
+        >>> e.param_bytes == p.param_bytes_per_rank, e.step_s > e.compute_s > 0
+        (True, True)
+    """
+    cluster = Cluster.preset(cluster)
+    mesh = plan.mesh
+    # backward ≈ 2 × forward; every node pays the dispatch overhead once per step
+    # (forward and backward together)
+    flops, compute_s = _compute(plan, cluster, passes=3.0)
+    timed: list[CommTime] = []
+    for n in plan.nodes:
+        timed += _node_comm_times(n, mesh, cluster)
+    notes = []
+    for c in plan.grad_sync_comms():
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
+    extra = _dp_grad_comms(plan)
+    if extra:
+        notes.append("dp gradient all-reduce added by the cost model (the plan does not list it)")
+    for c in extra:
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
+    pbytes = plan.param_bytes_per_rank
+    trainable = sum(p.local_bytes(mesh) // p.dtype_bytes for p in plan.params if not p.is_buffer)
+    if optimizer in (None, "none", "sgd"):
+        obytes = 0
+    elif optimizer in ("adam", "adamw"):
+        obytes = 2 * 4 * trainable
+    else:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose 'adamw', 'adam', 'sgd' or None")
+    gbytes = pbytes
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"zero={zero!r}: the valid choices are 0 (off), 1 (optimizer state over dp), 2 (gradients too)")
+    if zero and plan.dp > 1:
+        obytes = -(-obytes // plan.dp)
+        if zero == 2:
+            gbytes = -(-pbytes // plan.dp)
+        notes.append(f"ZeRO-{zero}: optimizer state{' and gradients' if zero == 2 else ''} split over dp={plan.dp}")
+    if plan.fallbacks:
+        notes.append(f"{len(plan.fallbacks)} fallback node(s)")
+    return CostEstimate(
+        cluster=cluster.name, flops_fwd=flops, compute_s=compute_s,
+        comm_s_fwd=sum(t.seconds for t in timed if t.comm.phase == "fwd"),
+        comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
+        comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
+        inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
+        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=gbytes, optimizer_bytes=obytes,
+        activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
+        memory_limit=cluster.memory_bytes,
+        notes=tuple(notes), comms=tuple(timed))
+
+
+def forward_latency(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100") -> float:
+    """Predicted seconds of one forward of ``plan`` on ``cluster`` for one rank: each
+    node's matmul at the rate of its size, the per-node dispatch overhead and the
+    forward collectives. For a :meth:`~autoshard.module.ShardedModule.generate`
+    decode plan (``sharded.generation_plan("decode")``) it is the per-token latency.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> import autoshard
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> p = autoshard.plan(cfg, world_size=2, mode="1d", batch_size=4, seq_len=16)
+        >>> 0 < forward_latency(p, "cpu-gloo") < estimate(p, "cpu-gloo").step_s
+        True
+    """
+    cluster = Cluster.preset(cluster)
+    _, seconds = _compute(plan, cluster, passes=1.0)
+    return seconds + sum(collective_time(c, plan.mesh, cluster)[0] for n in plan.nodes for c in n.comms
+                         if c.phase == "fwd")
+
+
+def _compute(plan: ShardingPlan, cluster: Cluster, *, passes: float) -> tuple[int, float]:
+    """(forward FLOPs, compute seconds) of ``plan`` on ``cluster``: each node's matmul
+    run ``passes`` times at the rate of its size, plus the per-node dispatch overhead
+    (graph inputs and state inputs dispatch nothing)."""
+    params = _param_index(plan)
+    per_node = [node_flops(n, plan, params) for n in plan.nodes]
+    seconds = sum(passes * f / cluster.rate(f) for f in per_node if f)
+    seconds += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind not in ("input", "state"))
+    return sum(per_node), seconds
+
+
+# --------------------------------------------------------------------------- profile
+
+def _fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """Least squares of ``t = steps·α + bytes/β`` over (steps, bytes, seconds); returns (α, β)."""
+    s_ss = sum(s * s for s, _, _ in samples)
+    s_sb = sum(s * b for s, b, _ in samples)
+    s_bb = sum(b * b for _, b, _ in samples)
+    s_st = sum(s * t for s, _, t in samples)
+    s_bt = sum(b * t for _, b, t in samples)
+    det = s_ss * s_bb - s_sb * s_sb
+    if det <= 0:
+        inv_beta = max(s_bt / s_bb, 1e-15) if s_bb else 1e-15
+        return 0.0, 1.0 / inv_beta
+    alpha = (s_st * s_bb - s_bt * s_sb) / det
+    inv_beta = (s_ss * s_bt - s_sb * s_st) / det
+    if alpha < 0 or inv_beta <= 0:          # noisy timings: fall back to one-parameter fits
+        inv_beta = max(s_bt / s_bb, 1e-15)
+        alpha = max(0.0, min((t - b * inv_beta) / s for s, b, t in samples))
+    return max(alpha, 0.0), 1.0 / inv_beta
+
+
+def _timed_loop(fn, iters: int, sync) -> float:
+    """Seconds per call of ``fn`` run ``iters`` times, every rank at once (a fixed count:
+    ``fn`` may be a collective), between barriers."""
+    import time
+
+    import torch.distributed as dist
+
+    fn()
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def _between(fn, busy, busy_s: float, iters: int, sync) -> float:
+    """Seconds ``fn`` (a collective) costs as a rewritten graph pays it: each call after a
+    small computation (``busy``, whose own ``busy_s`` is taken off), so that the group's
+    ranks reach it at their own pace, as they do out of a layer's matmuls. On a host
+    whose cores the ranks share, a call timed back to back would catch its partners
+    already waiting and read a fraction of that."""
+    return max(_timed_loop(lambda: (busy(), fn()), iters, sync) - busy_s, 0.0)
+
+
+def _time_collectives(group, p: int, device, sizes, iters: int, busy, busy_s: float,
+                      sync) -> list[tuple[int, float, float]]:
+    """(ring steps, bytes sent, seconds) of an all-reduce and an all-gather of each of
+    ``sizes`` bytes over ``group`` (:func:`_between`)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        numel = max(p, nbytes // 4 // p * p)
+        x = torch.ones(numel, dtype=torch.float32, device=device)
+        y = torch.empty(numel, dtype=torch.float32, device=device)
+        for kind in ("all_reduce", "all_gather"):
+            def once():
+                if kind == "all_reduce":
+                    dist.all_reduce(x, group=group)
+                else:
+                    dist.all_gather_into_tensor(y, x[: numel // p], group=group)
+            dt = _between(once, busy, busy_s, iters, sync)
+            steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
+            sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4
+            out.append((steps, sent, dt))
+    return out
+
+
+def _pair_overlap(world: int, rank: int, rpn: int, device, busy, busy_s: float, iters: int, sync) -> float | None:
+    """:attr:`Cluster.pair_overlap` measured: two all-gathers on two different groups of
+    2 ranks of a node (rows and columns of 2 × 2 blocks, every block at once) sent one
+    at a time, then together (:func:`autoshard.runtime.collectives.all_gather_two`); the share of
+    the shorter that the pair hid. None where the node has no 2 × 2 block."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime import collectives as C
+
+    if rpn % 4 or world % 4:
+        return None
+    rows = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
+    cols = [dist.new_group([b + j, b + j + 2]) for b in range(0, world, 4) for j in (0, 1)]
+    row = rows[rank // 2].group_name
+    col = cols[(rank // 4) * 2 + rank % 2].group_name
+    a = torch.ones(1 << 14, device=device)
+    b = torch.ones(1 << 14, device=device)
+    t_a = _between(lambda: C.all_gather(a, 0, row), busy, busy_s, iters, sync)
+    t_b = _between(lambda: C.all_gather(b, 0, col), busy, busy_s, iters, sync)
+    t_two = _between(lambda: C.all_gather_two(a, 0, row, b, 0, col), busy, busy_s, iters, sync)
+    short = min(t_a, t_b)
+    return min(max((t_a + t_b - t_two) / short, 0.0), 1.0) if short > 0 else 1.0
+
+
+def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int = 5,
+            ranks_per_node: int | None = None, matmul_size: int | None = None,
+            memory_bytes: int | None = None) -> Cluster:
+    """Measure a :class:`Cluster` on the current process group (call on every rank).
+
+    Times all-reduces and all-gathers of ``sizes`` bytes inside each node (and, if
+    the job spans nodes, between ranks of the same local index on different nodes,
+    all such groups at once, as tensor-parallel traffic would run) and one matmul;
+    fits ``t = steps·α + bytes/β`` per link class. Every collective is timed as a
+    rewritten graph pays it, after a small matmul (whose own time is taken off): the
+    per-call cost of tiny all-reduces on groups of 2, 4, ... ranks, the bytes, and
+    how much of a pair sent together (:attr:`Cluster.pair_overlap`) overlaps. The
+    figures are maxed over ranks, so every rank returns the same Cluster (and
+    ``mode="auto"`` picks the same plan everywhere). With one node the inter-node
+    figures copy the intra-node ones.
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        cluster = autoshard.profile()
+        sharded = autoshard.shard(model, mode="auto", cluster=cluster)
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("autoshard.profile needs an initialised process group (run under torchrun)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if rpn < 1 or world % rpn:
+        raise ConfigError(f"ranks_per_node={rpn} must divide the world size {world}")
+    cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    # the computation each timed collective follows (a layer's matmul, small)
+    w = torch.randn(256, 256, device=device)
+
+    def busy():
+        w @ w
+
+    busy_s = _timed_loop(busy, max(iters, 10), sync)
+
+    # groups are created by every rank in the same order
+    node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(world // rpn)]
+    slot_groups = [dist.new_group(list(range(s, world, rpn))) for s in range(rpn)] if world > rpn else []
+    intra = inter = None
+    intra_samples: list = []
+    if rpn > 1:
+        intra_samples = _time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters, busy, busy_s, sync)
+        intra = _fit_alpha_beta(intra_samples)
+    if slot_groups:
+        a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters,
+                                                 busy, busy_s, sync))
+        inter = (a, b * rpn)       # all rpn slots ran at once: the node's links carried rpn flows
+    if intra is None:
+        intra = inter if inter is not None else (0.0, 1e12)
+    if inter is None:
+        inter = intra
+
+    def per_call(fn, window: float = 0.05) -> float:
+        """Seconds per call of ``fn``, every rank looping at once for ``window`` seconds:
+        ranks that share cores measure their share, as they get it while a layout runs
+        (a short loop would catch a core to itself between the others' time slices)."""
+        dist.barrier()
+        n_, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n_ += 1
+            if n_ % 4 == 0:
+                sync()
+                dt = time.perf_counter() - t0
+                if dt >= window:
+                    return dt / n_
+
+    def rate_at(n: int) -> float:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        a_ = torch.randn(n, n, device=device, dtype=dtype)
+        b_ = torch.randn(n, n, device=device, dtype=dtype)
+        a_ @ b_
+        sync()
+        return 2 * n ** 3 / per_call(lambda: a_ @ b_)
+
+    n = matmul_size or (4096 if cuda else 512)
+    flops = rate_at(n)
+    edges = (1024, 2048, 4096, 8192) if cuda else (32, 64, 128, 256, 512)
+    curve = [(e, flops if e == n else rate_at(e)) for e in edges if not matmul_size or e <= n]
+
+    # per node: forward + backward of a chain of small elementwise ops (dispatch, autograd)
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+
+    def chain(k: int = 50) -> None:
+        y = x
+        for _ in range(k):
+            y = y * 1.0001
+        y.sum().backward()
+
+    chain()
+    op = per_call(chain) / 52
+
+    # per collective call and per ring step: tiny all-reduces on groups of 2, 4, ... ranks of a
+    # node (every group at once), through autoshard's own collective op as the rewritten graph
+    # calls it, fitted as t = call + 2(p-1)·α; the byte fits above keep β
+    from ..runtime import collectives as C
+
+    call = 0.0
+    sizes_p = sorted({g for g in (2, 4, 8, 16, 32, rpn) if 2 <= g <= rpn and rpn % g == 0})
+    tiny_t = []
+    tiny = torch.ones(16, device=device)
+    for g in sizes_p:
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
+        mine = groups[rank // g].group_name
+        tiny_t.append((2 * (g - 1), _between(lambda: C.all_reduce(tiny, mine, "sum"), busy, busy_s,
+                                             max(iters, 10), sync)))
+    if len(tiny_t) >= 2:
+        n_ = len(tiny_t)
+        mx = sum(x for x, _ in tiny_t) / n_
+        my = sum(y for _, y in tiny_t) / n_
+        sxx = sum((x - mx) ** 2 for x, _ in tiny_t)
+        a = max(sum((x - mx) * (y - my) for x, y in tiny_t) / sxx, 0.0) if sxx else 0.0
+        call = max(my - a * mx, 0.0)
+        # β from the largest messages once the fixed costs are known (median over them)
+        big = max((b_ for _, b_, _ in intra_samples), default=0)
+        rates = sorted(b_ / (t_ - call - s_ * a) for s_, b_, t_ in intra_samples
+                       if b_ == big and t_ - call - s_ * a > 0)
+        intra = (a, rates[len(rates) // 2] if rates else intra[1])
+        if not slot_groups:
+            inter = intra
+    elif tiny_t:
+        call = max(tiny_t[0][1] - tiny_t[0][0] * intra[0], 0.0)
+    overlap = _pair_overlap(world, rank, rpn, device, busy, busy_s, max(iters, 10), sync)
+    if overlap is None:             # no 2 × 2 block to try: streams of their own on a GPU, shared cores on a CPU
+        overlap = 1.0 if cuda else 0.0
+
+    if memory_bytes is None:
+        if cuda:
+            memory_bytes = torch.cuda.get_device_properties(device).total_memory
+        else:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
+    # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory and overlap
+    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes), call, op,
+                         -overlap] + [-r for _, r in curve], dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+    v = vals.tolist()
+    return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
+                   inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]),
+                   device="cuda" if cuda else "cpu", call_overhead=v[6], op_overhead=v[7],
+                   pair_overlap=-v[8], flops_curve=tuple((e, -r) for (e, _), r in zip(curve, v[9:])))

@@ -1,0 +1,356 @@
+"""``mode="auto"``: enumerate every mesh the registered modes accept, plan each
+on one captured graph, and rank them by the cost model's predicted step time.
+
+Candidates are every ``(mode, q, d, dp)`` for which the mode's own
+``make_mesh(world, depth=, dp=)`` accepts the factorisation (modes come from
+:data:`~autoshard.policies.POLICIES`, so a new mode joins the search by being
+registered). A candidate is dropped when its global batch does not split over
+its batch axes, when planning fails, or when parameters + gradients + optimizer
+state + activations exceed the cluster's memory per rank; the rest are ranked by
+predicted step time (ties: less communication, then the registry order). If
+nothing fits, the :class:`~autoshard.ir.errors.ConfigError` names the smallest world
+size that would.
+
+``batch_size`` is the *global* batch, as in every plan: ``dp`` replicas split it
+first, the mode's batch axes split each replica's rows further.
+
+Example:
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    ...                   num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
+    >>> r = search(cfg, world_size=4, cluster="dgx-a100", batch_size=8, seq_len=16)
+    >>> r.best.candidate.mode in ("1d", "2d", "2.5d", "3d"), r.plan.mesh.world_size
+    (True, 4)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .cost import Cluster, CostEstimate, estimate, human_bytes
+from ..ir.errors import AutoshardError, ConfigError
+from ..ir.mesh import Mesh
+from ..ir.plan import ShardingPlan
+
+__all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search"]
+
+_MAX_UPWARD = 1 << 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One factorisation of the world size: ``mode`` on ``mesh``.
+
+    ``q`` is the side of the tensor-parallel grid (the TP size for 1d), ``d`` the
+    depth (2.5d), ``dp`` the data-parallel replicas; ``depth`` is the value that
+    was passed to ``make_mesh`` (None when the mode takes none)."""
+
+    mode: str
+    q: int
+    d: int
+    dp: int
+    depth: int | None
+    mesh: Mesh
+
+    @property
+    def label(self) -> str:
+        from ..policies import POLICIES
+
+        return POLICIES[self.mode].label(self.mesh)
+
+    def policy(self):
+        from ..policies import POLICIES
+
+        return POLICIES[self.mode](self.mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluated:
+    """A candidate with its plan and predicted cost, or the reason it was dropped."""
+
+    candidate: Candidate
+    plan: ShardingPlan | None = None
+    cost: CostEstimate | None = None
+    reason: str = ""
+    rank: int | None = None          # 1 = chosen; None = dropped
+
+    @property
+    def ok(self) -> bool:
+        return self.rank is not None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f}" if n >= 2**24 else f"{n / 2**30:.2g}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _describe(mode: str, mesh: Mesh) -> tuple[int, int, int]:
+    from ..policies import POLICIES
+
+    q, d = POLICIES[mode].grid(mesh)
+    return q, d, mesh.dp
+
+
+def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None) -> list[Candidate]:
+    """Every ``(mode, q, d, dp)`` the registered modes accept for ``world_size``.
+
+    ``depth`` / ``dp`` pin those values; ``modes`` restricts the modes. A mesh with a
+    size-1 axis (2.5d with d = 1 is 2d; a 1-rank TP axis) is kept only where it is
+    the one way to express the layout: pure data parallelism is ``1d [1] × dp``.
+
+    >>> [c.label for c in candidates(4)]
+    ['1d [4]', '1d [2] × dp2', '1d [1] × dp4', '1d-sp [4]', '1d-sp [2] × dp2', '2d [2,2]']
+    """
+    from ..policies import POLICIES
+
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    names = list(POLICIES) if modes is None else list(modes)
+    for m in names:
+        if m not in POLICIES:
+            raise ConfigError(f"unknown mode {m!r}; valid modes: {', '.join(POLICIES)}")
+    out: list[Candidate] = []
+    seen: set = set()
+    dps = [dp] if dp is not None else _divisors(world_size)
+    for mode in names:
+        cls = POLICIES[mode]
+        for r in sorted(dps, reverse=False):
+            if world_size % r:
+                continue
+            tp = world_size // r
+            depths = [depth] if depth is not None else [None] + _divisors(tp)
+            for dd in depths:
+                try:
+                    mesh = cls.make_mesh(world_size, depth=dd, dp=r)
+                except (ConfigError, ValueError):
+                    continue
+                if mesh.world_size != world_size:
+                    continue
+                tp_sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a != "dp"]
+                degenerate = any(s == 1 for s in tp_sizes)
+                pure_dp = math.prod(tp_sizes) == 1
+                if degenerate and not (pure_dp and world_size == r):
+                    continue
+                if pure_dp and ("pure_dp", r) in seen:
+                    continue
+                key = (mode, mesh)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if pure_dp:
+                    seen.add(("pure_dp", r))
+                q, d, rr = _describe(mode, mesh)
+                out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh))
+    order = {m: i for i, m in enumerate(POLICIES)}
+    out.sort(key=lambda c: (order[c.mode], c.dp, c.d, c.q))
+    return out
+
+
+# --------------------------------------------------------------------------- result
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """The ranked candidates of one search. ``best`` / ``plan`` is the choice."""
+
+    model: str
+    world_size: int
+    batch_size: int
+    seq_len: int
+    cluster: Cluster
+    results: tuple[Evaluated, ...]     # ranked first (rank 1..), then dropped ones
+
+    @property
+    def ranked(self) -> list[Evaluated]:
+        return [e for e in self.results if e.ok]
+
+    @property
+    def best(self) -> Evaluated:
+        r = self.ranked
+        if not r:
+            raise ConfigError("no candidate fits")
+        return r[0]
+
+    @property
+    def plan(self) -> ShardingPlan:
+        return self.best.plan
+
+    def table(self, *, top: int | None = None):
+        """A ``rich.table.Table``: ranked candidates, then the dropped ones with why."""
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(title=f"autoshard auto · {self.model} · {self.world_size} ranks · global batch "
+                        f"{self.batch_size} × seq {self.seq_len} · {self.cluster.name}",
+                  header_style="bold")
+        for col, just in (("#", "right"), ("candidate", "left"), ("step ms", "right"), ("compute ms", "right"),
+                          ("comm ms", "right"), ("comm MB", "right"), ("inter-node MB", "right"),
+                          ("memory GiB", "right"), ("params+grads+opt", "right"), ("activations", "right"),
+                          ("fallbacks", "right"), ("why not", "left")):
+            t.add_column(col, justify=just, overflow="fold")
+        rows = self.results if top is None else [e for e in self.results if e.ok][:top] + \
+            [e for e in self.results if not e.ok][:top]
+        for e in rows:
+            c, k = e.candidate, e.cost
+            if k is not None:
+                nums = (f"{k.step_s * 1e3:,.1f}", f"{k.compute_s * 1e3:,.1f}", f"{k.comm_s * 1e3:,.1f}",
+                        f"{k.comm_bytes / 1e6:,.0f}", f"{k.inter_node_bytes / 1e6:,.0f}",
+                        _gib(k.memory_bytes), _gib(k.param_bytes + k.grad_bytes + k.optimizer_bytes),
+                        _gib(k.activation_bytes), str(len(e.plan.fallbacks)))
+            else:
+                nums = ("-",) * 9
+            t.add_row(*(escape(x) for x in (str(e.rank) if e.ok else "-", c.label, *nums, e.reason)),
+                      style="bold green" if e.rank == 1 else (None if e.ok else "dim"))
+        hidden = len(self.results) - len(rows)
+        if hidden > 0:
+            t.caption = f"{hidden} more candidate(s) not shown"
+        return t
+
+    def show(self, console=None, *, top: int | None = None) -> None:
+        from rich.console import Console
+
+        console = console or Console(width=200)
+        console.print(self.table(top=top))
+        if self.ranked:
+            b = self.best
+            console.print(f"[bold]chosen:[/bold] {b.candidate.label} (mesh {b.candidate.mesh}) · predicted step "
+                          f"{b.cost.step_s * 1e3:,.1f} ms · {human_bytes(b.cost.memory_bytes)}/rank of "
+                          f"{human_bytes(self.cluster.memory_bytes)}")
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "world_size": self.world_size, "batch_size": self.batch_size,
+                "seq_len": self.seq_len, "cluster": self.cluster.name,
+                "candidates": [{"rank": e.rank, "label": e.candidate.label, "mode": e.candidate.mode,
+                                "q": e.candidate.q, "d": e.candidate.d, "dp": e.candidate.dp,
+                                "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
+                                "cost": e.cost.to_dict() if e.cost else None} for e in self.results]}
+
+
+# --------------------------------------------------------------------------- search
+
+def _static_bytes(captured, optimizer: str | None) -> int:
+    """Parameters + gradients + optimizer state of the whole (unsharded) model."""
+    seen, total, numel = set(), 0, 0
+    for _, p in captured.module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+        numel += p.numel()
+    opt = 8 * numel if optimizer in ("adam", "adamw") else 0
+    return 2 * total + opt
+
+
+def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
+              static: int, zero: int = 0) -> Evaluated:
+    from ..passes.pipeline import plan_captured
+    from .validate import check_dims
+
+    tp = cand.mesh.world_size // cand.dp
+    if static / tp > cluster.memory_bytes:          # lower bound, no plan needed
+        return Evaluated(candidate=cand, reason=f"params+grads+opt ≥ {_gib(static / tp)} GiB > "
+                                                f"{_gib(cluster.memory_bytes)}")
+    try:
+        pol = cand.policy()
+    except AutoshardError as e:
+        return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    refused = [p for p in check_dims(cap.config, pol) if p.error]
+    if refused:      # the same verdict as `autoshard check` / shard(): one validity function
+        return Evaluated(candidate=cand, reason=str(refused[0]).split(". Valid")[0])
+    axes = (("dp",) if cand.dp > 1 else ()) + tuple(a for a in pol.batch_axes if a != "dp")
+    if batch_size % cand.mesh.size(axes):
+        return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
+                                                f"{'·'.join(axes)}={cand.mesh.size(axes)}")
+    try:
+        plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
+    except AutoshardError as e:
+        return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    cost = estimate(plan, cluster, optimizer=optimizer, zero=zero)
+    if not cost.fits:
+        return Evaluated(candidate=cand, plan=plan, cost=cost,
+                         reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
+    return Evaluated(candidate=cand, plan=plan, cost=cost)
+
+
+def _rank(evals: list[Evaluated]) -> list[Evaluated]:
+    from ..policies import POLICIES
+
+    order = {m: i for i, m in enumerate(POLICIES)}
+    ok = [e for e in evals if not e.reason]
+    bad = [e for e in evals if e.reason]
+    ok.sort(key=lambda e: (float(f"{e.cost.step_s:.9g}"), round(e.cost.comm_bytes), order[e.candidate.mode],
+                           e.candidate.dp, e.candidate.d, e.candidate.q))
+    bad.sort(key=lambda e: (e.cost is None, e.cost.memory_bytes if e.cost else 0, order[e.candidate.mode],
+                            e.candidate.dp, e.candidate.d, e.candidate.q))
+    ranked = [Evaluated(candidate=e.candidate, plan=e.plan, cost=e.cost, rank=i + 1) for i, e in enumerate(ok)]
+    return ranked + bad
+
+
+def _captured(model_or_config, example_inputs):
+    from ..launch.capture_share import capture_for_plan
+    from ..passes.capture import Captured
+
+    if isinstance(model_or_config, Captured):
+        return model_or_config
+    from ..io.builder import model_from
+
+    model = model_from(model_or_config)
+    model.train()
+    return capture_for_plan(model, example_inputs=example_inputs)
+
+
+def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a100", batch_size: int = 8,
+           seq_len: int = 128, modes=None, depth: int | None = None, dp: int | None = None,
+           optimizer: str | None = "adamw", example_inputs: dict | None = None,
+           raise_if_none: bool = True, zero: int = 0) -> SearchResult:
+    """Rank every valid ``(mode, q, d, dp)`` for ``world_size`` on ``cluster``.
+
+    ``model_or_config`` is a model, a config, a local path, or a
+    :class:`~autoshard.passes.capture.Captured` graph (captured once, reused by
+    every candidate). ``depth`` / ``dp`` pin those values. Raises ConfigError naming
+    the smallest world size that fits when nothing fits (unless ``raise_if_none``
+    is False). ``zero=1|2`` prices the optimizer state (and with 2 the gradients)
+    split over each candidate's dp replicas (:class:`autoshard.training.zero.ZeroAdamW`);
+    ``mode="1d-sp"`` candidates carry sequence parallelism's smaller activations.
+    """
+    cluster = Cluster.preset(cluster)
+    cap = _captured(model_or_config, example_inputs)
+    static = _static_bytes(cap, optimizer)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero)
+    cands = candidates(world_size, modes=modes, depth=depth, dp=dp)
+    if not cands:
+        raise ConfigError(f"no mode accepts {world_size} ranks"
+                          + (f" with depth={depth}" if depth is not None else "")
+                          + (f" and dp={dp}" if dp is not None else ""))
+    results = _rank([_evaluate(cap, c, **kw) for c in cands])
+    res = SearchResult(model=cap.model_name, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
+                       cluster=cluster, results=tuple(results))
+    if res.ranked or not raise_if_none:
+        return res
+    raise ConfigError(_nothing_fits(cap, res, modes=modes, depth=depth, dp=dp, static=static, kw=kw))
+
+
+def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw) -> str:
+    world, cluster = res.world_size, res.cluster
+    costed = [e for e in res.results if e.cost is not None]
+    head = f"nothing fits in {human_bytes(cluster.memory_bytes)} per rank on {world} ranks ({cluster.name})"
+    if costed:
+        e = min(costed, key=lambda e: e.cost.memory_bytes)
+        head += f"; the leanest candidate, {e.candidate.label}, needs {human_bytes(e.cost.memory_bytes)}"
+    else:
+        reasons = sorted({e.reason for e in res.results})[:3]
+        head += "; " + "; ".join(reasons)
+    for w in range(world + 1, _MAX_UPWARD + 1):
+        if static / w > cluster.memory_bytes:          # even a perfect split cannot fit
+            continue
+        if dp is not None and w % dp:
+            continue
+        for c in candidates(w, modes=modes, depth=depth, dp=dp):
+            e = _evaluate(cap, c, **kw)
+            if not e.reason:
+                return (f"{head}. The smallest world size that fits is {w} "
+                        f"({c.label}, {human_bytes(e.cost.memory_bytes)} per rank).")
+    return f"{head}. No world size up to {_MAX_UPWARD} fits either."

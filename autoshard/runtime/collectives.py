@@ -1,0 +1,422 @@
+"""Every collective autoshard runs, in one place, counted.
+
+Three raw collectives (all-reduce, all-gather, reduce-scatter) are registered as
+``torch.library`` custom ops with shape-only fake kernels, so a rewritten graph
+can be re-exported or compiled and sees opaque ops. On top sit the conjugate
+pairs tensor parallelism needs; each is differentiable with the backward its
+forward implies (never the ``torch.distributed.nn`` one, which would all-reduce
+the gradient of an all-reduce and double-count):
+
+=====================  =======================  ========================
+op                     forward                  backward
+=====================  =======================  ========================
+``reduce_from``        all-reduce (sum)         identity
+``copy_to``            identity                 all-reduce (sum)
+``all_reduce_both``    all-reduce (sum)         all-reduce (sum)
+``gather_from``        all-gather on ``dim``    keep the local block
+``scatter_to``         keep the local block     all-gather on ``dim``
+``reduce_scatter_to``  reduce-scatter on dim    all-gather on ``dim``
+``gather_partial``     all-gather on ``dim``    reduce-scatter on ``dim``
+=====================  =======================  ========================
+
+Groups are named by the string c10d gives them (``pg.group_name``), or by
+:func:`sim_group` (``"autoshard-sim:4"``): a group of that size with this process
+as its rank 0 that exists only for shapes, so the kernels run on meta tensors
+with no process group (:mod:`autoshard.planning.activations` traces a plan that way). A
+:class:`CommLedger` records every call made while it is active::
+
+    with CommLedger() as ledger:
+        loss.backward()
+    ledger.bytes_per_rank()     # ring model, see DESIGN §5
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = [
+    "CommLedger", "CallRecord", "ring_bytes",
+    "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
+    "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
+    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier",
+    "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
+]
+
+
+def ring_bytes(kind: str, buffer_bytes: int, p: int) -> float:
+    """Bytes one rank sends for a collective over ``p`` ranks (ring algorithm).
+
+    ``buffer_bytes`` is the full (gathered / reduced) buffer for all-gather and
+    reduce-scatter, the tensor for all-reduce.
+
+    >>> ring_bytes("all_reduce", 1000, 4)
+    1500.0
+    >>> ring_bytes("all_gather", 1000, 4)
+    750.0
+    """
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (p - 1) / p * buffer_bytes
+    return (p - 1) / p * buffer_bytes
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    kind: str            # all_reduce | all_gather | reduce_scatter
+    group: str           # label of the group (mesh axes, e.g. "dep,row")
+    group_size: int
+    buffer_bytes: int    # full buffer (see ring_bytes)
+
+    @property
+    def bytes_per_rank(self) -> float:
+        return ring_bytes(self.kind, self.buffer_bytes, self.group_size)
+
+
+_local = threading.local()
+
+
+def _active() -> list["CommLedger"]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+class CommLedger:
+    """Context manager that records every collective call on this rank."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallRecord] = []
+
+    def __enter__(self) -> "CommLedger":
+        _active().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active().remove(self)
+
+    def bytes_per_rank(self) -> float:
+        return sum(c.bytes_per_rank for c in self.calls)
+
+    def count(self) -> int:
+        return len(self.calls)
+
+    def __repr__(self) -> str:
+        """``CommLedger(3 calls, 1,536 B/rank: all_reduce(tp) ×2 1,024 B, ...)``."""
+        kinds = ", ".join(f"{k}({g}) ×{n} {b:,.0f} B" for (k, g), (n, b) in self.by_kind().items())
+        return f"CommLedger({self.count()} calls, {self.bytes_per_rank():,.0f} B/rank" + (f": {kinds})" if kinds else ")")
+
+    def by_kind(self) -> dict[tuple[str, str], tuple[int, float]]:
+        out: dict[tuple[str, str], tuple[int, float]] = {}
+        for c in self.calls:
+            n, b = out.get((c.kind, c.group), (0, 0.0))
+            out[(c.kind, c.group)] = (n + 1, b + c.bytes_per_rank)
+        return out
+
+
+def _record(kind: str, group: str, buffer_bytes: int) -> None:
+    stack = _active()
+    if not stack:
+        return
+    pg = c10d._resolve_process_group(group)
+    rec = CallRecord(kind, getattr(pg, "group_desc", group) or group, pg.size(), int(buffer_bytes))
+    for led in stack:
+        led.calls.append(rec)
+
+
+def _pg(group: str):
+    return c10d._resolve_process_group(group)
+
+
+_SIM = "autoshard-sim:"
+
+
+def sim_group(size: int) -> str:
+    """Name of a shape-only group of ``size`` ranks (this process is its rank 0):
+    the fake kernels and :func:`group_rank_size` accept it, a real collective does not."""
+    return f"{_SIM}{int(size)}"
+
+
+@torch.compiler.assume_constant_result      # torch.compile: a constant of the traced graph, no break
+def group_rank_size(group: str) -> tuple[int, int]:
+    """(this process's rank in ``group``, its size); ``(0, n)`` for :func:`sim_group` names."""
+    if group.startswith(_SIM):
+        return 0, int(group[len(_SIM):])
+    pg = _pg(group)
+    return dist.get_rank(pg), pg.size()
+
+
+# --------------------------------------------------------------- raw collectives
+# Counted by the ledger, no autograd of their own: kernels with a hand-written
+# backward (parallel_ops) call these; everything else uses the autograd-aware
+# pairs below.
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    _record("all_reduce", group, out.numel() * out.element_size())
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_pg(group))
+    return out
+
+
+@all_reduce.register_fake
+def _(x, group, op):
+    return torch.empty_like(x)
+
+
+def all_reduce_async(x: torch.Tensor, group: str):
+    """Start a sum all-reduce of ``x`` in place over ``group`` (counted by the ledger)
+    and return its work handle (``.wait()``). Not a graph op: the bucketed gradient
+    hooks of :mod:`autoshard.runtime.overlap` use it outside autograd."""
+    _record("all_reduce", group, x.numel() * x.element_size())
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
+
+
+def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
+    """Run (``async_op``: launch) one all-gather / reduce-scatter of ``x`` on ``dim`` over
+    ``group``, counted now; return the function that waits and gives the result."""
+    pg = _pg(group)
+    p = pg.size()
+    src = x.movedim(dim, 0).contiguous()
+    rows = p * src.shape[0] if kind == "all_gather" else src.shape[0] // p
+    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    if kind == "all_gather":
+        _record(kind, group, out.numel() * out.element_size())
+        work = dist.all_gather_into_tensor(out, src, group=pg, async_op=async_op)
+    else:
+        _record(kind, group, src.numel() * src.element_size())
+        work = dist.reduce_scatter_tensor(out, src, group=pg, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
+    return finish
+
+
+def _fake_out(kind: str, x, dim: int, group: str):
+    """The shape-only result of an all-gather / reduce-scatter of ``x`` on ``dim`` over ``group``."""
+    p = group_rank_size(group)[1]
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
+    return x.new_empty(shape)
+
+
+def _def_one(kind: str):
+    """Register ``autoshard::<kind>``: one blocking ``kind`` collective of ``x`` on ``dim``
+    over ``group`` (its fake kernel: the shape only)."""
+    def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        return _launch(kind, x, dim, group, async_op=False)()
+
+    op = torch.library.custom_op(f"autoshard::{kind}", impl, mutates_args=())
+
+    @op.register_fake
+    def _(x, dim, group):
+        return _fake_out(kind, x, dim, group)
+    return op
+
+
+all_gather = _def_one("all_gather")
+reduce_scatter = _def_one("reduce_scatter")
+
+
+def all_gather_start(x: torch.Tensor, dim: int, group: str):
+    """Launch :func:`all_gather` of ``x`` asynchronously (counted now); return the function
+    that waits and gives the result. Not a graph op (a weight prefetch: :mod:`autoshard.runtime.parallel_ops`)."""
+    return _launch("all_gather", x, dim, group, async_op=True)
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int, group: str):
+    """Launch :func:`reduce_scatter` of ``x`` asynchronously (counted now); return the
+    function that waits and gives the result. Not a graph op: a kernel's backward uses
+    it to compute while the scatter travels (:mod:`autoshard.runtime.parallel_ops`)."""
+    return _launch("reduce_scatter", x, dim, group, async_op=True)
+
+
+def _def_two(kind: str, doc: str):
+    """Register ``autoshard::<kind>_two``: two ``kind`` collectives on two groups (e.g. a
+    SUMMA row and column) in flight together, both launched, then both waited; the
+    same two calls and bytes as one after the other."""
+    def impl(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
+             b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fa = _launch(kind, a, a_dim, a_group, async_op=True)
+        fb = _launch(kind, b, b_dim, b_group, async_op=True)
+        return fa(), fb()
+
+    impl.__doc__ = doc
+    op = torch.library.custom_op(f"autoshard::{kind}_two", impl, mutates_args=())
+
+    @op.register_fake
+    def _(a, a_dim, a_group, b, b_dim, b_group):
+        return _fake_out(kind, a, a_dim, a_group), _fake_out(kind, b, b_dim, b_group)
+    return op
+
+
+all_gather_two = _def_two("all_gather", ":func:`all_gather` of ``a`` and of ``b`` in flight together.")
+reduce_scatter_two = _def_two("reduce_scatter", ":func:`reduce_scatter` of ``a`` and of ``b`` in flight together.")
+
+
+def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    pg = _pg(group)
+    return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].clone(memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------ differentiable conjugates
+def _def_pair(name, fwd, bwd, *, has_dim: bool):
+    """Register ``autoshard::<name>`` whose forward is ``fwd`` and backward ``bwd``."""
+    if has_dim:
+        def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+            return fwd(x, dim, group)
+    else:
+        def impl(x: torch.Tensor, group: str) -> torch.Tensor:  # type: ignore[misc]
+            return fwd(x, None, group)
+    op = torch.library.custom_op(f"autoshard::{name}", impl, mutates_args=())
+
+    if has_dim:
+        @op.register_fake
+        def _(x, dim, group):
+            return _fake_like(name, x, dim, group)
+    else:
+        @op.register_fake
+        def _(x, group):
+            return torch.empty_like(x)
+
+    def setup(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    def backward(ctx, grad):
+        if has_dim:
+            dim, group = ctx.args
+            return bwd(grad, dim, group), None, None
+        (group,) = ctx.args
+        return bwd(grad, None, group), None
+
+    op.register_autograd(backward, setup_context=setup)
+    return op
+
+
+def _fake_like(name, x, dim, group):
+    return _fake_out("all_gather" if name in ("gather_from", "gather_partial") else "reduce_scatter", x, dim, group)
+
+
+def _identity(x, dim, group):
+    return x.clone()
+
+
+def _ar(x, dim, group):
+    return all_reduce(x, group, "sum")
+
+
+def _ag(x, dim, group):
+    return all_gather(x, dim, group)
+
+
+def _rs(x, dim, group):
+    return reduce_scatter(x, dim, group)
+
+
+def _keep(x, dim, group):
+    return _local_block(x, dim, group)
+
+
+_reduce_from = _def_pair("reduce_from", _ar, _identity, has_dim=False)
+_copy_to = _def_pair("copy_to", _identity, _ar, has_dim=False)
+_all_reduce_both = _def_pair("all_reduce_both", _ar, _ar, has_dim=False)
+_gather_from = _def_pair("gather_from", _ag, _keep, has_dim=True)
+_scatter_to = _def_pair("scatter_to", _keep, _ag, has_dim=True)
+_reduce_scatter_to = _def_pair("reduce_scatter_to", _rs, _ag, has_dim=True)
+_gather_partial = _def_pair("gather_partial", _ag, _rs, has_dim=True)
+
+
+def reduce_from(x, group: str):
+    """Sum partial values over ``group``; gradient passes through (it is already complete)."""
+    return _reduce_from(x, group)
+
+
+def copy_to(x, group: str):
+    """Use a replicated value with data split over ``group``: forward identity, backward sum."""
+    return _copy_to(x, group)
+
+
+def all_reduce_both(x, group: str):
+    return _all_reduce_both(x, group)
+
+
+def gather_from(x, dim: int, group: str):
+    return _gather_from(x, dim, group)
+
+
+def scatter_to(x, dim: int, group: str):
+    return _scatter_to(x, dim, group)
+
+
+def reduce_scatter_to(x, dim: int, group: str):
+    return _reduce_scatter_to(x, dim, group)
+
+
+def gather_partial(x, dim: int, group: str):
+    return _gather_partial(x, dim, group)
+
+
+def all_reduce_nograd(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum over ``group`` outside autograd (token counts, statistics)."""
+    return all_reduce(x.detach(), group, "sum")
+
+
+def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    return all_reduce(x.detach(), group, "max")
+
+
+# ------------------------------------------------------------------ entry barrier
+
+_ENTRIES: dict[str, int] = {}      # call name -> how many times this rank entered it
+
+
+def entry_barrier(call: str, timeout: float | None = None) -> None:
+    """Check that every rank entered the collective ``call`` before its first real collective.
+
+    Each rank sets ``autoshard/<call>/<n>/<rank>`` in the rendezvous store (``n``
+    counts this rank's entries into ``call``) and waits up to ``timeout`` seconds
+    (``AUTOSHARD_ENTRY_TIMEOUT``, default 20) for the other ranks' keys: a call made
+    on one rank only raises :class:`~autoshard.ir.errors.CollectiveError` naming the call
+    and the ranks that did not arrive, instead of hanging in a gather for the
+    collective timeout. Store reads only: no process-group collective, so it cannot
+    itself hang. A no-op without a process group or on one rank.
+
+        entry_barrier("save_pretrained")
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from ..ir.errors import CollectiveError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = _ENTRIES.get(call, 0)
+    _ENTRIES[call] = n + 1
+    if timeout is None:
+        timeout = float(os.environ.get("AUTOSHARD_ENTRY_TIMEOUT", "20"))
+    store = c10d._get_default_store()
+    prefix = f"autoshard/{call}/{n}/"
+    store.set(f"{prefix}{rank}", "1")
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        missing = [r for r in range(world) if r != rank and not store.check([f"{prefix}{r}"])]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            # take this entry back, so that the next call of ``call`` on every rank meets at
+            # the same count again (a misuse must not leave the ranks' counts out of step)
+            _ENTRIES[call] = n
+            store.delete_key(f"{prefix}{rank}")
+            raise CollectiveError(
+                f"{call} is collective and must be called on every rank: rank(s) {missing} of {world} did not "
+                f"enter it within {timeout:g} s (this is rank {rank}, call #{n + 1}); "
+                f"set AUTOSHARD_ENTRY_TIMEOUT to wait longer")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)

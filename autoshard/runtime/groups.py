@@ -1,0 +1,110 @@
+"""Process groups over a mesh's axes, created once and cached."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from ..ir.errors import ConfigError
+from ..ir.mesh import Mesh
+
+# A dead or stuck rank turns into an error on the others after this long (seconds);
+# AUTOSHARD_TIMEOUT overrides it. Long enough for a first NCCL/gloo connect and a
+# large checkpoint read on a busy node, short enough that a job does not hang for
+# the 10 (gloo: 30) minutes torch waits by default.
+DEFAULT_TIMEOUT_S = 300.0
+
+def timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """Collective timeout in seconds: ``AUTOSHARD_TIMEOUT`` or :data:`DEFAULT_TIMEOUT_S`."""
+    env = os.environ if environ is None else environ
+    raw = env.get("AUTOSHARD_TIMEOUT")
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        t = float(raw)
+    except ValueError:
+        t = -1.0
+    if not t > 0:
+        raise ConfigError(f"AUTOSHARD_TIMEOUT={raw!r} must be a positive number of seconds "
+                          f"(default {DEFAULT_TIMEOUT_S:g})")
+    return t
+
+
+
+__all__ = ["mesh_group", "axes_label", "plan_groups"]
+
+
+def axes_label(axes) -> str:
+    """The key a plan's collectives use for the group over ``axes``: ``"dep,row"``."""
+    return ",".join(axes)
+
+
+_GROUPS: dict = {}
+
+
+def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int):
+    """This rank's process group over ``axes`` of ``mesh``, created once per default
+    group, mesh and axes (collectively: every rank creates every group of that
+    axes in the same order), with the ``AUTOSHARD_TIMEOUT`` timeout (``new_group``
+    would take torch's default, 30 min for gloo, 10 for NCCL)."""
+    key = (id(dist.group.WORLD), mesh, axes)
+    if key not in _GROUPS:
+        mine = None
+        for ranks in mesh.all_groups(axes):
+            pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
+                                timeout=datetime.timedelta(seconds=timeout_seconds()))
+            if rank in ranks:
+                mine = pg
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+
+
+def plan_groups(plan, rank: int) -> dict[str, str]:
+    """Create (once per mesh and axes, collectively, in a rank-independent order)
+    the process groups ``plan`` needs; return label -> this rank's c10d group name."""
+    labels = set()
+    mesh = plan.mesh
+    for a in mesh.axes:
+        labels.add((a,))
+    for n in plan.nodes:
+        for _, steps in n.arg_steps:
+            labels.update(s.axes for s in steps if s.axes)
+        labels.update(s.axes for s in n.post if s.axes)
+        if n.kernel is not None:
+            labels.update(a for a in n.kernel.groups() if a)
+    labels.update(p.grad_sync for p in plan.params if p.grad_sync)
+    return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
+            for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
+
+
+def check_same_rng(world: int, what: str, why: str, fix: str) -> None:
+    """Raise unless every rank's default generator is in the same state (one small
+    all-gather; every rank reaches the same verdict). Dropout masks and sampled tokens
+    come from it: ``what`` needs it, ``why`` says what breaks, ``fix`` where to seed."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from ..ir.errors import ConfigError
+
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    on_gpu = dist.get_backend() == "nccl"
+    if on_gpu:
+        h.update(torch.cuda.get_rng_state().numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
+                        device="cuda" if on_gpu else "cpu")
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine)
+    groups: dict[int, list[int]] = {}
+    for r, t in enumerate(table):
+        groups.setdefault(int(t), []).append(r)
+    if len(groups) > 1:
+        raise ConfigError(f"{what} and the ranks' random generators differ (ranks "
+                          + " | ".join(str(rs) for rs in groups.values()) + f" agree among themselves): {why}. "
+                          f"Seed every rank alike: torch.manual_seed(s) on each rank {fix}")

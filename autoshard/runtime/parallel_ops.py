@@ -1,0 +1,464 @@
+"""The runtime of the kernel objects (:mod:`autoshard.ir.kernels`) and the re-layout steps.
+
+Each is a plain function of local tensors and c10d group names (or shape-only
+groups on meta); collectives go through :mod:`autoshard.runtime.collectives` so the
+ledger sees them. Which collectives each issues is declared by its kernel
+object's ``comms``; the ledger tests hold the two together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+from ..ir import kernels as K
+from ..ir.spec import ShardSpec
+
+__all__ = ["bind", "step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
+           "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives",
+           "gather_weight_start"]
+
+
+# --------------------------------------------------------------- re-layout steps
+_STEPS = {
+    "reduce_from": lambda x, g, dim, m, f: C.reduce_from(x, g),
+    "copy_to": lambda x, g, dim, m, f: C.copy_to(x, g),
+    "all_reduce_both": lambda x, g, dim, m, f: C.all_reduce_both(x, g),
+    "reduce_scatter": lambda x, g, dim, m, f: C.reduce_scatter_to(x, dim, g),
+    "gather": lambda x, g, dim, m, f: _on_segments(C.gather_from, x, dim, g, m),
+    "gather_partial": lambda x, g, dim, m, f: _on_segments(C.gather_partial, x, dim, g, m),
+    "scatter": lambda x, g, dim, m, f: _on_segments(C.scatter_to, x, dim, g, m),
+    "scale": lambda x, g, dim, m, f: x * f,
+}
+
+
+def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments: int, factor: float | None):
+    """Apply one :class:`~autoshard.ir.plan.Step` to a local tensor."""
+    if op not in _STEPS:
+        raise ValueError(f"unknown step {op!r}; valid: {', '.join(_STEPS)}")
+    return _STEPS[op](x, group, dim, segments, factor)
+
+
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (never on meta, where the trace runs)."""
+    return t.device.type != "meta" and torch.is_autocast_enabled(t.device.type)
+
+
+# ----------------------------------------------------------------------- linears
+def _matmul(x, w, n_dim: int):
+    """x @ W in math layout, for a weight stored [n, k] (n_dim 0) or [k, n] (n_dim 1)."""
+    return x @ (w.t() if n_dim == 0 else w)
+
+
+def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = None):
+    """Row-parallel: local partial product, all-reduce (or reduce-scatter on
+    ``scatter_dim``: sequence parallelism), then the (replicated) bias."""
+    y = _matmul(x, w, n_dim)
+    y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
+    return y if b is None else y + b
+
+
+def _grouped(x, w, offs, n_dim: int, impl: str):
+    """Per-expert product of rows ``x`` with ``w`` ``[E, n, k]`` (n_dim 1) or ``[E, k, n]``."""
+    from ..ir.grouped import grouped_linear
+
+    return grouped_linear(x, w, offs, n_dim == 1, impl)
+
+
+def _grouped_grads(x, w, offs, n_dim: int, impl: str, dy, need_x: bool, need_w: bool):
+    """dX and dW of :func:`_grouped` (its own autograd, on the gathered operands)."""
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(need_x)
+        wr = w.detach().requires_grad_(need_w)
+        y = _grouped(xr, wr, offs, n_dim, impl)
+        want = [t for t, need in ((xr, need_x), (wr, need_w)) if need]
+        got = iter(torch.autograd.grad(y, want, dy))
+    return (next(got) if need_x else None), (next(got) if need_w else None)
+
+
+_PAIRED = {"on": True}      # a plain global: torch.compile reads it (and guards on it), a ContextVar it cannot
+
+
+@contextlib.contextmanager
+def paired_collectives(on: bool):
+    """Whether a SUMMA / 3D Linear sends the collectives of its two operands together
+    (default: both launched, then both waited, :func:`~autoshard.runtime.collectives.all_gather_two`)
+    or one after the other (``on=False``: what ``benchmarks/bench_overlap.py`` compares
+    against). The same calls, bytes and results either way."""
+    was, _PAIRED["on"] = _PAIRED["on"], bool(on)
+    try:
+        yield
+    finally:
+        _PAIRED["on"] = was
+
+
+def _overlap(t) -> bool:
+    """Whether a backward may launch a collective asynchronously and compute meanwhile:
+    paired collectives on, a real tensor (not the meta trace), not under torch.compile
+    (which sees the paired op instead)."""
+    return _PAIRED["on"] and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def _seg(t, dim: int, m: int):
+    """``t`` with ``dim`` split into ``m`` fused segments (a new dim before it), and the dim to use."""
+    if m == 1:
+        return t, dim
+    shape = list(t.shape)
+    return t.reshape(shape[:dim] + [m, shape[dim] // m] + shape[dim + 1:]), dim + 1
+
+
+def _unseg(t, dim: int, m: int):
+    if m == 1:
+        return t
+    shape = list(t.shape)
+    return t.reshape(shape[:dim] + [-1] + shape[dim + 2:])
+
+
+def _two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: str, m_b: int = 1):
+    """Two all-gathers (``kind="all_gather"``) or reduce-scatters on two groups, in
+    flight together unless :func:`paired_collectives` is off; ``b`` made of ``m_b``
+    fused segments along ``b_dim``, each split."""
+    bs, bd = _seg(b, b_dim, m_b)
+    if _PAIRED["on"]:
+        ya, yb = (C.all_gather_two if kind == "all_gather" else C.reduce_scatter_two)(a, a_dim, a_group, bs, bd, b_group)
+    else:
+        one = C.all_gather if kind == "all_gather" else C.reduce_scatter
+        ya, yb = one(a, a_dim, a_group), one(bs, bd, b_group)
+    return ya, _unseg(yb, b_dim, m_b)
+
+
+class _Summa(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
+        ctx.save_for_backward(x, w, offs)
+        ctx.cfg = (row, col, n_dim, k_dim, impl)
+        # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together;
+        # W already on its way when a prefetch launched it (passes.prefetch)
+        if ready is not None:
+            xg, wg = C.all_gather(x, x.dim() - 1, col), ready.result()
+        else:
+            xg, wg = _two("all_gather", x, x.dim() - 1, col, w, k_dim, row)
+        if offs is not None:                         # groups of this rank's rows: the same along the row
+            return _grouped(xg, wg, offs, n_dim, impl)
+        return _matmul(xg, wg, n_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        row, col, n_dim, k_dim, impl = ctx.cfg
+        dx = dw = None
+        # re-gather instead of saving the gathered copies (DESIGN §9); each operand
+        # only for the gradient that reads it (kernels.Summa.comms says the same)
+        # under autocast dy is low precision while x / w are not: compute in dy's
+        # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
+        nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if nx and nw:       # both operands gathered together, both gradients scattered together
+            wg, xg = _two("all_gather", w, k_dim, row, x, x.dim() - 1, col)
+            if offs is not None:
+                dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, True, True)
+                dxg, dwg = dxg.to(x.dtype), dwg.to(w.dtype)
+            else:
+                dxg = _summa_dx(dy, wg, n_dim, x.dtype)
+                if _overlap(dxg):      # dX's scatter travels while dW is computed
+                    dx = C.reduce_scatter_start(dxg, dxg.dim() - 1, col)
+                    dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, w.dtype), k_dim, row)
+                    return (dx(), dw) + (None,) * 7
+                dwg = _summa_dw(dy, xg, n_dim, w.dtype)
+            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 7
+        if offs is not None:
+            wg = C.all_gather(w, k_dim, row) if nx else w
+            xg = C.all_gather(x, x.dim() - 1, col) if nw else x
+            dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
+            if nx:
+                dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
+            if nw:
+                dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
+            return dx, dw, None, None, None, None, None, None, None
+        if nx:
+            dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
+            dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
+        if nw:
+            dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
+            dw = C.reduce_scatter(dwg, k_dim, row)
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def _summa_dx(dy, wg, n_dim: int, dtype):
+    """dX of the gathered product: dy · Wᵀ in dy's dtype, returned in ``dtype``."""
+    wg = wg.to(dy.dtype)
+    return (dy @ (wg if n_dim == 0 else wg.t())).to(dtype)
+
+
+def _summa_dw(dy, xg, n_dim: int, dtype):
+    """dW of the gathered product (stored layout, n_dim): Xᵀ · dy in dy's dtype, returned in ``dtype``."""
+    x2 = xg.to(dy.dtype).reshape(-1, xg.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(dtype)
+
+
+def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
+    """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract). With
+    ``offs`` a grouped Linear (per expert, :mod:`autoshard.ir.grouped`): the rows are
+    this rank's tokens sorted by expert, the same on every rank of the row group.
+    ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
+    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl, ready)
+    return y if b is None else y + b
+
+
+def _on_segments(fn, t, dim: int, group: str, m: int):
+    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
+    ts, d = _seg(t, dim, m)
+    return _unseg(fn(ts, d, group), dim, m)
+
+
+def _rs_seg(t, dim: int, group: str, m: int):
+    return _on_segments(C.reduce_scatter, t, dim, group, m)
+
+
+class _ThreeD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int, ready=None):
+        if ready is not None:                      # W already on its way (passes.prefetch)
+            xg, wg = C.all_gather(x, row_dim, b), ready.result()
+        else:
+            xg, wg = _two("all_gather", x, row_dim, b, w, n_dim, a, m)     # X_il: rows (a); W_lj: n (b)
+        ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
+        ctx.cfg = (a, b, c, row_dim, n_dim, m)
+        return C.reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, wg = ctx.saved_tensors
+        a, b, c, row_dim, n_dim, m = ctx.cfg
+        dyg = C.all_gather(dy.contiguous(), row_dim, c)
+        dx = dw = None
+        # as in _Summa: compute in dy's dtype, sum each gradient in its input's dtype
+        nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dxg = _summa_dx(dyg, wg, n_dim, xg.dtype) if nx else None
+        if nx and nw and _overlap(dxg):        # dX's scatter travels while dW is computed
+            dx = C.reduce_scatter_start(dxg, row_dim, b)
+            dw = _rs_seg(_summa_dw(dyg, xg, n_dim, wg.dtype), n_dim, a, m)
+            return (dx(), dw) + (None,) * 7
+        dwg = _summa_dw(dyg, xg, n_dim, wg.dtype) if nw else None
+        if nx and nw:       # the two gradients scattered together
+            return _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m) + (None,) * 7
+        if nx:
+            dx = C.reduce_scatter(dxg, row_dim, b)
+        if nw:
+            dw = _rs_seg(dwg, n_dim, a, m)
+        return dx, dw, None, None, None, None, None, None, None
+
+
+def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1, ready=None):
+    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``.
+    ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
+    y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments, ready)
+    return y if bias is None else y + bias
+
+
+class _Gathering:
+    """A weight's all-gather in flight (:func:`gather_weight_start`); :meth:`result`
+    waits for it once and gives the gathered weight."""
+
+    def __init__(self, finish, dim: int, segments: int):
+        self._finish, self._dim, self._m, self._value = finish, dim, segments, None
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = _unseg(self._finish(), self._dim, self._m)
+            self._finish = None
+        return self._value
+
+
+def gather_weight_start(w, dim: int, group: str, segments: int = 1) -> _Gathering:
+    """Launch the all-gather of weight ``w`` on ``dim`` over ``group`` (``segments``
+    fused segments, each split) now, for a SUMMA / 3D Linear that runs later
+    (``ready=``): :mod:`autoshard.passes.prefetch` puts it before the Linear ahead, so the
+    weight travels while that one computes. Counted by the ledger at launch."""
+    ws, d = _seg(w.detach(), dim, segments)
+    return _Gathering(C.all_gather_start(ws, d, group), dim, segments)
+
+
+def partial_head(x, w, b, *, col: str):
+    """``x · Eᵀ`` for a table split on hidden over ``col``: partial sums, reduce-scattered on vocab."""
+    y = C.reduce_scatter_to(x @ w.t(), x.dim() - 1, col)
+    return y if b is None else y + b
+
+
+# --------------------------------------------------------------------- embedding
+def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool = True,
+                    scatter_dim: int | None = None):
+    """Lookup in this rank's vocabulary range; other rows are zero; all-reduce
+    (``reduce=False``: the partial sum, reduced later by the plan; ``scatter_dim``:
+    reduce-scattered on that dim, the sequence of 1d-sp)."""
+    r, _ = C.group_rank_size(group)
+    v_loc = w.shape[0]
+    lo = r * v_loc
+    inside = (ids >= lo) & (ids < lo + v_loc)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    # the padding row gets no gradient, as in the dense lookup; it lives on one rank
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
+    out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
+    if scatter_dim is not None:
+        return C.reduce_scatter_to(out, scatter_dim, group)
+    return C.reduce_from(out, group) if reduce else out
+
+
+# ------------------------------------------------------------------------- norms
+def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
+    """LayerNorm over a hidden dim split over ``group``: Σx and Σ(x-μ)² all-reduced
+    both ways (the statistics are used with split data, so their grads are partial).
+
+    Computed in float32, as the dense kernel does; the result has ``x``'s dtype, or
+    float32 under autocast (where ``layer_norm`` runs in float32)."""
+    dtype = torch.float32 if _autocast_on(x) else x.dtype
+    x = x.float()
+    h = x.shape[-1] * count
+    mean = C.all_reduce_both(x.sum(-1, keepdim=True), group) / h
+    xc = x - mean
+    var = C.all_reduce_both((xc * xc).sum(-1, keepdim=True), group) / h
+    y = xc * torch.rsqrt(var + eps)
+    if w is not None:
+        y = y * w.float()
+    if b is not None:
+        y = y + b.float()
+    return y.to(dtype)
+
+
+# -------------------------------------------------------------------------- loss
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group: str, ignore_index: int):
+        r, _ = C.group_rank_size(group)
+        v_loc = logits.shape[-1]
+        lo = r * v_loc
+        lmax = C.all_reduce_max(logits.detach().max(dim=-1).values, group)
+        shifted = logits - lmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sumexp = C.all_reduce(exp.sum(-1), group, "sum")
+        inside = (target >= lo) & (target < lo + v_loc)
+        idx = torch.where(inside, target - lo, torch.zeros_like(target))
+        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        picked = C.all_reduce(picked, group, "sum")
+        valid = (target != ignore_index).to(logits.dtype)
+        loss = (sumexp.log() - picked) * valid
+        ctx.save_for_backward(exp / sumexp.unsqueeze(-1), idx, inside, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        soft, idx, inside, valid = ctx.saved_tensors
+        gv = (g * valid).unsqueeze(-1)
+        d = soft * gv
+        d.scatter_add_(-1, idx.unsqueeze(-1), -(inside.to(d.dtype).unsqueeze(-1) * gv))
+        return d, None, None, None
+
+
+def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str | None,
+                  ignore_index: int = -100, reduction: int = 1):
+    """Global-mean (or sum) token cross-entropy of a batch split over ``batch_group``
+    with logits possibly split on vocab over ``vocab_group``: identical on every rank.
+    Under autocast it runs in float32, as autocast runs ``cross_entropy_loss``."""
+    if _autocast_on(logits):
+        logits = logits.float()
+    if vocab_group is not None:
+        tok = _VocabParallelCE.apply(logits, target, vocab_group, ignore_index)
+    else:
+        tok = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index)
+    total = tok.sum()
+    count = (target != ignore_index).sum().to(logits.dtype)
+    if batch_group is not None:
+        total = C.reduce_from(total, batch_group)
+        count = C.all_reduce_nograd(count, batch_group)
+    return total / count if reduction == 1 else total
+
+
+# ----------------------------------------------------------------------- dropout
+def _dropout_mask(x: torch.Tensor, p: float, dense: bool, blocks, segments) -> torch.Tensor:
+    """The scaled keep-mask (``bernoulli(1-p) / (1-p)``) of this rank's block of ``x``.
+
+    ``blocks`` has per dim the group over the axes splitting it (None: whole);
+    the rank in that group is the block index (see :class:`autoshard.ir.kernels.Dropout`)."""
+    at = [None if g is None else C.group_rank_size(g) for g in blocks]
+    if dense:       # the whole tensor's mask, drawn as the dense op draws it; keep this block
+        gshape = [s * (a[1] if a else 1) for s, a in zip(x.shape, at)]
+        noise = torch.empty(gshape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+        layout = ShardSpec(dims=tuple((f"d{d}",) if g else () for d, g in enumerate(blocks)), segments=segments)
+        return layout.block(noise, at).div(1 - p)
+    if x.device.type == "meta":
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    base = int(torch.randint(0, 2 ** 62, (1,)).item())       # one draw: the same on every rank
+    g = torch.Generator(device=x.device).manual_seed(hash((base,) + tuple(a[0] if a else -1 for a in at)) % 2 ** 62)
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=g)
+    return noise.div_(1 - p)
+
+
+_DROPOUT_ACTIVE = contextvars.ContextVar("autoshard_dropout_active", default=True)
+
+
+@contextlib.contextmanager
+def dropout_active(on: bool):
+    """Within it, the dropout kernels drop (``on``) or pass values through: a sharded
+    module captured in train mode follows its own ``.train()`` / ``.eval()``."""
+    token = _DROPOUT_ACTIVE.set(on)
+    try:
+        yield
+    finally:
+        _DROPOUT_ACTIVE.reset(token)
+
+
+def dropout(x: torch.Tensor, *, p: float, dense: bool, blocks, segments) -> torch.Tensor:
+    """Dropout with rank-consistent masks of a value whose split dims are those with a
+    group in ``blocks`` (each holding ``segments[d]`` fused blocks)."""
+    if p == 0 or not _DROPOUT_ACTIVE.get():
+        return x
+    if p == 1:
+        return x * 0
+    return x * _dropout_mask(x, p, dense, blocks, segments)
+
+
+def attention_dropout(q, k, v, attn_mask=None, *, is_causal: bool, scale, enable_gqa: bool, p: float, dense: bool,
+                      blocks, segments):
+    """``scaled_dot_product_attention`` with dropout, by its math path (the one the
+    dense op takes on CPU), the probabilities dropped out by :func:`dropout`."""
+    L, S = q.shape[-2], k.shape[-2]
+    factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    attn = (q * math.sqrt(factor)) @ (k * math.sqrt(factor)).transpose(-2, -1)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        attn = attn.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else attn + attn_mask
+    # the math path's safe softmax: a row masked everywhere (left padding) is 0, not NaN
+    attn = dropout(torch.ops.aten._safe_softmax.default(attn, -1), p=p, dense=dense, blocks=blocks, segments=segments)
+    return attn @ v
+
+
+# The implementation of each kernel class of autoshard.ir.kernels: the IR says what a
+# kernel needs (Kernel.call_args), this table says what runs it.
+_IMPLEMENTATIONS = {
+    K.RowLinear: row_linear, K.Summa: summa, K.ThreeDLinear: three_d, K.PartialHead: partial_head,
+    K.VocabEmbedding: vocab_embedding, K.DistLayerNorm: dist_layer_norm, K.CrossEntropy: cross_entropy,
+    K.Dropout: dropout, K.AttentionDropout: attention_dropout,
+}
+
+
+def bind(kernel: K.Kernel, node, group, size) -> tuple:
+    """``(function, args, kwargs)`` computing ``node`` with ``kernel``: the function
+    registered for its class (the nearest base class that has one) with the
+    arguments the kernel names (:meth:`~autoshard.ir.kernels.Kernel.call_args`)."""
+    for cls in type(kernel).__mro__:
+        fn = _IMPLEMENTATIONS.get(cls)
+        if fn is not None:
+            args, kwargs = kernel.call_args(node, group, size)
+            return fn, args, kwargs
+    raise TypeError(f"no runtime implementation for kernel {type(kernel).__name__}; "
+                    f"registered: {sorted(c.__name__ for c in _IMPLEMENTATIONS)}")
