@@ -25,7 +25,7 @@ PYTEST_RC_FILE ?=
 # it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast test-extended bench clean distclean
+.PHONY: venv demo test test-fast test-extended test-gpu bench clean distclean
 
 venv: $(STAMP)
 
@@ -68,6 +68,11 @@ test-fast: venv
 # the architecture matrix's 8-rank cells of the round-2 architectures (docs/support.md ‡)
 test-extended: venv
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m extended tests
+
+# the CUDA + NCCL path, one rank per GPU (tests/gpu; every test skips where torch sees no GPU).
+# Needs a CUDA build of torch 2.13 in the venv: make venv VENV_SYSTEM_TORCH=1
+test-gpu: venv
+	AUTOSHARD_GPU_TESTS=1 $(VPY) -m pytest -q -p no:xdist tests/gpu
 
 bench: venv
 	@set -e; found=0; for f in benchmarks/*.py; do \

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
 import os
@@ -26,6 +25,7 @@ from .io.builder import model_from
 from .runtime.heartbeat import stale_after
 from .runtime.heartbeat import start as start_heartbeat
 from .io.hf_fill import open_folder
+from .runtime.device import comm_device, init_process_group, rank_device
 from .runtime.groups import check_same_rng, plan_groups, timeout_seconds
 from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_model, check_seq, raise_problems)
@@ -39,12 +39,12 @@ def _ensure_dist() -> None:
     """Join the torchrun job, with a bounded collective timeout (``AUTOSHARD_TIMEOUT``
     seconds, default :data:`autoshard.runtime.groups.DEFAULT_TIMEOUT_S`): a dead or stuck rank
     becomes an error on the others instead of a hang. A process group the caller made
-    keeps its own timeout."""
+    keeps its own timeout. Under NCCL each rank binds its own GPU, ``cuda:LOCAL_RANK``
+    (:func:`autoshard.runtime.device.init_process_group`)."""
     if dist.is_available() and dist.is_initialized():
         return
     raise_problems(check_environment(os.environ), "autoshard.shard")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_seconds()))
+    init_process_group(timeout_s=timeout_seconds())
 
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
@@ -107,7 +107,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
-          sequence_parallel: bool = False) -> ShardedModule:
+          sequence_parallel: bool = False, device: "torch.device | str | None" = None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -155,6 +155,11 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     one in place of the all-reduce (:mod:`autoshard.policies.one_d_sp`); a call's
     sequence length must divide ``tp``.
 
+    ``device``: where this rank's slices go (default: ``cuda:LOCAL_RANK`` under NCCL,
+    the CPU under gloo; :mod:`autoshard.runtime.device`). The model may stay on the CPU
+    (or meta, with ``weights=``): only the slices reach the device, and every graph
+    literal and constant follows them; calls move their inputs there.
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -168,7 +173,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         src = open_folder(model, train=True)
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
-                        activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed)
+                        activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
+                        device=device)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
@@ -178,6 +184,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device(device) if device is not None else rank_device()
     check_dropout_mode(dropout)
     if seed is not None:
         torch.manual_seed(seed)
@@ -203,7 +210,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         gm = launch_cache.rebuild(entry, model, rank, groups)
         return _finish(model, gm, p, pol, groups, entry.facts, rank=rank, weights=weights, debug=debug,
                        activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                       dropout=dropout)
+                       dropout=dropout).place(device)
     cap = captured or capture_shared(model, example_inputs=example_inputs)
     if mode == "auto":      # deterministic: every rank picks the same candidate
         from .planning.search import search
@@ -235,7 +242,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if key is not None:
         launch_cache.store(key, gm, p, groups, facts)
     return _finish(model, gm, p, pol, groups, facts, rank=rank, weights=weights, debug=debug,
-                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits, dropout=dropout)
+                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                   dropout=dropout).place(device)
 
 
 def _report_auto(model, pol, example_inputs, world: int) -> None:
@@ -264,8 +272,7 @@ def _launch_entry(key: str | None, model):
     if entry is not None and not launch_cache.fits(entry, model):
         entry = None
     if dist.get_world_size() > 1:
-        flag = torch.tensor([0 if entry is None else 1], dtype=torch.int64,
-                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        flag = torch.tensor([0 if entry is None else 1], dtype=torch.int64, device=comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag) == 0:
             return None

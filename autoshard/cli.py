@@ -208,7 +208,9 @@ def cmd_profile(args) -> int:
     from . import profile
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        from .runtime.device import init_process_group
+
+        init_process_group()
     cluster = profile(ranks_per_node=args.ranks_per_node)
     if dist.get_rank() == 0:
         cluster.save(args.out)

@@ -61,6 +61,7 @@ class ShardedModule(nn.Module):
         # every local shape against the plan (autoshard.runtime.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
         self.self_check = os.environ.get("AUTOSHARD_SELF_CHECK", "1") != "0"
         self._checked: set[int] = set()
+        self._ids_checked: set[str] = set()      # signatures whose token ids were range-checked on a GPU
         self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
         self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
@@ -101,7 +102,8 @@ class ShardedModule(nn.Module):
         from .runtime.overlap import BucketedGradSync
 
         self._drop_grad_hooks()
-        self._bucketed = BucketedGradSync(self._synced_params(exclude), bucket_bytes)
+        params = self._synced_params(exclude)
+        self._bucketed = BucketedGradSync(params, bucket_bytes, {name: label for label, name in self.groups.items()})
 
     def _synced_params(self, exclude: tuple[str, ...]) -> list:
         """(parameter, group name) for every parameter whose gradient the plan syncs over
@@ -154,6 +156,36 @@ class ShardedModule(nn.Module):
         """dtype of the floating local parameters (the first one's)."""
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (behind ``.to`` / ``.cuda`` / ``.half`` ...), and where the
+        device changes, everything ``nn.Module`` does not see follows: the device
+        literals of every captured graph, their lifted constants, and the caches built
+        for the old device (compiled graphs, prefetching copies, generation steps)."""
+        old = self.device
+        out = super()._apply(fn, recurse)
+        new = self.device
+        if new != old:
+            self._retarget(new)
+        return out
+
+    def _retarget(self, device: torch.device) -> None:
+        from .runtime.device import retarget
+
+        for g in self._graphs:
+            retarget(g.gm, device)
+        self._compiled, self._generator = {}, None
+        if self._prefetched is not None:
+            self._prefetched = {}
+
+    def place(self, device: "torch.device | str") -> "ShardedModule":
+        """Move this rank's slices to ``device`` and point every graph at it (its device
+        literals and constants too, even where they named another device, as a graph
+        captured on another rank's GPU does). Returns the module."""
+        device = torch.device(device)
+        self.to(device)
+        self._retarget(device)
+        return self
+
     def __repr__(self) -> str:
         p = self.plan
         local = sum(t.numel() * t.element_size() for t in self.parameters())
@@ -201,7 +233,7 @@ class ShardedModule(nn.Module):
         """Run the graph captured for this call's inputs (capturing one first if no
         graph has them). A batch that does not divide the batch split is padded and
         the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`)."""
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs = _on_device({k: v for k, v in kwargs.items() if v is not None}, self.device)
         if kwargs.get("use_cache"):
             raise ConfigError("use_cache=True: a sharded module's forward runs without a KV cache (its graphs are "
                               "captured with use_cache=False); call it without use_cache, or decode with "
@@ -252,6 +284,9 @@ class ShardedModule(nn.Module):
 
         if self._generator is None:
             self._generator = Generator(self)
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
         if input_ids.dim() != 2:
             raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape {list(input_ids.shape)}")
         b, p = input_ids.shape
@@ -300,9 +335,10 @@ class ShardedModule(nn.Module):
 
     def compile(self, **kwargs) -> "ShardedModule":
         """Run every graph of this module (those captured later too) through
-        :func:`torch.compile` (``kwargs`` go to it, e.g. ``mode="max-autotune"``); the
+        :func:`torch.compile` (``kwargs`` go to it, e.g. ``dynamic=False``); the
         input checks and batch padding around them stay eager, so the graphs compile
-        without a break. The collectives are custom ops with fake kernels: each stays
+        without a break. The CUDA-graph modes (``"reduce-overhead"``, ``"max-autotune"``)
+        are refused: a captured graph replays its collectives unseen. The collectives are custom ops with fake kernels: each stays
         one node of the compiled graph. Returns the module (in place, like
         :meth:`torch.nn.Module.compile`).
 
@@ -311,6 +347,12 @@ class ShardedModule(nn.Module):
             sharded = autoshard.shard(model, mode="1d").compile()
             sharded(**batch).loss.backward()          # the first call compiles
         """
+        if kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
+            # both capture CUDA graphs, which would record each c10d call once and replay it
+            # without the ledger or the communicator seeing a new call
+            raise ConfigError(f"compile(mode={kwargs['mode']!r}) captures CUDA graphs, which replay the collectives "
+                              f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
+                              f"'max-autotune-no-cudagraphs'")
         self._compile_kw = dict(kwargs)
         self._compiled = {}
         return self
@@ -387,7 +429,12 @@ class ShardedModule(nn.Module):
             if lim and s > lim[1]:
                 problems.append(_P("input_ids", f"sequence length {s} exceeds the model's {lim[0]}={lim[1]}"))
             voc = self._limits.get("vocab_size")
-            if voc and ids.numel() and not ids.dtype.is_floating_point:
+            # the range check reads the ids on the host: on an accelerator that is a sync per
+            # call, so there it runs once per input signature (every call under debug)
+            sig = InputSignature.of(full).describe()
+            once = ids.device.type == "cpu" or self.debug or sig not in self._ids_checked
+            if voc and ids.numel() and not ids.dtype.is_floating_point and once:
+                self._ids_checked.add(sig)
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= voc[1]:
                     problems.append(_P("input_ids", f"token ids span {lo}..{hi}, outside the vocabulary "
@@ -404,16 +451,19 @@ class ShardedModule(nn.Module):
         every rank reaches the same verdict from the same gathered table."""
         import torch.distributed as dist
 
+        from .runtime.device import comm_device
+
         names = [n for n in input_names if isinstance(full.get(n), torch.Tensor)]
         rows = []
         for n in names:
             x = full[n].detach().reshape(-1).to("cpu", torch.float64)
-            w = torch.arange(x.numel(), dtype=torch.float64) % 9973 + 1
-            rows.append(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * w).sum()]))
-        mine = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+            w = torch.arange(x.numel(), dtype=torch.float64, device="cpu") % 9973 + 1
+            rows.append(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device="cpu"), x.sum(), (x * w).sum()]))
+        mine = (torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device="cpu")).to(comm_device())
         world = dist.get_world_size()
         table = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(table, mine)
+        table = [t.cpu() for t in table]
         dp_of = (lambda r: self.mesh.coords(r)["dp"]) if "dp" in self.mesh.axes else (lambda r: 0)
         bad = []
         for i, n in enumerate(names):
@@ -448,6 +498,11 @@ class ShardedModule(nn.Module):
         """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
         from .io.gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
+
+
+def _on_device(kwargs: dict, device: torch.device) -> dict:
+    """``kwargs`` with every tensor on ``device`` (no copy where it is there already)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v for k, v in kwargs.items()}
 
 
 def _sync_hook(group: str):

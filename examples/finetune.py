@@ -48,7 +48,7 @@ def parse_args(argv=None):
                         "checkpoints stay resumable at any dp")
     p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (all shards, once each)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = CPU autocast")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast on the ranks' device (CPU or CUDA)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each transformer block in backward instead of keeping its activations")
     p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here (step_NNNNNN/ folders), at the end and every --save-every")
@@ -96,7 +96,9 @@ def init_dist():
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise SystemExit("run under torchrun, e.g. torchrun --nproc-per-node 4 examples/finetune.py ...")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        from autoshard.runtime.device import init_process_group
+
+        init_process_group()        # NCCL: cuda:LOCAL_RANK made current first, bound by device_id
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -177,16 +179,17 @@ def _evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -
     pad = (-n) % g
     idx = torch.cat([torch.arange(n), torch.zeros(pad, dtype=torch.long)])
     weight = torch.cat([torch.ones(n), torch.zeros(pad)])
-    num = torch.zeros(2, dtype=torch.float64)
+    num = torch.zeros(2, dtype=torch.float64, device=sharded.device)     # NCCL reduces device tensors only
     for s in range(0, n + pad, g):
         rows = idx[s + dp_index * per_replica: s + (dp_index + 1) * per_replica]
         w = weight[s + dp_index * per_replica: s + (dp_index + 1) * per_replica]
         out = sharded(**{k: v[rows] for k, v in data.items()})
         if args.task == "cls":
-            correct = (out.logits.argmax(-1) == data["labels"][rows]).double()
+            correct = (out.logits.argmax(-1) == data["labels"][rows].to(out.logits.device)).double()
+            w = w.to(correct.device)
             num += torch.stack([(correct * w).sum(), w.sum().double()])
         else:               # the loss is the global mean of this batch, the same on every rank
-            real = weight[s:s + g].sum().double()
+            real = weight[s:s + g].sum().double().to(num.device)
             num += torch.stack([out.loss.double() * real, real]) / dist.get_world_size()
     dist.all_reduce(num)        # TP ranks of a replica count the same rows: the ratio is unaffected
     return (num[0] / num[1]).item()

@@ -22,7 +22,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # autoshard would pick NCCL for the process groups it creates itself (the torchrun
 # ranks of test_faults) while the tensors stay on the CPU: hide the GPUs from this
 # process and every rank it starts. torch reads this when CUDA is first initialised.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# `make test-gpu` (AUTOSHARD_GPU_TESTS=1) runs tests/gpu on NCCL and keeps the GPUs visible.
+if os.environ.get("AUTOSHARD_GPU_TESTS") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # Captures are cached on disk (autoshard.launch.capture_share): one folder per test session, shared
 # by every rank process this session starts (they inherit the environment), never ~/.cache.
 if "AUTOSHARD_CACHE" not in os.environ:

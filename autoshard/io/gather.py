@@ -205,7 +205,7 @@ def write_folder(path, entries, tensors, config, *, max_shard_size="5GB", progre
     files: list[list] = [[]]
     size = 0
     for e in entries:
-        n = torch.Size(e[1]).numel() * torch.empty((), dtype=e[2]).element_size()
+        n = torch.Size(e[1]).numel() * torch.empty((), dtype=e[2], device="meta").element_size()
         if files[-1] and size + n > limit:
             files.append([])
             size = 0

@@ -22,10 +22,11 @@ from ..ir.errors import AutoshardWarning, CheckpointError, ConfigError
 from ..ir.log import progress as _progress_bar
 from ..ir.log import show_progress, warn
 from ..ir.mesh import Mesh
+from ..runtime.device import retarget
 from .safetensors_io import FLOAT_CODES, HFFolder
 from ..ir.spec import replicated
 
-__all__ = ["FolderLoad", "open_folder", "fill_from_folder", "fill_buffers", "check_folder", "set_param", "retarget_device",
+__all__ = ["FolderLoad", "open_folder", "fill_from_folder", "fill_buffers", "check_folder", "set_param",
            "meta_tensors"]
 
 
@@ -63,42 +64,8 @@ def fill_buffers(gm: nn.Module, built: Built | None, folder: HFFolder | None = N
             raise CheckpointError(f"buffer {name!r} has no value: it is neither computed by the model's "
                                   f"constructor nor stored in the weights")
         _set_buffer(gm, name, value.to(device, buf.dtype).clone())
-    retarget_device(gm, device)
+    retarget(gm, device)
     _check_materialised(gm)
-
-
-def retarget_device(gm: nn.Module, device: torch.device) -> int:
-    """A graph captured on the meta device names ``device=meta`` in factory calls
-    (``arange``, ``ones``, ``_to_copy``) and metadata asserts; point them at the
-    device the weights were loaded to. Returns the number of arguments changed."""
-    from torch import fx
-
-    meta = torch.device("meta")
-    changed = 0
-
-    def fix(v):
-        nonlocal changed
-        if isinstance(v, torch.device) and v == meta:
-            changed += 1
-            return device
-        if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-            out = [fix(x) for x in v]
-            return type(v)(out) if isinstance(v, list) else tuple(out)
-        if isinstance(v, dict):
-            return {k: fix(x) for k, x in v.items()}
-        return v
-
-    for mod in gm.modules():
-        if not isinstance(mod, fx.GraphModule):
-            continue
-        before = changed
-        for node in mod.graph.nodes:
-            if node.op in ("call_function", "call_method"):
-                node.args = fix(node.args)
-                node.kwargs = fix(node.kwargs)
-        if changed != before:
-            mod.recompile()
-    return changed
 
 
 def meta_tensors(gm: nn.Module) -> list[str]:

@@ -91,7 +91,7 @@ def _read_padded(source, spec, mesh, rank, shape, padded, dtype) -> torch.Tensor
             ref_dtype = dtype or (t.dtype if t is not None else None)
             if ref_dtype is None:
                 ref_dtype = source[tuple(slice(0, 1) for _ in shape)].dtype
-            out = torch.zeros(spec.local_shape(padded, mesh), dtype=ref_dtype)
+            out = torch.zeros(spec.local_shape(padded, mesh), dtype=ref_dtype, device="cpu")   # read on the host
         if t is not None:
             out[tuple(lo_)] = t
     return out
@@ -234,7 +234,7 @@ class StreamWriter:
         for name, shape, dtype in entries:
             if dtype not in DTYPE_CODES:
                 raise ConfigError(f"cannot store dtype {dtype} of {name!r} in safetensors")
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype, device="meta").element_size()
             header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
             self.sizes[name] = n
             off += n

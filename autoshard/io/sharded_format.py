@@ -95,7 +95,7 @@ def _decode(v):
         if "__tuple__" in v:
             return tuple(_decode(x) for x in v["__tuple__"])
         if "__tensor__" in v:
-            return torch.tensor(v["__tensor__"], dtype=getattr(torch, v["dtype"]))
+            return torch.tensor(v["__tensor__"], dtype=getattr(torch, v["dtype"]), device="cpu")
         return {k: _decode(x) for k, x in v.items()}
     return v
 
@@ -394,7 +394,7 @@ class Saved:
         for b in ent["blocks"]:
             blk = self._block(b, key)
             if full is None:
-                full = torch.empty(saved_shape, dtype=blk.dtype)
+                full = torch.empty(saved_shape, dtype=blk.dtype, device=blk.device)
             saved_spec.place(full, blk, self.mesh, b["rank"])
             del blk
         if dense != saved_shape:

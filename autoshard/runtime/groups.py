@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..ir.errors import ConfigError
 from ..ir.mesh import Mesh
+from .device import comm_device
 
 # A dead or stuck rank turns into an error on the others after this long (seconds);
 # AUTOSHARD_TIMEOUT overrides it. Long enough for a first NCCL/gloo connect and a
@@ -97,8 +98,7 @@ def check_same_rng(world: int, what: str, why: str, fix: str) -> None:
     on_gpu = dist.get_backend() == "nccl"
     if on_gpu:
         h.update(torch.cuda.get_rng_state().numpy().tobytes())
-    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64,
-                        device="cuda" if on_gpu else "cpu")
+    mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64, device=comm_device())
     table = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(table, mine)
     groups: dict[int, list[int]] = {}

@@ -31,12 +31,22 @@ __all__ = ["BucketedGradSync"]
 
 class BucketedGradSync:
     """Hooks on ``params`` (``[(parameter, group name)]``) that all-reduce their
-    gradients in asynchronous buckets of about ``bucket_bytes`` during backward."""
+    gradients in asynchronous buckets of about ``bucket_bytes`` during backward.
 
-    def __init__(self, params: list, bucket_bytes: int):
+    ``labels`` maps each group name to its mesh axes label (``"row"``, ``"dep,row"``):
+    the buckets left at the end of backward are launched in the order of the labels,
+    which is the same on every rank. c10d group names are counters that differ by rank
+    and sort as strings, so an order by name could launch the all-reduces of different
+    communicators in different orders on different ranks, which NCCL may not survive."""
+
+    def __init__(self, params: list, bucket_bytes: int, labels: dict[str, str]):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = int(bucket_bytes)
+        missing = sorted({g for _, g in params} - set(labels))
+        if missing:
+            raise ValueError(f"no axes label for process group(s) {missing}")
+        self.labels = dict(labels)
         self._pending: dict = {}        # (group, dtype) -> [(param, grad)]
         self._size: dict = {}
         self._inflight: list = []       # (work, flat buffer, [(param, grad)])
@@ -61,6 +71,10 @@ class BucketedGradSync:
             return torch.zeros_like(grad)
         return hook
 
+    def order(self, key) -> tuple:
+        """Sort key of a bucket key ``(group, dtype, device)``: the same on every rank."""
+        return self.labels[key[0]], str(key[1]), str(key[2])
+
     def _launch(self, key) -> None:
         bucket = self._pending.pop(key, [])
         self._size.pop(key, None)
@@ -70,7 +84,7 @@ class BucketedGradSync:
         self._inflight.append((C.all_reduce_async(flat, key[0]), flat, bucket))
 
     def _finish(self) -> None:
-        for key in sorted(self._pending, key=lambda k: (k[0], str(k[1]), str(k[2]))):   # same order on every rank
+        for key in sorted(self._pending, key=self.order):      # same order on every rank
             self._launch(key)
         for work, flat, bucket in self._inflight:
             work.wait()

@@ -392,9 +392,30 @@ def _dropout_mask(x: torch.Tensor, p: float, dense: bool, blocks, segments) -> t
         return layout.block(noise, at).div(1 - p)
     if x.device.type == "meta":
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    base = int(torch.randint(0, 2 ** 62, (1,)).item())       # one draw: the same on every rank
+    if x.device.type == "cuda":
+        return _philox_block_mask(x, p, at)
+    base = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())       # one draw: the same on every rank
     g = torch.Generator(device=x.device).manual_seed(hash((base,) + tuple(a[0] if a else -1 for a in at)) % 2 ** 62)
     noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=g)
+    return noise.div_(1 - p)
+
+
+def _philox_block_mask(x: torch.Tensor, p: float, at) -> torch.Tensor:
+    """The CUDA way to a per-block stream: no new generator and no host read. The
+    device's default Philox generator is in the same state on every rank; this block
+    draws at an offset of its own (block index × a stride no draw of ``x``'s size can
+    pass), and every rank then moves the generator past all blocks alike, so the
+    generators stay in step. Replicas of a block draw the same mask."""
+    gen = torch.cuda.default_generators[x.device.index if x.device.index is not None else torch.cuda.current_device()]
+    start = gen.get_offset()
+    stride = -(-x.numel() // 4) * 4 + 4         # Philox yields 4 values per offset step: a bound on one draw
+    index, blocks = 0, 1
+    for a in at:
+        if a is not None:
+            index, blocks = index * a[1] + a[0], blocks * a[1]
+    gen.set_offset(start + index * stride)
+    noise = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=gen)
+    gen.set_offset(start + blocks * stride)
     return noise.div_(1 - p)
 
 

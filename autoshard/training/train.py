@@ -65,7 +65,7 @@ def collectives_guard(what: str):
 
 def grad_norm(sharded) -> torch.Tensor:
     """The global L2 norm of all gradients, each dense entry counted once (collective)."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=sharded.device)     # NCCL reduces device tensors only
     for pp, p in unique_params(sharded):
         if p.grad is None:
             continue
@@ -80,11 +80,10 @@ def clip_grad_norm_(sharded, max_norm: float) -> torch.Tensor:
     global gradient norm over all shards (see :func:`grad_norm`), scales every local
     gradient by ``min(1, max_norm / (norm + 1e-6))`` and returns the norm."""
     norm = grad_norm(sharded)
-    coef = min(1.0, float(max_norm) / (norm.item() + 1e-6))
-    if coef < 1.0:
-        for _, p in unique_params(sharded):
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)     # on the device: no host sync
+    for _, p in unique_params(sharded):
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
     return norm.float()
 
 
@@ -217,10 +216,10 @@ def replica_batches(examples: dict, batch_size: int, *, seed: int = 0, dp_index:
     if n < batch_size:
         raise ValueError(f"{n} examples are fewer than one batch of {batch_size}")
     per = batch_size // dp
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)     # batches are cut on the host
     epoch = 0
     while epochs is None or epoch < epochs:
-        perm = torch.randperm(n, generator=g)
+        perm = torch.randperm(n, generator=g, device="cpu")
         for s in range(0, n - batch_size + 1, batch_size):
             idx = perm[s + dp_index * per: s + (dp_index + 1) * per]
             yield {k: v[idx] for k, v in examples.items()}
@@ -263,15 +262,17 @@ def train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, 
     clipping; None without ``clip``). Works on a ShardedModule or a dense model."""
     optimizer.zero_grad(set_to_none=True)
     accum = len(micro_batches)
-    total = 0.0
+    total = None
+    device = _device_of(module)
     for mb in micro_batches:
         if dtype is not None and dtype != torch.float32:
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast(device.type, dtype=dtype):       # autocast follows the module's device
                 loss = module(**mb).loss
         else:
             loss = module(**mb).loss
         (loss / accum).backward()
-        total += loss.detach().float().item() / accum
+        part = loss.detach().float() / accum        # summed on the device: one host read per step
+        total = part if total is None else total + part
     norm = None
     if clip is not None:
         if hasattr(optimizer, "clip_grad_norm_"):        # autoshard.training.zero.ZeroAdamW: the norm of its chunks
@@ -283,7 +284,16 @@ def train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, 
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return total, norm
+    return (float(total) if total is not None else 0.0), norm
+
+
+def _device_of(module) -> torch.device:
+    """The device of ``module``'s parameters (a ShardedModule's ``device``; CPU if none)."""
+    dev = getattr(module, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    p = next(iter(module.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _rank() -> int:

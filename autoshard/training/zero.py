@@ -136,7 +136,7 @@ class ZeroAdamW(torch.optim.AdamW):
         from ..module import replicas
 
         self._prepare()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.sharded.device)     # NCCL: device tensors only
         for k, chunk in enumerate(self.param_groups[0]["params"]):
             if chunk.grad is not None:
                 # the dp replicas hold disjoint chunks: only the TP copies repeat an entry
@@ -150,11 +150,10 @@ class ZeroAdamW(torch.optim.AdamW):
         """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` as
         :func:`torch.nn.utils.clip_grad_norm_` does on the dense model; returns the norm."""
         norm = self.grad_norm()
-        coef = min(1.0, float(max_norm) / (norm.item() + 1e-6))
-        if coef < 1.0:
-            for chunk in self.param_groups[0]["params"]:
-                if chunk.grad is not None:
-                    chunk.grad = chunk.grad * coef
+        coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)     # on the device: no host sync
+        for chunk in self.param_groups[0]["params"]:
+            if chunk.grad is not None:
+                chunk.grad = chunk.grad * coef.to(chunk.grad.dtype)
         return norm.float()
 
     # ------------------------------------------------------------ step
