@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent machine in one pass: `make test-gpu`'s tests (tests/gpu, NCCL,
+# one rank per GPU) and benchmarks/bench_gpu.py, without a venv: the machine's own CUDA
+# torch, autoshard from this checkout (passes/ and policies/ placed inside the package as
+# an install places them), and wheels from .whl/ if present (e.g. transformers==5.23).
+# Logs and JSON go to $OUT (default /tmp/gpu-out).
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+site=""
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && site=/tmp/site
+fi
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r autoshard /tmp/pkg/ && cp -r passes policies /tmp/pkg/autoshard/
+export PYTHONPATH=/tmp/pkg${site:+:$site}
+ngpu=$(nvidia-smi -L | wc -l)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
+echo "== tests/gpu"
+AUTOSHARD_GPU_TESTS=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/gpu \
+    2>&1 | tee "$OUT/test_gpu.log" | tail -40
+echo "== bench_gpu"
+timeout "${BENCH_TIMEOUT:-200}" python3 -m torch.distributed.run --nproc-per-node "$ngpu" benchmarks/bench_gpu.py \
+    --out "$OUT/gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -20
