@@ -1,6 +1,6 @@
 """Training-step time on CUDA + NCCL, one rank per GPU: dense eager (one GPU),
 autoshard 1d, and PyTorch's ``parallelize_module`` 1d (ColwiseParallel q/k/v/gate/up,
-RowwiseParallel o/down), on the same Llama, batch and process group, timed
+RowwiseParallel o/down; per --arch, llama or bert), on the same model, batch and process group, timed
 alternately step by step (forward + backward + AdamW, bf16 autocast or fp32),
 with CUDA events. MFU = 6 · parameters · tokens / step time / peak, the peak
 given by ``--peak-tflops`` (H100 SXM dense bf16: 989).
@@ -22,31 +22,55 @@ import time
 from pathlib import Path
 
 
-def _model(cfg_kw: dict):
+# per architecture: the model class, its config, the Linears PyTorch's hand-written 1d plan
+# splits by column and by row (per layer), and the layer prefix
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", "model.layers",
+              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+              ("self_attn.o_proj", "mlp.down_proj")),
+    "bert": ("BertForMaskedLM", "BertConfig", "bert.encoder.layer",
+             ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
+             ("attention.output.dense", "output.dense")),
+}
+
+
+def _config(arch: str, args):
+    import transformers
+
+    h = args.hidden
+    common = dict(hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  vocab_size=args.vocab, max_position_embeddings=max(2048, args.seq))
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, intermediate_size=int(h * 8 / 3) // 64 * 64,
+                                        num_key_value_heads=args.heads, use_cache=False)
+    return transformers.BertConfig(**common, intermediate_size=4 * h, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0)
+
+
+def _model(arch: str, cfg):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**cfg_kw)
-    return transformers.LlamaForCausalLM(cfg)
+    return getattr(transformers, ARCHS[arch][0])(cfg)
 
 
-def _dtensor(model, world: int, layers: int):
+def _dtensor(arch: str, model, world: int, layers: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    _, _, prefix, cols, rows = ARCHS[arch]
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("tp",))
     plan = {}
     for i in range(layers):
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"model.layers.{i}.{n}"] = ColwiseParallel()
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
+        plan.update({f"{prefix}.{i}.{n}": ColwiseParallel() for n in cols})
+        plan.update({f"{prefix}.{i}.{n}": RowwiseParallel() for n in rows})
     return parallelize_module(model, mesh, plan)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
@@ -74,24 +98,22 @@ def main(argv=None) -> int:
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    cfg_kw = dict(hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                  vocab_size=args.vocab, max_position_embeddings=max(2048, args.seq), use_cache=False)
+    cfg = _config(args.arch, args)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g, device="cpu")
     inputs = {"input_ids": ids.to(dev), "labels": ids.clone().to(dev)}
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
 
     t0 = time.perf_counter()
-    ours = autoshard.shard(_model(cfg_kw), mode="1d", example_inputs={k: v.cpu() for k, v in inputs.items()})
+    ours = autoshard.shard(_model(args.arch, cfg), mode="1d", example_inputs={k: v.cpu() for k, v in inputs.items()})
     shard_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ref = _dtensor(_model(cfg_kw).to(dev), world, args.layers)
+    ref = _dtensor(args.arch, _model(args.arch, cfg).to(dev), world, args.layers)
     dtensor_s = time.perf_counter() - t0
     runs = {"autoshard 1d": ours, "parallelize_module 1d": ref}
     if world == 1:
-        runs["dense (eager)"] = _model(cfg_kw).to(dev)
-    n_params = sum(p.numel() for p in _model(cfg_kw).parameters())
+        runs["dense (eager)"] = _model(args.arch, cfg).to(dev)
+    n_params = sum(p.numel() for p in _model(args.arch, cfg).parameters())
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for k, m in runs.items()}
 
     def one(m, opt):
@@ -124,7 +146,7 @@ def main(argv=None) -> int:
         rows.append({"run": k, "median_step_s": t, "tokens_per_s": tokens / t, "mfu": mfu, "loss": losses[k]})
     mem = torch.cuda.max_memory_allocated(dev) / 2 ** 30
     if rank == 0:
-        print(f"{torch.cuda.get_device_name(dev)} × {world}; torch {torch.__version__}; Llama hidden {args.hidden}, "
+        print(f"{torch.cuda.get_device_name(dev)} × {world}; torch {torch.__version__}; {args.arch} hidden {args.hidden}, "
               f"{args.layers} layers, vocab {args.vocab}, {n_params / 1e6:.0f} M params; batch {args.batch} × "
               f"{args.seq}; {args.dtype}; median of {args.steps} steps; shard() {shard_s:.1f} s, "
               f"parallelize_module {dtensor_s:.1f} s; peak memory (all runs) {mem:.1f} GiB")
@@ -137,7 +159,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "world": world, "torch": torch.__version__,
-                       "config": cfg_kw, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+                       "arch": args.arch, "config": cfg.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
                        "params": n_params, "shard_s": shard_s, "parallelize_module_s": dtensor_s, "rows": rows,
                        "times": times}, f, indent=1)
     dist.destroy_process_group()

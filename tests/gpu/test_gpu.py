@@ -79,7 +79,7 @@ def _generate(rank, world):
     import autoshard
 
     torch.manual_seed(0)
-    dense = models.build("llama").cuda().eval()
+    dense = models.build("gpt2").cuda().eval()
     sharded = autoshard.shard(copy.deepcopy(dense).cpu(), mode="1d")
     ids = torch.randint(3, 100, (2, 5))
     want = dense.generate(input_ids=ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=6,
@@ -98,9 +98,9 @@ def _bf16_steps(rank, world):
     from autoshard.training import train as T
 
     torch.manual_seed(0)
-    dense = models.build("llama").cuda()
+    dense = models.build("gpt2").cuda()
     sharded = autoshard.shard(copy.deepcopy(dense).cpu(), mode="1d")
-    batch = [{k: v.cuda() for k, v in models.batch("llama").items()}]
+    batch = [{k: v.cuda() for k, v in models.batch("gpt2").items()}]
     out = []
     for m in (sharded, dense):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -121,8 +121,8 @@ def _checkpoint(rank, world, path):
     import autoshard
 
     torch.manual_seed(0)
-    dense = models.build("llama")
-    inputs = models.batch("llama")
+    dense = models.build("gpt2")
+    inputs = models.batch("gpt2")
     sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs)
     ref = sharded(**inputs).logits
     sharded.save_checkpoint(os.path.join(path, "ckpt"))
