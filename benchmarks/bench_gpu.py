@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     if world == 1:
         runs["dense (eager)"] = _model(args.arch, cfg).to(dev)
     n_params = sum(p.numel() for p in _model(args.arch, cfg).parameters())
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for k, m in runs.items()}
+    # one AdamW kind for all: fused and foreach refuse the plain + DTensor mix of a partly parallelized model
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False) for k, m in runs.items()}
 
     def one(m, opt):
         opt.zero_grad(set_to_none=True)

@@ -36,7 +36,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
 echo "== tests/gpu"
-AUTOSHARD_GPU_TESTS=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/gpu \
+[ -n "${SKIP_TESTS:-}" ] || AUTOSHARD_GPU_TESTS=1 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:xdist -p no:cacheprovider tests/gpu \
     2>&1 | tee "$OUT/test_gpu.log" | tail -40
 echo "== bench_gpu"
 timeout "${BENCH_TIMEOUT:-200}" python3 -m torch.distributed.run --nproc-per-node "$ngpu" benchmarks/bench_gpu.py \
