@@ -126,7 +126,9 @@ def test_keys_entries_and_corruption(tmp_path, monkeypatch):
         assert lc.launch_key("cap", **kw) != k, change
     assert lc.launch_key("other capture", policy="OneD", mesh=(("tp",), (2,)), world=2, rank=0,
                          dropout="sharded") != k
-    assert len(lc.source_hash()) == 64
+    from autoshard.launch import cache_dir
+
+    assert len(cache_dir.source_hash()) == 64
     monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
     entry = lc.LaunchEntry(graphs={}, tensors={"c": ("const", torch.arange(3))}, plan=None, facts={"x": 1},
                            groups={"tp": "1"})
