@@ -48,7 +48,7 @@ from ..ir import log
 from ..ir.errors import AutoshardWarning, ConfigError
 
 __all__ = ["KINDS", "SOURCE_PACKAGES", "DEFAULT_MAX_MB", "CacheEntry", "root", "folder", "enabled", "max_bytes",
-           "source_roots", "source_hash", "key", "check_private", "read_hashed", "write_hashed", "load", "store",
+           "source_roots", "source_hash", "key", "check_private", "check_folders", "read_hashed", "write_hashed", "load", "store",
            "discard", "entries", "evict", "clear", "warn_once"]
 
 # kind -> (subfolder of the root, file suffix)
@@ -201,6 +201,22 @@ def _guarded(kind: str, env) -> list[Path]:
     return out + [base] + ([base / sub] if sub else [])
 
 
+def check_folders(kind: str | None = None, environ=None) -> None:
+    """:func:`check_private` of every existing folder that ``kind``'s entries (default: both
+    kinds') trust: autoshard's folder in the user's cache home (when ``AUTOSHARD_CACHE`` is
+    unset), the root, and the kind's subfolder.
+
+    Raises:
+        ConfigError: one of them is another user's, or writable by group or others.
+    """
+    env = os.environ if environ is None else environ
+    if root(env) is None:
+        return
+    for p in _guarded(kind or "launch", env):       # the launch kind's folders hold the capture kind's
+        if p.exists():
+            check_private(p)
+
+
 def _make_private(path: Path) -> None:
     """``path`` and its missing parents created with mode 0o700."""
     missing = []
@@ -239,9 +255,7 @@ def _usable(kind: str, create: bool) -> Path | None:
     try:
         if create:
             _make_private(d)
-        for p in _guarded(kind, env):
-            if p.exists():
-                check_private(p)
+        check_folders(kind, env)
     except ConfigError as e:
         warn_once(("refused", str(d)), f"{e}. Running without the {kind} cache.")
         return None
