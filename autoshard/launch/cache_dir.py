@@ -333,8 +333,8 @@ def store(kind: str, name: str, blob: bytes) -> bool:
         return False
     try:
         evict(root(), max_bytes())
-    except ConfigError as e:
-        warn_once(("bound", str(e)), f"{e}; the cache is not trimmed")
+    except (ConfigError, OSError) as e:
+        warn_once(("bound", str(e)), f"autoshard cache: not trimmed to its bound ({type(e).__name__}: {e})")
     return True
 
 

@@ -177,6 +177,9 @@ def test_the_size_bound_evicts_the_least_recently_used(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="positive number of megabytes"):
             cache_dir.max_bytes({"AUTOSHARD_CACHE_MAX_MB": bad})
     assert cache_dir.max_bytes({}) == 2048 * 2**20
+    monkeypatch.setenv("AUTOSHARD_CACHE_MAX_MB", "lots")                # a bad bound: stored, untrimmed, said
+    with pytest.warns(AutoshardWarning, match="not trimmed.*AUTOSHARD_CACHE_MAX_MB='lots'"):
+        assert cache_dir.store("capture", "e", blob)
 
 
 def test_cli_cache_list_and_clear(tmp_path, monkeypatch, capsys):
