@@ -253,9 +253,10 @@ def _usable(kind: str, create: bool) -> Path | None:
     if d is None:
         return None
     try:
+        check_folders(kind, env)        # before making anything in a refused folder
         if create:
             _make_private(d)
-        check_folders(kind, env)
+            check_folders(kind, env)
     except ConfigError as e:
         warn_once(("refused", str(d)), f"{e}. Running without the {kind} cache.")
         return None
