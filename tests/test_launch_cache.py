@@ -126,7 +126,9 @@ def test_keys_entries_and_corruption(tmp_path, monkeypatch):
         assert lc.launch_key("cap", **kw) != k, change
     assert lc.launch_key("other capture", policy="OneD", mesh=(("tp",), (2,)), world=2, rank=0,
                          dropout="sharded") != k
-    assert len(lc.source_hash()) == 64
+    from autoshard.launch import cache_dir
+
+    assert len(cache_dir.source_hash()) == 64
     monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
     entry = lc.LaunchEntry(graphs={}, tensors={"c": ("const", torch.arange(3))}, plan=None, facts={"x": 1},
                            groups={"tp": "1"})
@@ -188,3 +190,37 @@ def test_a_graph_with_guards_but_no_guard_code_leaves_no_entry(tmp_path, monkeyp
     monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
     lc.store("k", gm, plan, {}, {"guards": ()})
     assert not (tmp_path / "launch" / "k.bin").exists()
+
+
+def _refused(rank, world):
+    """Two launches into a cache folder of mode 0o777 (rank 0 makes it): (capture_shared
+    calls of each launch, the files left in it)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    saved = os.environ.get("AUTOSHARD_CACHE")
+    box = [tempfile.mkdtemp(prefix="refused-") if rank == 0 else None]
+    if rank == 0:
+        os.chmod(box[0], 0o777)
+    dist.broadcast_object_list(box, src=0)
+    os.environ["AUTOSHARD_CACHE"] = box[0]
+    try:
+        inputs = models.batch("llama")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = _launch("llama", "1d", inputs)
+            second = _launch("llama", "1d", inputs)
+        dist.barrier()
+        return {"captures": (first[4], second[4]), "files": sorted(str(p) for p in Path(box[0]).rglob("*")),
+                "loss": torch.equal(first[2], second[2])}
+    finally:
+        os.environ["AUTOSHARD_CACHE"] = saved if saved is not None else os.environ.pop("AUTOSHARD_CACHE")
+
+
+def test_a_refused_folder_runs_every_rank_uncached():
+    """A cache folder others can write: no rank reads or writes an entry (both launches
+    capture), none stops, and the ranks agree on the path."""
+    for r in get_pool(2).run(_refused):
+        assert r["captures"] == (1, 1) and r["files"] == [] and r["loss"], r

@@ -33,16 +33,15 @@ import io
 import os
 import pickle
 import typing
-from pathlib import Path
 
 import torch
 from torch import fx
 
 from ..ir.errors import CaptureError
+from . import cache_dir
 from ..passes.capture import Captured, capture, input_symbols
 
-__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_dir", "cache_key",
-           "forget_loaded", "read_hashed", "write_hashed"]
+__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_key", "forget_loaded"]
 
 
 def _meta_state(ep) -> dict:
@@ -280,34 +279,17 @@ def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
 
 # ------------------------------------------------------------------ on-disk cache
 
-def cache_dir(environ=None) -> Path | None:
-    """Where captures are kept between launches: ``AUTOSHARD_CACHE`` (a folder; ``0`` /
-    ``off`` / empty disables it), default ``~/.cache/autoshard/captures``.
-
-    >>> cache_dir({"AUTOSHARD_CACHE": "off"}) is None
-    True
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get("AUTOSHARD_CACHE")
-    if raw is None:
-        return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoshard" / "captures"
-    if raw.strip().lower() in ("", "0", "off", "false", "no"):
-        return None
-    return Path(raw)
-
-
 def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = "") -> str:
-    """What a capture depends on: the versions of torch, transformers and autoshard; the
-    model's class and the source of its module; its config; its structure (submodule
-    types, parameter and buffer names, shapes, dtypes, devices); train/eval mode; and the
-    example inputs' names, dtypes, shapes and non-tensor values; ``tag`` names the capture
-    function where it is not :func:`~autoshard.passes.capture.capture`."""
+    """What a capture depends on (:func:`autoshard.launch.cache_dir.key`): autoshard's own
+    source (an edited capture pass is a new entry) and the versions of torch and
+    transformers; the model's class and the source of its module; its config; its
+    structure (submodule types, parameter and buffer names, shapes, dtypes, devices);
+    train/eval mode; and the example inputs' names, dtypes, shapes and non-tensor values;
+    ``tag`` names the capture function where it is not :func:`~autoshard.passes.capture.capture`."""
     import inspect
     import sys
 
     import transformers
-
-    from .. import __version__
 
     cls = type(model)
     try:
@@ -315,7 +297,7 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = ""
     except (OSError, TypeError, KeyError):
         src = cls.__qualname__
     config = getattr(model, "config", None)
-    parts = [torch.__version__, transformers.__version__, __version__, f"{cls.__module__}.{cls.__qualname__}",
+    parts = [torch.__version__, transformers.__version__, f"{cls.__module__}.{cls.__qualname__}",
              hashlib.sha256(src.encode()).hexdigest(),
              config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config),
              str(model.training), tag,
@@ -332,44 +314,7 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = ""
             return f"{k}={v!r}"
 
         parts.append(";".join(one(k, v) for k, v in sorted(example_inputs.items())))
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
-
-
-def read_hashed(f: Path) -> bytes | None:
-    """The bytes :func:`write_hashed` stored at ``f``, or None: absent, or torn or corrupt
-    (the file is removed: rebuilt, never trusted)."""
-    try:
-        data = f.read_bytes()
-    except OSError:
-        return None
-    digest, _, blob = data.partition(b"\n")
-    if hashlib.sha256(blob).hexdigest().encode() != digest:
-        f.unlink(missing_ok=True)
-        return None
-    return blob
-
-
-def write_hashed(f: Path, blob: bytes) -> None:
-    """Store ``blob`` at ``f`` behind its sha256, atomically (readers see all or nothing;
-    a folder that cannot be written is no cache)."""
-    try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.parent / f".{f.name}.{os.getpid()}.tmp"
-        tmp.write_bytes(hashlib.sha256(blob).hexdigest().encode() + b"\n" + blob)
-        os.replace(tmp, f)
-    except OSError:
-        pass
-
-
-def _cache_read(key: str) -> bytes | None:
-    d = cache_dir()
-    return None if d is None else read_hashed(d / f"{key}.pt2")
-
-
-def _cache_write(key: str, blob: bytes) -> None:
-    d = cache_dir()
-    if d is not None:
-        write_hashed(d / f"{key}.pt2", blob)
+    return cache_dir.key(*parts)
 
 
 def _fn_tag(capture_fn) -> str:
@@ -392,15 +337,15 @@ def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
     :func:`~autoshard.passes.capture.capture`): from the disk cache if a valid entry
     exists, else captured now (and stored)."""
     key = cache_key(model, example_inputs, tag=_fn_tag(capture_fn))
-    blob = _cache_read(key)
+    blob = cache_dir.load("capture", key)
     if blob is not None:
         try:
             pickle.loads(blob)
             return blob
         except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
-            pass
+            cache_dir.discard("capture", key)
     blob = pack((capture_fn or capture)(model, example_inputs=example_inputs))
-    _cache_write(key, blob)
+    cache_dir.store("capture", key, blob)
     return blob
 
 
@@ -431,7 +376,7 @@ def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = No
 def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
     """:func:`~autoshard.passes.capture.capture` (or ``capture_fn(model,
     example_inputs=...)``, e.g. :func:`autoshard.generate.capture_step`) on rank 0,
-    loaded by the other ranks, through the disk cache (:func:`cache_dir`): a second
+    loaded by the other ranks, through the disk cache (:mod:`autoshard.launch.cache_dir`): a second
     launch captures nothing.
 
     Collective when a process group of more than one rank is initialised (every rank

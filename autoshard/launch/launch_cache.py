@@ -11,7 +11,8 @@ autoshard source rebuilds the module from it and slices the model's own weights
 through the plan, as the rewrite does.
 
 On by default wherever the capture cache is (``AUTOSHARD_CACHE``); a folder
-``launch`` beside the captures; ``AUTOSHARD_LAUNCH_CACHE=off`` turns this one off alone
+``launch`` beside the captures, shared with them (:mod:`autoshard.launch.cache_dir`:
+the key, the owner check, the size bound); ``AUTOSHARD_LAUNCH_CACHE=off`` turns this one off alone
 (a run that patches autoshard's rules at run time: the key sees source files, not patches). An entry is hashed: a torn or corrupt one is
 rebuilt, never trusted; the key holds a hash of autoshard's own source, so an
 edited checkout never runs an old rewrite. ``shard()`` uses an entry only where
@@ -24,14 +25,10 @@ nothing either (a cluster profiled anew at each launch differs, and misses). A
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import operator
-import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import fx
@@ -39,34 +36,18 @@ from torch import fx
 from ..runtime import selfcheck
 from ..passes.pad import zero_padded
 from ..passes.rewrite import slice_params
+from . import cache_dir
 
-__all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write", "store",
-           "source_hash"]
+__all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write", "store"]
 
 _KEEP_META = ("nn_module_stack",)       # what passes after the rewrite read (remat: the blocks)
 
 
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
-    """sha256 of every ``.py`` file of the autoshard package (and its passes / policies):
-    a rewrite of an edited checkout is a new entry."""
-    import autoshard
-    from autoshard import passes, policies
-
-    h = hashlib.sha256()
-    for pkg in (autoshard, passes, policies):
-        root = Path(pkg.__file__).parent
-        for f in sorted(root.rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def launch_key(capture_key: str, **facts) -> str:
-    """The entry's key: the capture's key (model, config, inputs, versions), the
-    autoshard source, and ``facts`` (layout, world size, rank, options) by ``repr``."""
-    parts = [capture_key, source_hash()] + [f"{k}={facts[k]!r}" for k in sorted(facts)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    """The entry's key (:func:`autoshard.launch.cache_dir.key`): the capture's key (model,
+    config, inputs, versions), the autoshard source, and ``facts`` (layout, world size,
+    rank, options) by ``repr``."""
+    return cache_dir.key(capture_key, *(f"{k}={facts[k]!r}" for k in sorted(facts)))
 
 
 # ------------------------------------------------------------------ shapes instead of fake values
@@ -347,29 +328,16 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
 
 # ------------------------------------------------------------------ on disk
 
-def _dir() -> Path | None:
-    """``launch/`` in the capture cache's folder; None where either cache is off
-    (``AUTOSHARD_CACHE=off``, or ``AUTOSHARD_LAUNCH_CACHE=off`` for this one alone:
-    a run that patches autoshard's rules at run time, which the key cannot see)."""
-    from .capture_share import cache_dir
-
-    if os.environ.get("AUTOSHARD_LAUNCH_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    d = cache_dir()
-    return None if d is None else d / "launch"
-
-
 def enabled() -> bool:
-    """Whether entries are read and written (see :func:`_dir`)."""
-    return _dir() is not None
+    """Whether entries are read and written: off where ``AUTOSHARD_CACHE=off``, or
+    ``AUTOSHARD_LAUNCH_CACHE=off`` for this one alone (a run that patches autoshard's
+    rules at run time, which the key cannot see); see :func:`autoshard.launch.cache_dir.folder`."""
+    return cache_dir.enabled("launch")
 
 
 def read(key: str) -> LaunchEntry | None:
-    """The entry of ``key``, or None (none, disabled, torn, corrupt: the file is removed)."""
-    from .capture_share import read_hashed
-
-    d = _dir()
-    blob = None if d is None else read_hashed(d / f"{key}.bin")
+    """The entry of ``key``, or None (none, disabled, refused, torn, corrupt: the file is removed)."""
+    blob = cache_dir.load("launch", key)
     if blob is None:
         return None
     try:
@@ -377,30 +345,36 @@ def read(key: str) -> LaunchEntry | None:
             warnings.simplefilter("ignore", FutureWarning)
             entry = pickle.loads(blob)
     except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
-        (d / f"{key}.bin").unlink(missing_ok=True)
+        cache_dir.discard("launch", key)
         return None
     return entry if isinstance(entry, LaunchEntry) else None
 
 
 def write(key: str, entry: LaunchEntry) -> None:
     """Store ``entry`` under ``key`` (atomic; best effort: an entry that does not pickle
-    is not stored, and the next launch goes the full way)."""
-    from .capture_share import write_hashed
-
-    d = _dir()
-    if d is None:
+    is not stored, with a warning once, and the next launch goes the full way)."""
+    if not enabled():
         return
     try:
         blob = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - a graph argument that does not pickle: no entry
+    except Exception as e:  # noqa: BLE001 - a graph argument that does not pickle: no entry
+        _not_stored(e)
         return
-    write_hashed(d / f"{key}.bin", blob)
+    cache_dir.store("launch", key, blob)
 
 
 def store(key: str, gm: fx.GraphModule, plan, groups: dict, facts: dict) -> None:
     """:func:`entry_of` the freshly rewritten ``gm`` written under ``key`` (best effort)."""
     try:
         entry = entry_of(gm, plan, groups, facts)
-    except Exception:  # noqa: BLE001 - a graph this format cannot hold: no entry, no error
+    except Exception as e:  # noqa: BLE001 - a graph this format cannot hold: no entry, no error
+        _not_stored(e)
         return
     write(key, entry)
+
+
+def _not_stored(e: Exception) -> None:
+    """A warning, once per reason, that this launch leaves no entry."""
+    why = f"{type(e).__name__}: {e}"
+    cache_dir.warn_once(("not stored", why), f"autoshard launch cache: no entry stored for this launch ({why}); "
+                                             f"the next launch captures, plans and rewrites again")
