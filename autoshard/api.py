@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
-from .ir.log import warn
+from .ir.log import quiet_on_other_ranks, warn
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,7 @@ def _gc_paused(fn):
     return paused
 
 
+@quiet_on_other_ranks
 @_gc_paused
 def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,

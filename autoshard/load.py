@@ -19,6 +19,7 @@ from torch import nn
 from .api import shard
 from .io.builder import build_meta, load_config
 from .ir.errors import CheckpointError, ConfigError
+from .ir.log import quiet_on_other_ranks
 from .io.hf_fill import open_folder
 from .io.safetensors_io import HFFolder
 from .io.sharded_format import Saved, check_matches, checkpoint_class, fill_from_checkpoint, load_optimizer, read_manifest, \
@@ -27,6 +28,7 @@ from .io.sharded_format import Saved, check_matches, checkpoint_class, fill_from
 __all__ = ["from_pretrained", "load_checkpoint"]
 
 
+@quiet_on_other_ranks
 def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, dtype=None,
                     example_inputs: dict | None = None, model_class=None, train: bool = False,
                     gather_logits: bool = True, progress: bool | None = None):
@@ -56,6 +58,7 @@ def from_pretrained(path, *, mode: str, depth: int | None = None, dp: int = 1, d
     return sharded
 
 
+@quiet_on_other_ranks
 def load_checkpoint(path, model_or_path=None, *, mode: str, depth: int | None = None, dp: int = 1,
                     optimizer: Callable | None = None, example_inputs: dict | None = None, dtype=None,
                     model_class=None, train: bool | None = None, gather_logits: bool = True,

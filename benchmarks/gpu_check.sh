@@ -30,6 +30,9 @@ if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
             raise RuntimeError("this torch cannot keep the rank order %s (needs torch 2.13)" % (list(ranks),))
         return _new_group(ranks, *args, **kwargs)
     dist.new_group = new_group
+if not hasattr(dist, "all_gather_single"):         # the 2.13 names of the single-tensor collectives
+    dist.all_gather_single = dist.all_gather_into_tensor
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor
 PY
 export PYTHONPATH=$PYTHONPATH:/tmp/compat
 ngpu=$(nvidia-smi -L | wc -l)

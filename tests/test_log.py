@@ -43,3 +43,30 @@ def test_warn_only_on_rank_0():
     r0, r1 = get_pool(2).run(_warn_on_rank)
     assert r0 == (["vocab does not divide"], [])
     assert r1 == ([], ["AutoshardWarning: vocab does not divide"])
+
+
+def test_faces_are_quiet_on_other_ranks(monkeypatch, capsys):
+    """A decorated face prints warnings and transformers' log lines once per job: on
+    rank 0, not on the others (torchrun's RANK counts before a process group exists)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from autoshard.ir.log import quiet_on_other_ranks
+
+    @quiet_on_other_ranks
+    def load():
+        warnings.warn("a load report", UserWarning)
+        hf_logging.get_logger("transformers.modeling_utils").warning("config report")
+        return 7
+
+    seen = {}
+    for r in ("1", "0"):
+        monkeypatch.setenv("RANK", r)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert load() == 7
+        seen[r] = ([str(x.message) for x in w], capsys.readouterr().err)
+    assert seen["1"] == ([], "")
+    assert seen["0"][0] == ["a load report"] and "config report" in seen["0"][1]
+    assert hf_logging.get_verbosity() == hf_logging.WARNING       # restored

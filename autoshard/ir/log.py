@@ -20,7 +20,7 @@ import logging
 import sys
 import warnings
 
-__all__ = ["warn", "rank", "progress", "show_progress"]
+__all__ = ["warn", "rank", "progress", "show_progress", "quiet_on_other_ranks"]
 
 logger = logging.getLogger("autoshard")
 
@@ -33,6 +33,31 @@ def rank() -> int:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank()
+
+
+def quiet_on_other_ranks(fn):
+    """Decorate a face (``shard``, ``from_pretrained``): while it runs on a rank other than
+    0, warnings and transformers' log lines (its load reports) are dropped, so a job
+    prints each once, from rank 0, not once per rank. The rank is the process group's,
+    or torchrun's ``RANK`` before the group exists."""
+    import functools
+    import os
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if rank() == 0 and os.environ.get("RANK", "0") in ("", "0"):
+            return fn(*args, **kwargs)
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return fn(*args, **kwargs)
+        finally:
+            hf_logging.set_verbosity(level)
+    return wrapper
 
 
 def warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:

@@ -188,10 +188,10 @@ def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
     out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     if kind == "all_gather":
         _record(kind, group, out.numel() * out.element_size())
-        work = dist.all_gather_into_tensor(out, src, group=pg, async_op=async_op)
+        work = dist.all_gather_single(out, src, group=pg, async_op=async_op)
     else:
         _record(kind, group, src.numel() * src.element_size())
-        work = dist.reduce_scatter_tensor(out, src, group=pg, async_op=async_op)
+        work = dist.reduce_scatter_single(out, src, group=pg, async_op=async_op)
 
     def finish() -> torch.Tensor:
         if work is not None:
