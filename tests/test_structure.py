@@ -156,7 +156,7 @@ def test_no_private_name_across_modules():
     ("autoshard.passes", ("autoshard.api", "autoshard.cli", "autoshard.planning.search")),
 ])
 def test_layers_import_downwards(layer, forbidden):
-    """Policies import no pass and no runtime; passes never import the face (DESIGN §2)."""
+    """Policies import no pass and no runtime; passes never import the face (docs/design.md, "Layers")."""
     edges = import_graph()
     bad = sorted(f"{m} → {t}" for m, ts in edges.items() if m == layer or m.startswith(layer + ".")
                  for t in ts if any(t == f or t.startswith(f + ".") for f in forbidden))
