@@ -26,8 +26,9 @@ def _batch(vocab: int, b: int, s: int, seed: int = 1) -> dict:
 
 
 def formula_bytes(plan) -> dict:
-    """DESIGN §8 per-rank bytes for the nodes the formula covers, and the plan's bytes for
-    the same nodes (fp32 elements; ring model)."""
+    """The per-rank bytes of the formulas in docs/design.md, "Communication and memory",
+    for the nodes they cover, and the plan's bytes for the same nodes (fp32 elements;
+    ring model)."""
     mesh, mode = plan.mesh, plan.mode
     params = {}
     for p in plan.params:

@@ -1,6 +1,6 @@
 """Communication volume per rank for one training step (forward + backward) of a
 tiny Llama on gloo ranks: measured by the collectives ledger, vs the plan, vs the
-DESIGN §8 formula.
+formula of docs/design.md, "Communication and memory".
 
 Runs: 1d on 2 / 4 / 8 ranks, 2d on 4, 2.5d on 8 (q = d = 2), 3d on 8 (if
 registered). The formula covers the transformer layers (1d: 8(p−1)/p·N·h per

@@ -23,7 +23,7 @@ Two predictions per row, from the same autoshard plan and cluster preset:
 * "paper's code": the collectives the paper's Algorithm 3 and its reference code
   issue for the same plan: each SUMMA operand moved by q pipelined broadcasts
   (forward) or q broadcasts and q reduces (backward), one per step, and no
-  depth all-reduce of weight gradients (the reference code omits it, DESIGN §4).
+  depth all-reduce of weight gradients (the reference code omits it, docs/design.md, "2.5d").
   Megatron's all-reduces are the same in both. This is what the paper timed.
 
 The acceptance check (issue 7) is on Table 1 at 64 GPUs: the order of the three

@@ -3,6 +3,11 @@
 Every module of this package is imported once and each :class:`Policy`
 subclass with a ``name`` becomes a mode, in ``order``: adding a mode is adding a
 module here (or calling :func:`register_policy` for one defined elsewhere).
+
+>>> list(POLICIES)
+['1d', '1d-sp', '2d', '2.5d', '3d']
+>>> make_policy("2d", 4).dim_splits()[1]
+'q=2'
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ POLICIES: dict[str, type[Policy]] = {}
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Add a mode to :data:`POLICIES` (keeps the registry sorted by ``order``)."""
+    """Add a mode to :data:`POLICIES` (keeps the registry sorted by ``order``).
+
+    Args:
+        cls: a :class:`Policy` subclass with a ``name``.
+
+    Returns:
+        ``cls`` itself, so it can be used as a class decorator.
+
+    Raises:
+        ValueError: ``cls`` has no ``name``.
+    """
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name: a mode needs one (e.g. name = '1d')")
     entries = dict(POLICIES)
@@ -41,6 +56,10 @@ _discover()
 
 def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1) -> Policy:
     """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas).
+
+    Raises:
+        ConfigError: an unknown mode, ``"auto"`` (chosen by the search), or a world
+            size, depth or dp the mode cannot take; the message lists the valid choices.
 
     >>> make_policy("2.5d", 8, depth=2).mesh
     Mesh(axes=('dep', 'row', 'col'), sizes=(2, 2, 2))

@@ -6,7 +6,8 @@ spec each tensor input must have (the pass inserts the re-layout), the spec of t
 output, and for heavy ops the :class:`~autoshard.ir.kernels.Kernel` object to run. A
 rule that cannot take an input's split raises :class:`NeedReplicate`; any other
 exception is re-raised by the pass with the node, its module path and its input
-specs. Policies import no pass and nothing that touches ``torch.distributed``.
+specs. Policies import no pass and nothing that touches ``torch.distributed``
+(docs/design.md, "Layers").
 
 A mode is one module in this package defining a :class:`Policy` subclass with a
 ``name``; :data:`autoshard.policies.POLICIES` finds it. Besides its rules
@@ -15,6 +16,15 @@ face asks about it: its mesh for a world size (:meth:`Policy.make_mesh`), how fa
 it splits each model dimension (:meth:`Policy.dim_splits`), which world sizes
 divide a dimension (:meth:`Policy.valid_world_sizes`) and how a mesh is labelled
 (:meth:`Policy.label`).
+
+Example: every mode answers the same questions about its mesh.
+
+>>> from autoshard.policies import make_policy
+>>> p = make_policy("2d", 4)
+>>> p.mesh, p.label(p.mesh), p.grid(p.mesh)
+(Mesh(axes=('row', 'col'), sizes=(2, 2)), '2d [2,2]', (2, 1))
+>>> p.batch_split()
+(2, '2d splits the batch over row[2]')
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ class SymbolicSizes:
 
     @classmethod
     def is_symbolic(cls, size: int) -> bool:
+        """Whether a probe size stands for a symbol (it is one of the primes, or a multiple of one)."""
         return size >= cls.BATCH
 
     @classmethod
@@ -98,22 +109,41 @@ class RuleContext(Protocol):
     dropout: str                    # "sharded" | "dense": how Dropout kernels draw their masks
     BATCH: int                      # the batch symbol's probe prime
 
-    def is_tensor(self, a) -> bool: ...
-    def spec(self, a) -> Any: ...                           # the ShardSpec (or tuple / None) of a value
-    def is_free_param(self, a) -> bool: ...                 # a parameter no earlier use has split yet
-    def fixed_param_spec(self, a) -> ShardSpec | None: ...  # the split an earlier use gave a parameter
-    def is_free_state(self, a) -> bool: ...                 # a state input (written before read) not yet laid out
-    def pshape(self, a) -> tuple[int, ...]: ...
-    def pshape_of_val(self, v) -> tuple[int, ...]: ...
-    def local_numel(self, a, spec: ShardSpec) -> int: ...
-    def local_size(self, a, spec: ShardSpec, d: int) -> int: ...
-    def is_batch_index(self, a) -> bool: ...                # an arange over the (split) batch rows
-    def row_fact(self, a, i: int | None = None) -> Any: ...  # rank-local row order (passes/row_order.py)
-    def forced_replicate(self, node) -> bool: ...           # a re-plan asked this Linear to stay whole
-    def default_out_spec(self, node) -> Any: ...            # replicated, batch rows kept split
-    def output_segments(self, node) -> int: ...             # fused blocks a later split cuts the output in
-    def output_feeds_parallel_consumer(self, node) -> bool: ...
-    def is_largest_embedding(self, w) -> bool: ...
+    def is_tensor(self, a) -> bool:
+        """Whether ``a`` is a graph value holding a tensor (not a size, a scalar or a list)."""
+    def spec(self, a) -> Any:
+        """The :class:`~autoshard.ir.spec.ShardSpec` of ``a`` (a tuple of them for a
+        multi-output op, ``None`` for a non-tensor)."""
+    def is_free_param(self, a) -> bool:
+        """Whether ``a`` is a parameter that no earlier use has laid out yet (a rule may choose its split)."""
+    def fixed_param_spec(self, a) -> ShardSpec | None:
+        """The split an earlier use gave parameter ``a`` (a tied weight), or ``None`` when it is free."""
+    def is_free_state(self, a) -> bool:
+        """Whether ``a`` is a state input (a KV cache: written before it is read) not laid out yet."""
+    def pshape(self, a) -> tuple[int, ...]:
+        """The probe shape of ``a``: symbolic sizes as the primes of :class:`SymbolicSizes`."""
+    def pshape_of_val(self, v) -> tuple[int, ...]:
+        """The probe shape of a fake tensor ``v`` (an element of a multi-output node's ``meta['val']``)."""
+    def local_numel(self, a, spec: ShardSpec) -> int:
+        """Elements one rank holds of ``a`` laid out as ``spec``, at the plan's batch size and sequence length."""
+    def local_size(self, a, spec: ShardSpec, d: int) -> int:
+        """The local size of dim ``d`` of ``a`` laid out as ``spec``, at the plan's batch size and sequence length."""
+    def is_batch_index(self, a) -> bool:
+        """Whether ``a`` is an ``arange`` over the (split) batch rows, whose local values are not the dense ones."""
+    def row_fact(self, a, i: int | None = None) -> Any:
+        """What is known of the order of ``a``'s rows on this rank
+        (:mod:`autoshard.passes.row_order`); ``i`` picks an output."""
+    def forced_replicate(self, node) -> bool:
+        """Whether a re-plan asked the Linear ``node`` to stay whole (its output split could not pass a later op)."""
+    def default_out_spec(self, node) -> Any:
+        """The spec of ``node``'s output when nothing splits it: replicated, with the batch rows kept split."""
+    def output_segments(self, node) -> int:
+        """How many fused blocks a later ``split`` / ``chunk`` cuts ``node``'s output in (3 for a fused QKV)."""
+    def output_feeds_parallel_consumer(self, node) -> bool:
+        """Whether ``node``'s output reaches another Linear, the loss or the graph
+        output through ops that keep a feature split."""
+    def is_largest_embedding(self, w) -> bool:
+        """Whether ``w`` is the largest embedding table of the graph (the vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,7 @@ class Choice:
         return cls(out=kernel.out_spec, inputs=kernel.inputs, kernel=kernel, **rest)
 
     def replace(self, **changes) -> "Choice":
+        """A copy of this choice with ``changes`` applied (a :func:`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -168,6 +199,13 @@ class Policy:
     # ------------------------------------------------------------ the mesh
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        """The mode's mesh for ``world_size`` ranks, ``dp`` of them data-parallel replicas
+        (the ``dp`` axis outermost).
+
+        Raises:
+            ConfigError: the world size, ``depth`` or ``dp`` does not fit the mode; the
+                message lists the valid choices.
+        """
         raise NotImplementedError
 
     @staticmethod
@@ -228,13 +266,23 @@ class Policy:
 
     # ------------------------------------------------------------ rules
     def linear(self, ctx: RuleContext) -> Choice:
+        """The rule for a Linear-like node (``aten.linear`` / ``addmm`` / ``mm`` with a
+        parameter operand, or a grouped per-expert Linear): the layout of its input,
+        weight and bias, and the kernel that runs it."""
         raise NotImplementedError
 
     def embedding(self, ctx: RuleContext) -> Choice:
+        """The rule for an ``aten.embedding`` lookup: how its table is split and the
+        layout of the looked-up rows."""
         raise NotImplementedError
 
 
 def spec_of(ndim: int, **dims) -> ShardSpec:
+    """A spec of ``ndim`` dims, split where a keyword ``d<i>=axes`` says (others whole).
+
+    >>> spec_of(3, d0=("row",), d2=("col",))
+    [S(row), R, S(col)]
+    """
     d = [()] * ndim
     for k, v in dims.items():
         d[int(k[1:])] = v

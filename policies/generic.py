@@ -67,6 +67,10 @@ def _partial_passes(target, part_paths, targs) -> bool:
 
 
 def pointwise(ctx: RuleContext) -> Choice:
+    """Elementwise ops (and broadcasts): each output dim takes the split of the first
+    input that is not broadcast there, every input is brought to it; a partial sum
+    passes only through ops linear in it (``neg``, ``mul`` by one partial operand,
+    ``add`` of two partials, casts). A batch index used as data raises."""
     node = ctx.node
     out_shape = ctx.pshape(node)
     n = len(out_shape)
@@ -130,6 +134,10 @@ def inplace(ctx: RuleContext) -> Choice:
 
 
 def writes_first_arg(t) -> bool:
+    """Whether ATen op ``t`` writes into its first argument (``copy_``, ``masked_fill_``).
+
+    >>> writes_first_arg(torch.ops.aten.add_.Tensor), writes_first_arg(torch.ops.aten.add.Tensor)
+    (True, False)"""
     if not isinstance(t, torch._ops.OpOverload) or not t._schema.arguments:
         return False
     info = t._schema.arguments[0].alias_info
@@ -137,6 +145,7 @@ def writes_first_arg(t) -> bool:
 
 
 def identity_like(ctx: RuleContext) -> Choice:
+    """Casts, copies and aliases: the output has the input's layout."""
     a = ctx.node.args[0]
     s = ctx.spec(a)
     return Choice(out=s, inputs={(0,): s})
@@ -250,6 +259,9 @@ def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
 
 
 def reshape(ctx: RuleContext) -> Choice:
+    """``view`` / ``reshape``: dims are paired by equal products (:func:`view_groups`); the
+    outermost dim of a merged group may stay split, and literal sizes at split
+    positions are patched to local sizes (by position, never by value)."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
@@ -265,6 +277,8 @@ def flatten(ctx: RuleContext) -> Choice:
 
 
 def expand(ctx: RuleContext) -> Choice:
+    """``expand``: kept dims keep their split (their literal sizes patched); a new dim of
+    batch size is split over the batch axes."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     ins, outs = ctx.pshape(x), ctx.pshape(ctx.node)
@@ -289,6 +303,7 @@ def _permuted(s: ShardSpec, perm) -> ShardSpec:
 
 
 def transpose(ctx: RuleContext) -> Choice:
+    """``transpose`` / ``t``: the spec's dims swapped alike."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     n = s.ndim
@@ -302,6 +317,7 @@ def transpose(ctx: RuleContext) -> Choice:
 
 
 def permute(ctx: RuleContext) -> Choice:
+    """``permute``: the spec's dims permuted alike."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     perm = [d % s.ndim for d in ctx.node.args[1]]
@@ -309,6 +325,7 @@ def permute(ctx: RuleContext) -> Choice:
 
 
 def unsqueeze(ctx: RuleContext) -> Choice:
+    """``unsqueeze``: a whole dim inserted."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     d = ctx.node.args[1] % (s.ndim + 1)
@@ -319,6 +336,7 @@ def unsqueeze(ctx: RuleContext) -> Choice:
 
 
 def squeeze(ctx: RuleContext) -> Choice:
+    """``squeeze``: the size-1 dims dropped from the spec."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     ins = ctx.pshape(x)
@@ -343,6 +361,9 @@ def _need_unsplit(s: ShardSpec, dims) -> ShardSpec:
 
 
 def dimwise(ctx, dim_arg: int = 1, default_dim: int = -1) -> Choice:
+    """An op along one dim (``softmax``, ``diff``, ``cumsum``): that dim must be whole
+    and no partial sum may pass; other splits are kept. ``dim_arg`` is the position
+    of the dim argument, ``default_dim`` its default."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     d = ctx.node.args[dim_arg] if len(ctx.node.args) > dim_arg else ctx.node.kwargs.get("dim", default_dim)
@@ -355,6 +376,7 @@ def dimwise(ctx, dim_arg: int = 1, default_dim: int = -1) -> Choice:
 
 
 def softmax(ctx: RuleContext) -> Choice:
+    """``softmax`` / ``log_softmax``: :func:`dimwise` on the softmax dim."""
     return dimwise(ctx, 1)
 
 
@@ -390,6 +412,7 @@ def slice_(ctx: RuleContext) -> Choice:
 
 
 def select(ctx: RuleContext) -> Choice:
+    """``select(x, d, i)``: dim ``d`` must be whole; it is dropped from the spec."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     d = ctx.node.args[1] % s.ndim
@@ -399,6 +422,9 @@ def select(ctx: RuleContext) -> Choice:
 
 
 def split(ctx: RuleContext) -> Choice:
+    """``split`` / ``chunk``: a whole dim passes; a split dim passes only when it is cut
+    into exactly its fused segments (GPT-2's ``c_attn`` into q, k, v), each piece
+    then split alike and the split sizes patched to local ones."""
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x)
@@ -421,6 +447,7 @@ def split(ctx: RuleContext) -> Choice:
 
 
 def getitem(ctx: RuleContext) -> Choice:
+    """``operator.getitem`` on a multi-output node: the spec of that output."""
     src, i = ctx.node.args
     specs = ctx.spec(src)
     if not isinstance(specs, tuple):
@@ -429,6 +456,7 @@ def getitem(ctx: RuleContext) -> Choice:
 
 
 def cat(ctx: RuleContext) -> Choice:
+    """``cat``: the concatenated dim whole, every input in the first split input's layout."""
     node = ctx.node
     tensors = node.args[0]
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -441,6 +469,7 @@ def cat(ctx: RuleContext) -> Choice:
 
 
 def stack(ctx: RuleContext) -> Choice:
+    """``stack``: every input in the first split input's layout, the new dim whole."""
     node = ctx.node
     tensors = node.args[0]
     d = node.args[1] if len(node.args) > 1 else 0
@@ -456,6 +485,7 @@ def stack(ctx: RuleContext) -> Choice:
 
 
 def pad(ctx: RuleContext) -> Choice:
+    """``pad``: the padded (trailing) dims must be whole."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     npad = len(ctx.node.args[1]) // 2
@@ -575,6 +605,7 @@ def sort(ctx: RuleContext) -> Choice:
 
 
 def topk(ctx: RuleContext) -> Choice:
+    """``topk``: the dim searched must be whole; values and indices keep the other splits."""
     node = ctx.node
     s = ctx.spec(node.args[0])
     d = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) % max(s.ndim, 1)
@@ -655,6 +686,8 @@ def scatter_add(ctx: RuleContext) -> Choice:
 
 
 def gather_op(ctx: RuleContext) -> Choice:
+    """``gather(x, d, index)``: dim ``d`` of ``x`` whole; the index and the output take
+    ``x``'s other splits."""
     x, d, idx = ctx.node.args[:3]
     s = ctx.spec(x)
     d = d % s.ndim
@@ -665,6 +698,9 @@ def gather_op(ctx: RuleContext) -> Choice:
 
 # ------------------------------------------------------------------ reductions
 def reduce_(ctx: RuleContext) -> Choice:
+    """``sum`` / ``mean`` / ``amax``: a reduction over a split dim leaves a partial sum over
+    its axes (``mean`` scaled by the split after the reduce); ``amax`` needs the dim
+    whole instead."""
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x)
@@ -696,6 +732,9 @@ def reduce_(ctx: RuleContext) -> Choice:
 
 # -------------------------------------------------------------------- matmuls
 def matmul(ctx: RuleContext) -> Choice:
+    """``matmul`` / ``bmm`` / ``mm`` between activations (attention's ``QKᵀ`` and ``PV``):
+    batch dims keep their split; a contracted dim split alike on both sides gives a
+    partial sum over its axes; a vector operand falls back."""
     a, b = ctx.node.args[:2]
     sa, sb = ctx.spec(a), ctx.spec(b)
     if sa.ndim < 2 or sb.ndim < 2:
@@ -764,6 +803,11 @@ class _ArgsView:
 
 # ------------------------------------------------------------------- attention
 def sdpa(ctx: RuleContext) -> Choice:
+    """``scaled_dot_product_attention``: batch and heads keep their split, sequence and
+    head dim whole; with fewer kv heads (GQA) the kv heads stay split when the head
+    split divides them and are replicated otherwise. A mask follows the batch and
+    head split it broadcasts over. In train mode with dropout the
+    :class:`~autoshard.ir.kernels.AttentionDropout` kernel draws rank-consistent masks."""
     node = ctx.node
     q, k, v = node.args[:3]
     sq = ctx.spec(q)
@@ -814,6 +858,9 @@ def dropout(ctx: RuleContext) -> Choice:
 
 # ------------------------------------------------------------------ norms/loss
 def layer_norm(ctx: RuleContext) -> Choice:
+    """``layer_norm``: local when the normalised dim is whole; over one split dim the
+    :class:`~autoshard.ir.kernels.DistLayerNorm` kernel all-reduces the statistics over
+    its axes (an all-reduce backward); the weight and bias follow the normalised dims."""
     node = ctx.node
     x = node.args[0]
     s = ctx.spec(x).with_partial(())
@@ -836,6 +883,11 @@ def layer_norm(ctx: RuleContext) -> Choice:
 
 
 def cross_entropy(ctx: RuleContext) -> Choice:
+    """``cross_entropy_loss`` (mean or sum, ``ignore_index``): the
+    :class:`~autoshard.ir.kernels.CrossEntropy` kernel, vocab-parallel when the logits
+    are split (or partial) on the vocabulary, summing tokens over the batch axes and
+    dividing by the global count; class weights, label smoothing, ``reduction='none'``
+    and spatial targets fall back to gathered logits."""
     node = ctx.node
     logits, target = node.args[:2]
     args = list(node.args) + [None] * 6
@@ -860,6 +912,8 @@ def cross_entropy(ctx: RuleContext) -> Choice:
 
 # ------------------------------------------------------------ creation / misc
 def creation(ctx: RuleContext) -> Choice:
+    """``arange`` / ``zeros`` / ``full`` ...: a size read from the batch makes that dim split
+    over the batch axes (it counts local rows at run time); others are whole."""
     shape = ctx.pshape(ctx.node)
     # a size read from the local batch: the batch, or rows of it leading an arange (its
     # length comes from local sizes at run time)
@@ -891,6 +945,7 @@ def _fallback(ctx, reason: str) -> Choice:
 
 
 def no_spec(ctx: RuleContext) -> Choice:
+    """Nodes with no tensor layout (``sym_size``, metadata asserts): no spec."""
     return Choice(out=None)
 
 
@@ -945,6 +1000,16 @@ RULES = {k: v for k, v in RULES.items() if v is not None}
 
 
 def rule_for(node: fx.Node):
+    """The rule that plans ``node``: its entry in :data:`RULES`, else dropout, in-place
+    writes, pointwise ops (by ``torch.Tag.pointwise``), and for anything else
+    :func:`all_replicated_or_fallback`.
+
+    >>> g = fx.Graph()
+    >>> x = g.placeholder("x")
+    >>> rule_for(g.call_function(aten.gelu.default, (x,))).__name__
+    'pointwise'
+    >>> rule_for(g.call_function(aten.view.default, (x, [2, 3]))).__name__
+    'reshape'"""
     t = node.target
     if t in RULES:
         return RULES[t]

@@ -1,4 +1,14 @@
-"""Where the input, weight and bias of a Linear-like ATen op sit (no HF names)."""
+"""Where the input, weight and bias of a Linear-like ATen op sit (no HF names).
+
+>>> import torch
+>>> from torch import fx
+>>> g = fx.Graph()
+>>> b, x, w = g.placeholder("b"), g.placeholder("x"), g.placeholder("w")
+>>> linear_operands(g.call_function(torch.ops.aten.addmm.default, (b, x, w)))   # GPT-2 Conv1D: w is [k, n]
+((1,), (2,), (0,), 1, 0)
+>>> linear_operands(g.call_function(torch.ops.aten.linear.default, (x, w)))     # nn.Linear: w is [n, k]
+((0,), (1,), None, 0, 1)
+"""
 
 from __future__ import annotations
 

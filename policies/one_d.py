@@ -5,7 +5,13 @@ view and attention ops) into another Linear, the loss or the graph output is
 column-parallel; a Linear whose input arrives split on its features is
 row-parallel and all-reduces its output. The largest embedding table is
 vocab-parallel; a weight tied to it keeps its vocab split (the LM head is then
-column-parallel and the loss vocab-parallel).
+column-parallel and the loss vocab-parallel). The layout and its collectives are
+drawn in docs/design.md, "1d".
+
+>>> from autoshard.policies import make_policy
+>>> p = make_policy("1d", 4)
+>>> p.mesh, p.dim_splits()[1]
+(Mesh(axes=('tp',), sizes=(4,)), 'tp=4')
 """
 
 from __future__ import annotations
@@ -30,6 +36,18 @@ _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias
 
 
 class OneD(Policy):
+    """1D (Megatron) tensor parallelism on a mesh ``tp[p]`` (``dp[r] × tp[p]`` with replicas).
+
+    Heads, the intermediate size and the vocabulary are split ``p`` ways; the hidden
+    size stays whole, so norms and the residual stream are replicated.
+
+    >>> p = OneD(OneD.make_mesh(8, dp=2))
+    >>> p.mesh, p.label(p.mesh)
+    (Mesh(axes=('dp', 'tp'), sizes=(2, 4)), '1d [4] × dp2')
+    >>> p.dim_splits()[0]["intermediate_size"], p.batch_split()
+    (4, (1, ''))
+    """
+
     name = "1d"
     order = 0
     tp_axes = ("tp",)
@@ -38,6 +56,11 @@ class OneD(Policy):
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        """``tp[world_size / dp]``, with a ``dp`` axis in front when ``dp > 1``.
+
+        Raises:
+            ConfigError: a ``depth`` other than 1, or a ``dp`` that does not divide the world size; the message lists the valid choices.
+        """
         if depth not in (None, 1):
             raise ConfigError(f"1d takes no depth (got depth={depth}); depth belongs to mode='2.5d'")
         tp = cls._check_dp(world_size, dp)
@@ -46,16 +69,26 @@ class OneD(Policy):
         return Mesh(axes=("tp",), sizes=(tp,))
 
     def dim_splits(self) -> tuple[dict[str, int], str]:
+        """Heads, kv heads, intermediate size and vocabulary split ``tp`` ways; hidden whole."""
         p = self.mesh.size("tp")
         return {"num_attention_heads": p, "num_key_value_heads": p, "intermediate_size": p,
                 "vocab_size": p}, f"tp={p}"
 
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        """Every divisor of ``n`` up to ``limit``.
+
+        >>> OneD.valid_world_sizes(12)
+        [1, 2, 3, 4, 6, 12]
+        """
         return [p for p in range(1, min(n, limit) + 1) if n % p == 0]
 
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:
+        """Row-parallel (:class:`~autoshard.ir.kernels.RowLinear`, all-reduce of the output)
+        when the input arrives split on its features; column-parallel (no forward
+        collective) when the output feeds a parallel consumer and divides; replicated
+        otherwise, or when a tied table already fixed the weight's split."""
         node = ctx.node
         return self._linear(ctx, ctx.spec(get_arg(node, linear_operands(node)[0])))
 
@@ -137,6 +170,9 @@ class OneD(Policy):
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx: RuleContext) -> Choice:
+        """Vocab-parallel (:class:`~autoshard.ir.kernels.VocabEmbedding`) for the largest
+        table, for a table tied to a vocab-split one, and for a lookup added to another
+        split lookup (both left partial, reduced once after the add); replicated otherwise."""
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)

@@ -18,7 +18,13 @@ graph, as 1D is:
   Conv1D), it all-reduces and the stream takes its slice.
 
 Everything else (norms, dropout, pointwise ops) follows the generic rules, which
-keep the sequence split. The sequence must divide ``tp``.
+keep the sequence split. The sequence must divide ``tp``. The layout is drawn in
+docs/design.md, "1d-sp".
+
+>>> from autoshard.policies import make_policy
+>>> p = make_policy("1d-sp", 4)
+>>> p.mesh, p.seq_split()
+(Mesh(axes=('tp',), sizes=(4,)), 4)
 """
 
 from __future__ import annotations
@@ -41,15 +47,26 @@ aten = torch.ops.aten
 
 
 class OneDSP(OneD):
+    """1D tensor parallelism with the activations between the Megatron pairs split on
+    the sequence over ``tp`` (same mesh and weight splits as :class:`OneD`).
+
+    >>> p = OneDSP(OneDSP.make_mesh(2))
+    >>> p.label(p.mesh), p.seq_split(), p.dim_splits()[0]["vocab_size"]
+    ('1d-sp [2]', 2, 2)
+    """
+
     name = "1d-sp"
     order = 1
     size_unit = "tp sizes"
 
     def seq_split(self) -> int:
+        """The TP size: a call's sequence length must be a multiple of it."""
         return self.mesh.size(self.tp_axes)
 
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:
+        """The 1D rule on the input as gathered from its sequence split; a row-parallel
+        product is reduce-scattered on the sequence instead of all-reduced."""
         node = ctx.node
         sx = ctx.spec(get_arg(node, linear_operands(node)[0]))
         tp = self.tp_axes
@@ -68,6 +85,7 @@ class OneDSP(OneD):
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx: RuleContext) -> Choice:
+        """The 1D rule; a vocab-parallel lookup is reduce-scattered on the sequence."""
         choice = super().embedding(ctx)
         k = choice.kernel
         if not isinstance(k, VocabEmbedding):

@@ -1,4 +1,4 @@
-"""2D (SUMMA, seed 004) and 2.5D (Tesseract, seed 002) tensor parallelism.
+"""2D (SUMMA, as in Optimus) and 2.5D (Tesseract, Algorithm 3) tensor parallelism.
 
 Mesh ``dep[d] × row[q] × col[q]`` (``d = 1`` is exactly 2D). Activations are
 ``[tokens / (d·q) over (dep,row), hidden / q over col]``; a Linear ``Y = X·W``
@@ -11,7 +11,12 @@ replicated over depth::
 Gradients of depth-replicated parameters are all-reduced over ``dep`` (the
 propagate pass derives that from the specs). Embedding tables are split on
 hidden over ``col``; a Linear that reuses such a table (tied LM head) computes
-``X·Eᵀ`` partial over ``col`` and reduce-scatters it on the vocabulary.
+``X·Eᵀ`` partial over ``col`` and reduce-scatters it on the vocabulary. Block shapes
+and formulas: docs/design.md, "2d" and "2.5d".
+
+>>> from autoshard.policies import make_policy
+>>> make_policy("2.5d", 8, depth=2).batch_axes
+('dep', 'row')
 """
 
 from __future__ import annotations
@@ -40,6 +45,17 @@ def _valid_25d(world: int) -> list[tuple[int, int]]:
 
 
 class Tesseract(Policy):
+    """2.5D (Tesseract) tensor parallelism: ``d`` layers of a ``q × q`` SUMMA grid on a
+    mesh ``dep[d] × row[q] × col[q]``; tokens split over ``(dep, row)``, features over
+    ``col``, weights ``[k/q over row, n/q over col]`` replicated over ``dep``.
+
+    >>> p = Tesseract(Tesseract.make_mesh(8, depth=2))
+    >>> p.mesh, p.label(p.mesh), (p.q, p.d)
+    (Mesh(axes=('dep', 'row', 'col'), sizes=(2, 2, 2)), '2.5d [2,2,2]', (2, 2))
+    >>> p.batch_split()
+    (4, '2.5d splits the batch over dep[2]·row[2]')
+    """
+
     name = "2.5d"
     order = 2
     size_unit = "q² per depth layer (world d·q²)"
@@ -54,6 +70,16 @@ class Tesseract(Policy):
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        """``dep[d] × row[q] × col[q]`` with ``world_size / dp = d·q²`` and ``q ≥ 2``.
+
+        >>> Tesseract.make_mesh(8, depth=8)
+        Traceback (most recent call last):
+        ...
+        autoshard.ir.errors.ConfigError: 2.5d needs world_size = d·q² with q ≥ 2; 8 ranks with depth=8 do not fit; 8 ranks allow (q=2,d=2)
+
+        Raises:
+            ConfigError: no ``depth``, or one that leaves no square ``q² ≥ 4``; the message lists the valid choices.
+        """
         tp = cls._check_dp(world_size, dp)
         valid = [(q, d) for q, d in _valid_25d(tp) if q > 1]
         if depth is None:
@@ -70,6 +96,7 @@ class Tesseract(Policy):
         return Mesh(axes=tuple(axes), sizes=tuple(sizes))
 
     def dim_splits(self) -> tuple[dict[str, int], str]:
+        """Heads, kv heads, hidden, intermediate size and vocabulary each split ``q`` ways."""
         return dict.fromkeys(("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
                               "vocab_size"), self.q), f"q={self.q}"
 
@@ -83,10 +110,20 @@ class Tesseract(Policy):
 
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        """The grid sizes ``q²`` (``q ≥ 2``, ``q²`` up to ``limit``) whose ``q`` divides ``n``;
+        a 2.5D world is ``d`` times one of them.
+
+        >>> Tesseract.valid_world_sizes(12, limit=64)
+        [4, 9, 16, 36]
+        """
         return [q * q for q in range(2, int(limit ** 0.5) + 1) if n % q == 0]
 
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:
+        """SUMMA (:class:`~autoshard.ir.kernels.Summa`): input ``[rows, k/q over col]``,
+        weight ``[k/q over row, n/q over col]``, output in the input's layout; a weight
+        tied to a hidden-split table runs as a partial head; replicated when the
+        features do not divide ``q`` or a re-plan asked for it."""
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = get_arg(node, xp), get_arg(node, wp)
@@ -141,6 +178,8 @@ class Tesseract(Policy):
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx: RuleContext) -> Choice:
+        """The table split ``[vocab, hidden/q over col]`` (a local lookup, no collective)
+        when hidden divides ``q``; replicated otherwise."""
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)
@@ -155,12 +194,30 @@ class Tesseract(Policy):
 
 
 class TwoD(Tesseract):
+    """2D (SUMMA) tensor parallelism: :class:`Tesseract` with depth 1 on a mesh
+    ``row[q] × col[q]``.
+
+    >>> p = TwoD(TwoD.make_mesh(4))
+    >>> p.mesh, p.label(p.mesh), p.tp_axes, p.batch_axes
+    (Mesh(axes=('row', 'col'), sizes=(2, 2)), '2d [2,2]', ('row', 'col'), ('row',))
+    """
+
     name = "2d"
     order = 1
     size_unit = "world sizes q²"
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        """``row[q] × col[q]`` with ``world_size / dp = q²`` and ``q ≥ 2``.
+
+        >>> TwoD.make_mesh(8)
+        Traceback (most recent call last):
+        ...
+        autoshard.ir.errors.ConfigError: 2d needs a square world size q² (q ≥ 2); got 8. Nearest valid: 4, 9, 16
+
+        Raises:
+            ConfigError: a world size that is not a square, or a ``depth`` other than 1; the message lists the valid choices.
+        """
         tp = cls._check_dp(world_size, dp)
         q = math.isqrt(tp)
         if depth not in (None, 1):

@@ -1,4 +1,4 @@
-"""3D tensor parallelism (seed 001): ``P = q³`` ranks on a mesh ``x[q] × y[q] × z[q]``.
+"""3D tensor parallelism (the 3D paper's layouts X_ijl / W_lji): ``P = q³`` ranks on a mesh ``x[q] × y[q] × z[q]``.
 
 For ``Y = X·W`` with rank ``(i, j, l)`` on ``(x, y, z)``: ``X_ijl`` holds token rows
 block ``(i, j)`` and feature columns block ``l``; ``W_lji`` holds ``k`` block ``l``
@@ -11,7 +11,12 @@ and ``dW``. In axis terms, with the input laid out rows ``(A, B)`` / columns ``C
 
 so the next Linear sees the roles of ``B`` and ``C`` swapped; the pass simply
 reads the incoming layout, and a Linear pair (QKV → out, up → down) lands back
-on the residual stream's layout. Nothing here is named after a layer.
+on the residual stream's layout. Nothing here is named after a layer. Block shapes
+and formulas: docs/design.md, "3d".
+
+>>> from autoshard.policies import make_policy
+>>> make_policy("3d", 8).mesh
+Mesh(axes=('x', 'y', 'z'), sizes=(2, 2, 2))
 """
 
 from __future__ import annotations
@@ -32,6 +37,15 @@ _AXES = ("x", "y", "z")
 
 
 class ThreeD(Policy):
+    """3D tensor parallelism on a mesh ``x[q] × y[q] × z[q]``: token rows split over two
+    axes, features over the third, every weight split ``q³`` ways with no replica
+    (:class:`~autoshard.ir.kernels.ThreeDLinear`).
+
+    >>> p = ThreeD(ThreeD.make_mesh(8))
+    >>> p.label(p.mesh), p.batch_axes, p.vocab_multiple()
+    ('3d [2,2,2]', ('x', 'y'), 4)
+    """
+
     name = "3d"
     order = 3
     size_unit = "world sizes q³"
@@ -44,6 +58,11 @@ class ThreeD(Policy):
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
+        """``x[q] × y[q] × z[q]`` with ``world_size / dp = q³`` and ``q ≥ 2``.
+
+        Raises:
+            ConfigError: a world size that is not a cube, or a ``depth`` other than 1; the message lists the valid choices.
+        """
         if depth not in (None, 1):
             raise ConfigError(f"3d takes no depth (got depth={depth}); depth belongs to mode='2.5d'")
         tp = cls._check_dp(world_size, dp)
@@ -59,14 +78,21 @@ class ThreeD(Policy):
         return Mesh(axes=tuple(axes), sizes=tuple(sizes))
 
     def dim_splits(self) -> tuple[dict[str, int], str]:
+        """Heads, hidden, intermediate size and vocabulary split ``q`` ways (kv heads whole)."""
         return dict.fromkeys(("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"),
                              self.q), f"q={self.q}"
 
     def vocab_multiple(self) -> int:
+        """``q²``: an untied LM head splits its output features (the vocabulary) over two axes."""
         return self.q * self.q          # an untied head splits its output features over q²
 
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
+        """The cubes ``q³`` (``q ≥ 2``, up to ``limit``) whose ``q`` divides ``n``.
+
+        >>> ThreeD.valid_world_sizes(12, limit=1000)
+        [8, 27, 64, 216]
+        """
         return [q ** 3 for q in range(2, int(round(limit ** (1 / 3))) + 1) if n % q == 0]
 
     # ------------------------------------------------------------------ linear
@@ -84,6 +110,11 @@ class ThreeD(Policy):
         return 0, outer, "x", "y", "z"
 
     def linear(self, ctx: RuleContext) -> Choice:
+        """The 3D Linear on the incoming layout ``X [rows (A,B), k (C)]``: W split
+        ``[k/q over C, n/q² over (B,A)]``, output ``[rows (A,C), n (B)]``; a grouped
+        (per-expert) Linear runs SUMMA on the ``(A,B) × C`` grid; a weight tied to a
+        hidden-split table runs as a partial head; replicated when the features do not
+        divide ``q`` / ``q²``."""
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = get_arg(node, xp), get_arg(node, wp)
@@ -157,6 +188,8 @@ class ThreeD(Policy):
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx: RuleContext) -> Choice:
+        """The table split on hidden over the one axis the ids' rows do not use (a local
+        lookup, no collective); replicated when hidden does not divide ``q``."""
         node = ctx.node
         w, ids = node.args[0], node.args[1]
         si = ctx.spec(ids)

@@ -7,8 +7,8 @@ another mesh; :func:`fill_from_checkpoint` and :func:`load_optimizer` fill a new
 sharded module and its optimizer (the face, :func:`autoshard.load_checkpoint`,
 lives in :mod:`autoshard.load`).
 
-Why not ``torch.distributed.checkpoint`` (DESIGN §7 asks for it)
-----------------------------------------------------------------
+Why not ``torch.distributed.checkpoint`` (docs/design.md, "Checkpoints")
+------------------------------------------------------------------------
 DCP assumes that a rank's piece of a tensor is one rectangular chunk with global
 offsets. Ours is not always: a fused dim (GPT-2 ``c_attn``: q, k, v, or any
 ``segments`` > 1) split over ``p`` ranks gives each rank ``segments`` disjoint

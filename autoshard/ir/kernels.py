@@ -228,8 +228,8 @@ class Summa(_Linear):
 
 @dataclass(frozen=True, kw_only=True)
 class ThreeDLinear(_Linear):
-    """3D Linear (seed 001): gather X over ``b_axes`` and W over ``a``,
-    reduce-scatter the product over ``c``; rows on ``row_dim``."""
+    """3D Linear (the 3D paper's schedule, docs/design.md, "3d"): gather X over
+    ``b_axes`` and W over ``a``, reduce-scatter the product over ``c``; rows on ``row_dim``."""
 
     a: tuple[str, ...]
     b_axes: tuple[str, ...]

@@ -331,7 +331,7 @@ class ShardingPlan:
     @property
     def weight_ways(self) -> int:
         """Into how many parts the mode ideally splits a weight: the TP size, except
-        2.5d, whose depth axis replicates the weights by design (DESIGN §4): q²."""
+        2.5d, whose depth axis replicates the weights by design (docs/design.md, "2.5d"): q²."""
         return self.tp_size // (self.mesh.size(("dep",)) if "dep" in self.mesh.axes else 1)
 
     def padding(self) -> list[dict]:

@@ -12,7 +12,7 @@ Model (one training step on one rank, no overlap of compute and communication)::
 * ``F_fwd``: Linear ``2·N·k·n / w`` where ``w`` is the number of ranks that share
   the work (mesh axes splitting the output, the weight, or holding a partial
   sum), attention ``4·b·h·s²·d`` on the local ``[b, h, s, d]`` block.
-* ``B``: bytes one rank sends (ring model, DESIGN §5); ``steps``: ``2(p−1)`` for
+* ``B``: bytes one rank sends (ring model, docs/design.md, "Communication and memory"); ``steps``: ``2(p−1)`` for
   an all-reduce, ``p−1`` for an all-gather / reduce-scatter.
 * link class: a group whose ranks all sit in one node (``rank // ranks_per_node``
   with the mesh's rank = coordinate formula, outermost axis first) runs at
@@ -224,7 +224,7 @@ CLUSTERS: dict[str, Cluster] = {
     "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
                         inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB,
                         device="cpu", pair_overlap=0.0),
-    # Tesseract paper (seed 002, §4): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
+    # Tesseract paper (its §4, the experiments): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
     # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
     # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
     "tesseract-paper": Cluster(name="tesseract-paper", ranks_per_node=4, intra_bw=200e9, intra_latency=5e-6,

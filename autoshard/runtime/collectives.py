@@ -27,7 +27,7 @@ with no process group (:mod:`autoshard.planning.activations` traces a plan that 
 
     with CommLedger() as ledger:
         loss.backward()
-    ledger.bytes_per_rank()     # ring model, see DESIGN §5
+    ledger.bytes_per_rank()     # ring model, see docs/design.md, "Communication and memory"
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class _Summa(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         row, col, n_dim, k_dim, impl = ctx.cfg
         dx = dw = None
-        # re-gather instead of saving the gathered copies (DESIGN §9); each operand
+        # re-gather instead of saving the gathered copies (docs/design.md, "Pitfalls"); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
         # under autocast dy is low precision while x / w are not: compute in dy's
         # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
@@ -255,7 +255,8 @@ class _ThreeD(torch.autograd.Function):
 
 
 def three_d(x, w, bias, *, a: str, b: str, c: str, row_dim: int, n_dim: int, segments: int = 1, ready=None):
-    """3D Linear (seed 001): gather X over ``b`` and W over ``a``, reduce-scatter over ``c``.
+    """3D Linear (the 3D paper's schedule, docs/design.md, "3d"): gather X over ``b`` and W
+    over ``a``, reduce-scatter over ``c``.
     ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
     y = _ThreeD.apply(x, w, a, b, c, row_dim, n_dim, segments, ready)
     return y if bias is None else y + bias

@@ -1,8 +1,8 @@
 """The plan's per-rank figures against the papers' formulas (no processes).
 
-* Tesseract (seed 002): per Linear Y = X·W with X:[a,b], W:[b,c] on p = d·q² ranks,
+* Tesseract (its memory formula): per Linear Y = X·W with X:[a,b], W:[b,c] on p = d·q² ranks,
   memory M = ab/p + bcd/p + ac/p.
-* DESIGN §8 communication per rank per step: 2D / 2.5D 3(q−1)/q²·(Nk/d + kn) per
+* docs/design.md, "Communication and memory": communication per rank per step: 2D / 2.5D 3(q−1)/q²·(Nk/d + kn) per
   Linear plus the depth all-reduce 2(d−1)/d·kn/q²; 1D 8(p−1)/p·N·h per layer.
 """
 
@@ -52,7 +52,7 @@ def test_tesseract_memory_and_comm_formula(name, world, mode, depth):
         # the all-gather of X over col carries q blocks of the local X
         ag_x = [cm for cm in n.comms if cm.phase == "fwd" and cm.axes == ("col",)][0]
         assert ag_x.buffer_bytes == x_local * q * 4
-        # DESIGN §8: 3(q−1)/q²·(Nk/d + kn) bytes per rank per step
+        # docs/design.md, "Communication and memory": 3(q−1)/q²·(Nk/d + kn) bytes per rank per step
         expect = 3 * (q - 1) / q ** 2 * (a * b / d + b * c) * 4
         assert sum(cm.bytes_per_rank for cm in n.comms) == pytest.approx(expect, rel=1e-12)
         # depth all-reduce of the weight gradient: 2(d−1)/d·kn/q²
@@ -99,7 +99,8 @@ def test_gqa_kv_replicated_when_heads_do_not_divide():
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_three_d_comm_formula(name):
-    """DESIGN §8, 3D: 2(q−1)/q³·(Nk + kn + Nn) bytes per rank per Linear; W has no replica."""
+    """3D (docs/design.md, "Communication and memory"): 2(q−1)/q³·(Nk + kn + Nn) bytes
+    per rank per Linear; W has no replica."""
     plan = _plan(name, 8, "3d")
     q = 2
     nodes = [n for n in plan.nodes if n.kernel is not None and n.kernel.name == "three_d"]
