@@ -110,9 +110,11 @@ class RuleContext(Protocol):
     def is_batch_index(self, a) -> bool: ...                # an arange over the (split) batch rows
     def row_fact(self, a, i: int | None = None) -> Any: ...  # rank-local row order (passes/row_order.py)
     def forced_replicate(self, node) -> bool: ...           # a re-plan asked this Linear to stay whole
+    def forced_reason(self, node) -> str: ...               # the op that refused its split (for the note)
     def default_out_spec(self, node) -> Any: ...            # replicated, batch rows kept split
     def output_segments(self, node) -> int: ...             # fused blocks a later split cuts the output in
     def output_feeds_parallel_consumer(self, node) -> bool: ...
+    def split_stop(self, node) -> str: ...                  # the op that stops its output's split ('' if none)
     def is_largest_embedding(self, w) -> bool: ...
 
 
