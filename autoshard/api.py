@@ -83,6 +83,15 @@ def _warn_fallbacks(p: ShardingPlan) -> None:
                       AutoshardWarning, stacklevel=3)
 
 
+def _warn_whole(p: ShardingPlan) -> None:
+    """Warn when held-whole weights keep the parameter bytes per rank above the
+    mode's ideal (:meth:`~autoshard.ir.plan.ShardingPlan.whole_report`): the user
+    would otherwise believe the model split."""
+    report = p.whole_report()
+    if report:
+        warn(f"{report}; the plan's notes say why", AutoshardWarning, stacklevel=3)
+
+
 def _gc_paused(fn):
     """Run ``fn`` with Python's cyclic garbage collector paused (restored after, as it
     was). Capture, planning and rewriting allocate hundreds of thousands of small
@@ -286,6 +295,7 @@ def _setup_groups(p: ShardingPlan, rank: int, world: int) -> dict:
         check_same_rng(world, "the model has dropout", "replicas would drop different elements",
                        "before shard(), or shard(..., seed=s)")
     _warn_fallbacks(p)
+    _warn_whole(p)
     _warn_placement(p.mesh, world)
     return plan_groups(p, rank)
 

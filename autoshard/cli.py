@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -485,7 +486,9 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
                      f"the loss, trimmed from outputs; checkpoints keep {pad['dense_shape']})")
     for n in plan.nodes:
         if n.kind == "linear" and n.weight == "replicated":
-            notes.append(f"{n.name} ({n.module}): weight replicated" + (f" — {'; '.join(n.notes)}" if n.notes else ""))
+            # without the node names, the same reason in every layer is one grouped note
+            why = "; ".join(re.sub(r" at node `[^`]*`", "", x) for x in n.notes)
+            notes.append(f"{n.name} ({n.module}): weight replicated" + (f" — {why}" if why else ""))
     if cluster is not None:
         cost = estimate(plan, cluster)
         if not cost.fits:
@@ -532,6 +535,9 @@ def cmd_check(args) -> int:
         who = (": " + ", ".join(subjects[:6]) + (f", … ({len(subjects) - 6} more)" if len(subjects) > 6 else "")
                if subjects else "")
         console.print(f"  note{count}: {kind}{who}", markup=False)
+    whole = plan.whole_report() if plan is not None else ""
+    if whole:       # what shard() warns
+        console.print(f"  warning: {whole}", markup=False)
     return 1 if problems else 0
 
 

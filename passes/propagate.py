@@ -175,6 +175,11 @@ class _Ctx:
     def forced_replicate(self, node) -> bool:
         return node.name in self.e.forced
 
+    def forced_reason(self, node) -> str:
+        """Why a re-plan holds this Linear whole: the op that refused its output's split
+        (empty when it is not forced)."""
+        return self.e.forced_why.get(node.name, "") if node.name in self.e.forced else ""
+
     def default_out_spec(self, node):
         v = node.meta.get("val")
 
@@ -244,6 +249,12 @@ class _Ctx:
         (and back), transposes and broadcasting; a norm or reduction over other dims
         than the split one (a per-head q/k norm over ``head_dim`` while the heads are
         split) keeps it local, so it does not stop the split."""
+        return not self.split_stop(node)
+
+    def split_stop(self, node) -> str:
+        """Why the split of this value's last dim cannot reach a parallel consumer
+        (:meth:`output_feeds_parallel_consumer`): the first op found that stops it, its
+        node and what it does to the split dim; empty when every path passes."""
         seen: set[tuple[str, int | None]] = set()
         rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
         out_rank = rank_of(node)
@@ -261,11 +272,12 @@ class _Ctx:
             if ann and ann.kind in ("norm", "reduction"):
                 nd = _reduced_keeps(u, src, d)
                 if nd is None:
-                    return False
+                    return _stop(u, f"a {ann.kind} over the split dim" if d is not None
+                                 else f"a {ann.kind} after an op that loses track of the split dim")
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             if ann and ann.kind == "embedding":
-                return False
+                return _stop(u, "a lookup that reads it as indices")
             t = u.target
             if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
                 nd = None if t in _CONTRACTS else _broadcast_dim(u, src, d)
@@ -278,8 +290,8 @@ class _Ctx:
                 nd = _view_dim(u, src, d) if ann and ann.kind == "view" else None
                 stack.extend((w, u, nd) for w in u.users)
                 continue
-            return False
-        return True
+            return _stop(u, "an op with no rule that keeps a feature split")
+        return ""
 
     def is_largest_embedding(self, w) -> bool:
         return w.target == self.e.largest_embedding
@@ -292,6 +304,17 @@ _CONTRACTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default,
 def _shape(n):
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return tuple(v.shape) if hasattr(v, "shape") else None
+
+
+def _stop(u, what: str) -> str:
+    """``"`aten.mean.dim` at node `mean_3` (a norm over the split dim)"``: the op that
+    stops a split, for a plan note."""
+    return f"`{_aten_name(u)}` at node `{u.name}` ({what})"
+
+
+def _aten_name(node) -> str:
+    t = node.target
+    return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
 def _broadcast_dim(u, src, d):
@@ -374,6 +397,8 @@ class _Engine:
         self.batch_axes = self.dp_axes + tuple(policy.batch_axes)
         self.ann = annotate(self.gm)
         self.forced: set[str] = set()
+        # Linear -> why a re-plan holds it whole (the op that refused its split), for its note
+        self.forced_why: dict[str, str] = {}
         self.needs_grad = self._needs_grad()
         embs = [(n.args[0].meta["val"].numel(), n.args[0].target) for n in self.gm.graph.nodes
                 if n.op == "call_function" and n.target == aten.embedding.default
@@ -599,6 +624,8 @@ class _Engine:
                 # this pass goes on with the input gathered so that it finds every
                 # such Linear; its plan is discarded and the next replicates them
                 self.st_pending.add(origin)
+                self.forced_why.setdefault(origin, f"the split of its out features could not pass "
+                                                   f"{_stop(node, nr.reason)}")
                 try:
                     return self._gathered_choice(node, ann, ctx, nr)
                 except ShardingError:
@@ -737,7 +764,25 @@ class _Engine:
             kernel=choice.kernel, arg_steps=tuple(arg_steps),
             post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
             global_shape=gshape, local_shape=lshape, weight=weight, param_bytes=pbytes,
-            notes=tuple(n for n in choice.notes if n), fallback=choice.fallback)
+            notes=tuple(n for n in choice.notes if n) + self._whole_note(node, ann, in_specs, choice.notes),
+            fallback=choice.fallback)
+
+    def _whole_note(self, node, ann, in_specs: dict, notes: tuple) -> tuple[str, ...]:
+        """A note for a Linear or lookup whose weight the rule held whole over every
+        tensor-parallel axis without saying why (every held-whole weight must say why:
+        the plan reads as split otherwise); empty where it is split or already explained."""
+        tp = tuple(a for a in self.policy.tp_axes if a not in ("dp", "dep"))
+        if ann.kind not in ("linear", "embedding") or self.mesh.size(tp) <= 1 \
+                or any(n.startswith("whole:") for n in notes):
+            return ()
+        wp = linear_operands(node)[1] if ann.kind == "linear" else (0,)
+        w, req = _get(node, wp), in_specs.get(wp)
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and w.target in self.params and req is not None):
+            return ()
+        if set(req.axes) & set(tp):
+            return ()
+        return (f"whole: the {self.policy.name} rule found no split of `{w.target}` over "
+                f"{','.join(tp)} for `{_aten_name(node)}`",)
 
     def _track_origin(self, node, ann, choice, in_specs):
         if ann.kind == "linear" and not choice.kernel and isinstance(choice.out, ShardSpec) and choice.out.dims[-1]:

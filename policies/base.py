@@ -135,6 +135,8 @@ class RuleContext(Protocol):
         (:mod:`autoshard.passes.row_order`); ``i`` picks an output."""
     def forced_replicate(self, node) -> bool:
         """Whether a re-plan asked the Linear ``node`` to stay whole (its output split could not pass a later op)."""
+    def forced_reason(self, node) -> str:
+        """The op, node and reason that refused ``node``'s split in a re-plan (for the plan row's note)."""
     def default_out_spec(self, node) -> Any:
         """The spec of ``node``'s output when nothing splits it: replicated, with the batch rows kept split."""
     def output_segments(self, node) -> int:
@@ -142,6 +144,9 @@ class RuleContext(Protocol):
     def output_feeds_parallel_consumer(self, node) -> bool:
         """Whether ``node``'s output reaches another Linear, the loss or the graph
         output through ops that keep a feature split."""
+    def split_stop(self, node) -> str:
+        """The first op that stops a feature split of ``node``'s output on its way to a
+        consumer (op, node and reason), or ``''`` when none does."""
     def is_largest_embedding(self, w) -> bool:
         """Whether ``w`` is the largest embedding table of the graph (the vocabulary)."""
 

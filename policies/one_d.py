@@ -122,21 +122,24 @@ class OneD(Policy):
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated", notes=(note,) if note else ())
 
-        if c == 1 or ctx.forced_replicate(node):
-            return local("replicated: its output split could not pass a later op" if c > 1 else "")
+        if c == 1:
+            return local()
+        if ctx.forced_replicate(node):
+            return local("whole: " + (ctx.forced_reason(node) or "its out-feature split could not pass a later op"))
         if fixed is not None:
             if fixed.dims[nd] == tp:
                 return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), fixed.segments[nd]), fixed.segments[nd])
             if fixed.dims[kd] == tp and sx.dims[-1] == tp:
                 return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
             if fixed.is_replicated:
-                return local()
+                return local(f"whole: its weight `{w.target}` is held whole by an earlier use (a shared weight)")
         if sx.dims[-1] == tp and k % c == 0:
             return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
         m = ctx.output_segments(node)
-        if ctx.output_feeds_parallel_consumer(node) and n % (c * m) == 0:
+        stop = ctx.split_stop(node)
+        if not stop and n % (c * m) == 0:
             return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), m), m)
-        return local()
+        return local(_whole_note(stop, n, k, m, c, in_split=sx.dims[-1] == tp))
 
     def _column(self, ctx, xp, wp, bp, rows, rseg, ws, m):
         tp = self.tp_axes
@@ -193,7 +196,30 @@ class OneD(Policy):
                 k = VocabEmbedding(axes=tp, reduce=False, in_specs=ins, out_spec=out.with_partial(tp))
                 return Choice.run(k, weight=f"rows / {c}", notes=("partial sum, reduced after the add",))
             return Choice.run(VocabEmbedding(axes=tp, in_specs=ins, out_spec=out), weight=f"vocab / {c}")
-        return Choice(out=out, inputs={(0,): ShardSpec(dims=((), ())), (1,): si}, weight="replicated")
+        if c == 1:
+            why = ""
+        elif fixed is not None:
+            why = f"whole: its table `{w.target}` is held whole by an earlier use (a shared weight)"
+        elif V % c:
+            why = f"whole: {V} rows do not divide tp {c}"
+        else:
+            why = ("whole: 1d splits the largest table and tables summed with a split lookup; this one is "
+                   "smaller and its lookup is not summed with one")
+        return Choice(out=out, inputs={(0,): ShardSpec(dims=((), ())), (1,): si}, weight="replicated",
+                      notes=(why,) if why else ())
+
+
+def _whole_note(stop: str, n: int, k: int, m: int, c: int, *, in_split: bool) -> str:
+    """The note of a Linear 1d holds whole: why neither its out features (column) nor
+    its in features (row) split over tp (size ``c``)."""
+    why = [f"its input arrives split on {k} in features, which do not divide tp {c}" if in_split
+           else "its input arrives with whole in features (no row split)"]
+    if stop:
+        why.append(f"the split of its out features could not pass {stop}")
+    else:
+        blocks = f" × {m} fused blocks" if m > 1 else ""
+        why.append(f"{n} out features do not divide tp {c}{blocks}")
+    return "whole: " + "; ".join(why)
 
 
 def _summed_with_split_lookup(ctx: RuleContext, c: int) -> bool:

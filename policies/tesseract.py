@@ -147,8 +147,7 @@ class Tesseract(Policy):
             ins = {xp: req, wp: wspec(), **offs}
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
-            return Choice(out=req, inputs=ins, weight="replicated",
-                          notes=("replicated weight: features not divisible or split could not pass",))
+            return Choice(out=req, inputs=ins, weight="replicated", notes=(_whole_note(ctx, node, w, fixed, k, q),))
         if fixed is not None and fixed.dims[nd] == () and fixed.dims[kd] == C:
             return self._tied_head(ctx, xp, wp, bp, rows, rseg, wspec((), C), n)
         m = ctx.output_segments(node)
@@ -174,7 +173,9 @@ class Tesseract(Policy):
         ins = {xp: req, wp: wspec(), **offs}
         if bp:
             ins[bp] = ShardSpec(dims=((),))
-        return Choice(out=req, inputs=ins, weight="replicated", notes=("out features not divisible by q",))
+        n = ctx.pshape(get_arg(ctx.node, wp))[linear_operands(ctx.node)[3]]
+        return Choice(out=req, inputs=ins, weight="replicated",
+                      notes=(f"whole: {n} out features do not divide q {self.q}",))
 
     # --------------------------------------------------------------- embedding
     def embedding(self, ctx: RuleContext) -> Choice:
@@ -189,8 +190,20 @@ class Tesseract(Policy):
         if (fixed is None and h % self.q == 0) or (fixed is not None and fixed.dims == ((), C)):
             return Choice(out=ShardSpec(dims=si.dims + (C,)), inputs={(0,): ShardSpec(dims=((), C)), (1,): si},
                           weight=f"[vocab, hidden/{self.q} over col]")
+        why = (f"whole: its table `{w.target}` is held as {fixed} by an earlier use" if fixed is not None
+               else f"whole: hidden {h} does not divide q {self.q}")
         return Choice(out=ShardSpec(dims=si.dims + ((),)), inputs={(0,): ShardSpec(dims=((), ())), (1,): si},
-                      weight="replicated")
+                      weight="replicated", notes=(why,))
+
+
+def _whole_note(ctx: RuleContext, node, w, fixed, k: int, q: int) -> str:
+    """Why a SUMMA Linear holds its weight whole: a re-plan, a shared weight held whole,
+    or in features that do not divide the grid side ``q``."""
+    if ctx.forced_replicate(node):
+        return "whole: " + (ctx.forced_reason(node) or "its out-feature split could not pass a later op")
+    if fixed is not None and fixed.is_replicated:
+        return f"whole: its weight `{w.target}` is held whole by an earlier use (a shared weight)"
+    return f"whole: {k} in features do not divide q {q}"
 
 
 class TwoD(Tesseract):

@@ -150,7 +150,7 @@ class ThreeD(Policy):
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated",
-                          notes=("replicated weight: features not divisible by q / q² or split could not pass",))
+                          notes=(_whole_note(ctx, node, w, fixed, n, k, q, grouped),))
         rows_in = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
         if grouped:
             return self._grouped(ctx, node, xp, wp, rows_in, wspec, m, A, B, C)
@@ -202,5 +202,25 @@ class ThreeD(Policy):
         if C is not None and h % self.q == 0 and (fixed is None or fixed.dims == ((), (C,))):
             return Choice(out=ShardSpec(dims=si.dims + ((C,),)), inputs={(0,): ShardSpec(dims=((), (C,))), (1,): si},
                           weight=f"[vocab, hidden/{self.q} over {C}]")
+        if C is None:
+            why = "whole: the ids' split uses every axis that could split the hidden dim"
+        elif h % self.q:
+            why = f"whole: hidden {h} does not divide q {self.q}"
+        else:
+            why = f"whole: its table `{w.target}` is held as {fixed} by an earlier use"
         return Choice(out=ShardSpec(dims=si.dims + ((),)), inputs={(0,): ShardSpec(dims=((), ())), (1,): si},
-                      weight="replicated")
+                      weight="replicated", notes=(why,))
+
+
+def _whole_note(ctx: RuleContext, node, w, fixed, n: int, k: int, q: int, grouped: bool) -> str:
+    """Why a 3D Linear holds its weight whole: a re-plan, a shared weight held whole, or
+    features that do not divide the cube's splits (``k`` by q, ``n`` by q²; a per-expert
+    Linear the other way round)."""
+    if ctx.forced_replicate(node):
+        return "whole: " + (ctx.forced_reason(node) or "its out-feature split could not pass a later op")
+    if fixed is not None and fixed.is_replicated:
+        return f"whole: its weight `{w.target}` is held whole by an earlier use (a shared weight)"
+    kq, nq = (q * q, q) if grouped else (q, q * q)
+    why = ([f"{k} in features do not divide {kq}"] if k % kq else []) + \
+        ([f"{n} out features do not divide {nq}"] if n % nq else [])
+    return "whole: " + ("; ".join(why) or "no split of its features fits")

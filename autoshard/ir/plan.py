@@ -205,6 +205,11 @@ class ParamPlan:
         return n * self.dtype_bytes
 
 
+#: ``shard()`` warns when the parameter bytes per rank exceed this many times the
+#: mode's ideal (:meth:`ShardingPlan.whole_report`)
+WHOLE_LIMIT = 1.25
+
+
 def _spec_to_json(s):
     if s is None:
         return None
@@ -327,6 +332,53 @@ class ShardingPlan:
                 if flops else 0.0,
                 "replicated": [p.name for p in whole[:8]],
                 "held_back": [name for b, name in reversed(excess[-5:]) if b > 0]}
+
+    def whole_report(self, limit: float = WHOLE_LIMIT, top: int = 4) -> str:
+        """A sentence naming the largest parameters held whole and why, when the
+        parameter bytes per rank exceed ``limit`` times the mode's ideal
+        (:meth:`parallel_fraction`'s ``vs_ideal``); empty otherwise. ``shard()`` warns
+        with it and ``autoshard check`` prints it.
+
+        >>> from autoshard.ir.mesh import Mesh
+        >>> from autoshard.ir.spec import ShardSpec
+        >>> whole = ShardSpec(dims=((), ()))
+        >>> p = ShardingPlan(model="m", mode="1d", mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
+        ...                  batch_axes=(), batch_size=1, seq_len=1, params=(
+        ...     ParamPlan(name="q.weight", global_shape=(4, 4), spec=whole, grad_sync=()),),
+        ...     nodes=(NodePlan(name="linear", op="linear", kind="linear", module="q", out_spec=whole,
+        ...                     weight="replicated", notes=("whole: 4 out features do not divide tp 8",)),))
+        >>> print(p.whole_report())
+        parameter bytes per rank are 2.00× the 1d ideal (dense / 2): held whole: q.weight (64 B; linear: whole: 4 out features do not divide tp 8)
+        """
+        f = self.parallel_fraction()
+        if f["vs_ideal"] <= limit:
+            return ""
+        tp = set(self.tp_axes) - {"dp", "dep"}
+        whole = sorted((p for p in self.params if not p.is_buffer and not tp & set(p.spec.axes)),
+                       key=lambda p: (-p.local_bytes(self.mesh), p.name))
+        why = self._whole_reasons()
+        items = [f"{p.name} ({p.local_bytes(self.mesh):,} B" + (f"; {why[p.name]}" if p.name in why else "") + ")"
+                 for p in whole[:top]]
+        more = f", … ({len(whole) - top} more)" if len(whole) > top else ""
+        return (f"parameter bytes per rank are {f['vs_ideal']:.2f}× the {self.mode} ideal (dense / {self.weight_ways})"
+                + (f": held whole: {', '.join(items)}{more}" if items else ""))
+
+    def _whole_reasons(self) -> dict[str, str]:
+        """Parameter name -> ``"node: whole: why"`` from the first plan row of the
+        parameter's module (its name less the last part) with a "whole:" note."""
+        rows: dict[str, str] = {}
+        for n in self.nodes:
+            note = next((x for x in n.notes if x.startswith("whole:")), None)
+            if note is not None and n.module:
+                rows.setdefault(n.module, f"{n.name}: {note}")
+        out = {}
+        for p in self.params:
+            for name in (p.name,) + tuple(p.aliases):
+                why = rows.get(name.rpartition(".")[0])
+                if why:
+                    out[p.name] = why
+                    break
+        return out
 
     @property
     def weight_ways(self) -> int:

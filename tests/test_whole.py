@@ -1,0 +1,108 @@
+"""Every weight held whole says why (a plan note naming the ATen op or the size that
+stopped the split), and ``shard()`` / ``autoshard check`` warn when whole weights keep
+the parameter bytes per rank above the mode's ideal (docs/design.md, the plan table's
+notes). Planned offline on 2 ranks of 1d: no processes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import autoshard
+from autoshard import api
+from autoshard.cli import main
+from autoshard.ir.errors import AutoshardWarning
+from autoshard.ir.plan import WHOLE_LIMIT
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+
+
+def _plan(cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autoshard.plan(cfg, world_size=2, mode="1d")
+
+
+@pytest.fixture(scope="module")
+def olmo2():
+    """q/k RMSNorms over the whole projection (not per head): q, k and o stay whole in 1d."""
+    torch.manual_seed(0)
+    return _plan(transformers.Olmo2Config(**TINY, num_key_value_heads=4))
+
+
+@pytest.fixture(scope="module")
+def llama_kv1():
+    """One kv head at tp 2: k_proj's split cannot pass the rotary embedding's slice."""
+    return _plan(transformers.LlamaConfig(**TINY, num_key_value_heads=1))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """kv heads divisible by tp: everything splits."""
+    return _plan(transformers.LlamaConfig(**TINY, num_key_value_heads=2))
+
+
+def _whole(plan):
+    return [n for n in plan.nodes if n.kind in ("linear", "embedding") and n.weight == "replicated"]
+
+
+def _why(n) -> str:
+    return next((x for x in n.notes if x.startswith("whole:")), "")
+
+
+def test_every_whole_weight_says_why(olmo2, llama_kv1, llama):
+    for plan in (olmo2, llama_kv1, llama):
+        silent = [n.name for n in _whole(plan) if not _why(n)]
+        assert not silent, f"{plan.model}: weights held whole with no note: {silent}"
+
+
+def test_qk_norm_over_the_whole_projection_is_named(olmo2):
+    whole = {n.module.rsplit(".", 1)[-1] for n in _whole(olmo2) if n.kind == "linear"}
+    assert whole == {"q_proj", "k_proj", "o_proj"}
+    for n in _whole(olmo2):
+        if n.module.endswith(("q_proj", "k_proj")):
+            assert "could not pass `aten.mean.dim` at node `mean" in _why(n), n.notes
+            assert "a norm over the split dim" in _why(n)
+    assert not olmo2.fallbacks       # whole, not a fallback: the table's note is the only word
+
+
+def test_single_kv_head_names_the_op_that_refused(llama_kv1):
+    k = [n for n in _whole(llama_kv1) if n.module.endswith("k_proj")]
+    assert len(k) == 2
+    for n in k:
+        why = _why(n)
+        assert why.startswith("whole: the split of its out features could not pass `aten."), why
+        assert "at node `" in why
+    assert "whole:" in str(llama_kv1.table().columns[-1]._cells)      # the table shows the note
+
+
+def test_warning_names_the_largest_whole_weights(olmo2):
+    f = olmo2.parallel_fraction()
+    assert f["vs_ideal"] > WHOLE_LIMIT
+    report = olmo2.whole_report()
+    assert f"{f['vs_ideal']:.2f}× the 1d ideal" in report
+    assert "self_attn.q_proj.weight" in report and "`aten.mean.dim`" in report
+    with pytest.warns(AutoshardWarning, match=r"held whole: model\.layers\.\d\.self_attn\.[qko]_proj\.weight"):
+        api._warn_whole(olmo2)
+
+
+def test_fully_split_model_does_not_warn(llama):
+    assert not _whole(llama)
+    assert llama.parallel_fraction()["vs_ideal"] <= WHOLE_LIMIT and llama.whole_report() == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api._warn_whole(llama)
+
+
+def test_check_shows_the_warning(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    transformers.Olmo2Config(**TINY, num_key_value_heads=4).to_json_file(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["check", str(path), "-w", "2", "-m", "1d"])
+    out = capsys.readouterr().out
+    assert "warning: parameter bytes per rank are" in out and "q_proj.weight" in out
+    assert "could not pass `aten.mean.dim` (a norm over the split dim)" in out      # grouped over layers
