@@ -40,7 +40,27 @@ class ShardedModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
                  input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False,
-                 batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None):
+                 batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None,
+                 limits: dict | None = None, seq_split: int = 1, config=None):
+        """Wrap this rank's rewritten ``gm`` (what :func:`autoshard.shard` builds).
+
+        Args:
+            gm: the rewritten graph module; its children become this module's (HF names).
+            plan: the plan ``gm`` was rewritten under.
+            rank: this rank in the default process group.
+            groups: axes label -> process-group name.
+            input_names: the keyword arguments the graph takes, in order.
+            constants: non-tensor keyword arguments baked into the graph.
+            example_inputs: the inputs the graph was captured with (its signature).
+            debug: compare a checksum of each call's inputs across the TP ranks.
+            batch_inputs: the inputs whose first dim is the batch.
+            pad_blocker: why padding the batch would not be exact, or None.
+            recipe: how to rebuild the model for a new graph (None: no recapture, no generate).
+            limits: ``{"vocab_size": (name, n), "max_positions": (name, n)}`` a call's
+                inputs are checked against.
+            seq_split: what a call's sequence length must divide (1d-sp: the TP size).
+            config: the Hugging Face config of the model sharded.
+        """
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
         first = SignatureGraph(gm, plan, tuple(input_names), dict(constants), InputSignature.of(example_inputs),
@@ -61,11 +81,11 @@ class ShardedModule(nn.Module):
         # every local shape against the plan (autoshard.runtime.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
         self.self_check = os.environ.get("AUTOSHARD_SELF_CHECK", "1") != "0"
         self._checked: set[int] = set()
-        self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
-        self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())
+        self._limits: dict = dict(limits or {})
+        self._seq_split = seq_split
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
         self._compiled: dict = {}
-        self._config = None
+        self._config = config
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
@@ -187,6 +207,29 @@ class ShardedModule(nn.Module):
         return self.mesh.size(self.plan.batch_axes) if self.plan.batch_axes else 1
 
     @property
+    def recipe(self) -> "Recipe | None":
+        """How :func:`autoshard.shard` made this module: the model's class and config, the
+        policy and options (what a new graph is captured, planned and rewritten with);
+        None where the model was not a transformers model with a config."""
+        return self._recipe
+
+    @property
+    def limits(self) -> dict:
+        """What a call's inputs are checked against: ``{"vocab_size": (name, n),
+        "max_positions": (name, n)}`` (each where known; a copy)."""
+        return dict(self._limits)
+
+    @property
+    def generator(self):
+        """The :class:`autoshard.generate.Generator` holding :meth:`generate`'s step graphs
+        (made on first use)."""
+        if self._generator is None:
+            from .generate import Generator
+
+            self._generator = Generator(self)
+        return self._generator
+
+    @property
     def model_class(self) -> type | None:
         """The class of the model this module was sharded from (None if not a transformers model)."""
         return self._recipe.model_class if self._recipe is not None else None
@@ -248,10 +291,8 @@ class ShardedModule(nn.Module):
 
             out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32)
         """
-        from .generate import LEN_QUANTUM, Generator, sharded_lm
+        from .generate import LEN_QUANTUM, sharded_lm
 
-        if self._generator is None:
-            self._generator = Generator(self)
         if input_ids.dim() != 2:
             raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape {list(input_ids.shape)}")
         b, p = input_ids.shape
