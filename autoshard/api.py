@@ -316,9 +316,16 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
     sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
                        constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
                        recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,
-                       limits=_input_limits(config, facts.seq_range), seq_split=pol.seq_split(), config=config)
+                       limits=_input_limits(config, facts.seq_range), seq_split=pol.seq_split(), config=config,
+                       model_tensors=_tensor_names(model))
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     return sm
+
+
+def _tensor_names(model: torch.nn.Module) -> frozenset:
+    """The names of ``model``'s parameters and buffers (tied ones under each name)."""
+    return frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) | \
+        frozenset(n for n, _ in model.named_buffers(remove_duplicate=False))
 
 
 def _sp_mode(mode: str, sequence_parallel: bool, where: str) -> str:

@@ -41,7 +41,7 @@ class ShardedModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
                  input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False,
                  batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None,
-                 limits: dict | None = None, seq_split: int = 1, config=None):
+                 limits: dict | None = None, seq_split: int = 1, config=None, model_tensors: frozenset = frozenset()):
         """Wrap this rank's rewritten ``gm`` (what :func:`autoshard.shard` builds).
 
         Args:
@@ -60,6 +60,9 @@ class ShardedModule(nn.Module):
                 inputs are checked against.
             seq_split: what a call's sequence length must divide (1d-sp: the TP size).
             config: the Hugging Face config of the model sharded.
+            model_tensors: the names of the model's parameters and buffers: those of
+                ``gm``'s own (top-level) tensors among them are this module's too (the
+                others are constants export lifted out of the forward).
         """
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
@@ -67,9 +70,7 @@ class ShardedModule(nn.Module):
                        frozenset(batch_inputs), pad_blocker)
         object.__setattr__(self, "_graphs", [first])
         self._recipe = recipe
-        for name, child in gm.named_children():
-            if not name.startswith("_"):
-                self.add_module(name, child)
+        self._adopt(gm, model_tensors)
         self.plan = plan
         self.rank = rank
         self.groups = groups
@@ -91,6 +92,22 @@ class ShardedModule(nn.Module):
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
         self.set_grad_sync()
+
+    def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
+        """Take ``gm``'s children and the model's top-level tensors as this module's, in
+        the model's order (its own tensors first, as ``nn.Module.state_dict`` lists them):
+        BART's ``final_logits_bias`` is in ``state_dict()`` and loads as the children's
+        tensors do, persistent or not as the model registered it."""
+        persistent = set(gm.state_dict(keep_vars=True))
+        for name, p in gm.named_parameters(recurse=False):
+            if name in model_tensors:
+                self.register_parameter(name, p)
+        for name, b in gm.named_buffers(recurse=False):
+            if name in model_tensors:
+                self.register_buffer(name, b, persistent=name in persistent)
+        for name, child in gm.named_children():
+            if not name.startswith("_"):
+                self.add_module(name, child)
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
         """(Re-)register the gradient hooks that all-reduce each parameter's gradient
