@@ -16,6 +16,7 @@ from torch import fx
 
 from ..ir.plan import ShardingPlan
 from ..ir.signature import batch_inputs, pad_blocker
+from ..policies.base import Policy
 
 __all__ = ["LaunchFacts", "Launched", "non_persistent_buffers", "mark_non_persistent"]
 
@@ -87,7 +88,7 @@ class Launched:
 
     gm: fx.GraphModule
     plan: ShardingPlan
-    policy: object
+    policy: Policy
     groups: dict
     facts: LaunchFacts
     from_cache: bool = False

@@ -71,6 +71,10 @@ def _face(sm) -> dict:
         "buffers": [(n, tuple(b.shape), b.dtype, n in sd) for n, b in sm.named_buffers(remove_duplicate=False)],
         "config": None if sm.config is None else sm.config.to_dict(),
         "training": sm.training,
+        "limits": sm.limits,
+        "recipe": None if sm.recipe is None else (sm.recipe.model_class, sm.recipe.policy.name, sm.recipe.training,
+                                                  sm.recipe.batch_size, sm.recipe.seq_len),
+        "signatures": sm.signatures,
     }
 
 
