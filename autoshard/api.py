@@ -13,10 +13,11 @@ import torch.distributed as dist
 from .ir.errors import AutoshardWarning, ConfigError, ShardingError
 from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
-from .ir.signature import Recipe, batch_inputs, pad_blocker
+from .ir.signature import Recipe, pad_blocker
 from .ir.plan import ShardingPlan
 from .launch.capture_share import capture_for_plan, capture_shared
 from .launch import launch_cache
+from .launch.launched import LaunchFacts, Launched
 from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
@@ -201,33 +202,55 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
                              weights_given=weights is not None, environ=os.environ)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
+    search_with = None      # mode="auto": what the layout is searched with
     if mode == "auto":      # the layout is the search's: the key names what it searches with
         from .planning.cost import Cluster, default_cluster
 
-        clus = Cluster.preset(cluster) if cluster is not None else default_cluster()
-        layout = dict(policy="auto", cluster=repr(clus), depth=depth, dp=dp)
+        search_with = dict(cluster=Cluster.preset(cluster) if cluster is not None else default_cluster(),
+                           depth=depth, dp=dp)
+        layout = dict(policy="auto", cluster=repr(search_with["cluster"]), depth=depth, dp=dp)
     else:
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
     key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
                                                          dropout=dropout, **layout)
     entry = None if captured is not None else _launch_entry(key, model)     # every rank passes captured= alike
     if entry is not None:       # every rank has its own: no capture, no search, no planning, no rewrite
-        p = entry.plan
-        if mode == "auto":
-            pol = POLICIES[entry.facts["mode"]](p.mesh)
-            _report_auto(model, pol, example_inputs, world)
-        groups = _setup_groups(p, rank, world)
-        gm = launch_cache.rebuild(entry, model, rank, groups)
-        return _finish(model, gm, p, pol, groups, entry.facts, rank=rank, weights=weights, debug=debug,
-                       activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                       dropout=dropout).place(device)
-    cap = captured or capture_shared(model, example_inputs=example_inputs)
-    if mode == "auto":      # deterministic: every rank picks the same candidate
+        launched = _relaunch(entry, model, pol, mode=mode, example_inputs=example_inputs, rank=rank, world=world)
+    else:
+        launched = _launch_full(model, captured or capture_shared(model, example_inputs=example_inputs), pol,
+                                search_with=search_with, example_inputs=example_inputs,
+                                gather_logits=gather_logits, dropout=dropout, rank=rank, world=world)
+        if key is not None:
+            launch_cache.store(key, launched.gm, launched.plan, launched.groups, launched.facts.to_dict())
+    return _finish(model, launched, rank=rank, weights=weights, debug=debug,
+                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                   dropout=dropout).place(device)
+
+
+def _relaunch(entry, model, pol, *, mode: str, example_inputs, rank: int, world: int) -> Launched:
+    """The launch rebuilt from this rank's launch-cache ``entry`` (``pol``: the policy
+    asked for; ``mode="auto"``: the one the entry names)."""
+    p = entry.plan
+    facts = LaunchFacts.from_dict(entry.facts)
+    if mode == "auto":
+        pol = POLICIES[facts.mode](p.mesh)
+        _report_auto(model, pol, example_inputs, world)
+    groups = _setup_groups(p, rank, world)
+    return Launched(gm=launch_cache.rebuild(entry, model, rank, groups), plan=p, policy=pol, groups=groups,
+                    facts=facts, from_cache=True)
+
+
+def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example_inputs, gather_logits: bool,
+                 dropout: str, rank: int, world: int) -> Launched:
+    """The launch the whole way: ``cap`` planned under ``pol`` (``search_with``: the
+    cluster, depth and dp ``mode="auto"`` searches the layout with instead) and
+    rewritten for this rank."""
+    if search_with is not None:     # deterministic: every rank picks the same candidate
         from .planning.search import search
 
         ids = cap.example_inputs["input_ids"]
-        pol = search(cap, world_size=world, cluster=clus, depth=depth, dp=dp,
-                     batch_size=int(ids.shape[0]) * dp, seq_len=int(ids.shape[1])).best.candidate.policy()
+        pol = search(cap, world_size=world, batch_size=int(ids.shape[0]) * search_with["dp"],
+                     seq_len=int(ids.shape[1]), **search_with).best.candidate.policy()
         _report_auto(model, pol, example_inputs, world)
     cap = prepare(cap, pol)     # the vocabulary padded to the split: plan and rewrite the same module
     ids = cap.example_inputs["input_ids"]
@@ -245,15 +268,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                       gather_outputs=gather_logits, dropout=dropout)
     groups = _setup_groups(p, rank, world)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
-    facts = dict(mode=pol.name, input_names=cap.input_names, constants=cap.constants, example_inputs=cap.example_inputs,
-                 training=cap.training, seq_range=cap.seq_range, guards=cap.guards,
-                 batch_inputs=batch_inputs(cap.module, cap.batch_symbol), pad_blocker=blocker,
-                 batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
-    if key is not None:
-        launch_cache.store(key, gm, p, groups, facts)
-    return _finish(model, gm, p, pol, groups, facts, rank=rank, weights=weights, debug=debug,
-                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                   dropout=dropout).place(device)
+    facts = LaunchFacts.of_capture(cap, gm, mode=pol.name, batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
+    return Launched(gm=gm, plan=p, policy=pol, groups=groups, facts=facts)
 
 
 def _report_auto(model, pol, example_inputs, world: int) -> None:
@@ -300,9 +316,10 @@ def _setup_groups(p: ShardingPlan, rank: int, world: int) -> dict:
     return plan_groups(p, rank)
 
 
-def _finish(model, gm, p: ShardingPlan, pol, groups: dict, facts: dict, *, rank: int, weights, debug: bool,
-            activation_checkpointing: bool, gather_logits: bool, dropout: str) -> ShardedModule:
-    """The ShardedModule of this rank's rewritten ``gm`` (weights filled, blocks checkpointed)."""
+def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activation_checkpointing: bool,
+            gather_logits: bool, dropout: str) -> ShardedModule:
+    """The ShardedModule of this rank's launch (weights filled, blocks checkpointed)."""
+    gm, p, pol, facts = launched.gm, launched.plan, launched.policy, launched.facts
     if activation_checkpointing:
         from .passes.remat import checkpoint_blocks
 
@@ -311,19 +328,22 @@ def _finish(model, gm, p: ShardingPlan, pol, groups: dict, facts: dict, *, rank:
         weights(gm, p, rank)
     config = getattr(model, "config", None)
     recipe = None if config is None else Recipe(
-        model_class=type(model), config=config, training=facts["training"], policy=pol,
-        batch_size=facts["batch_size"], seq_len=facts["seq_len"], gather_outputs=gather_logits, dropout=dropout,
+        model_class=type(model), config=config, training=facts.training, policy=pol,
+        batch_size=facts.batch_size, seq_len=facts.seq_len, gather_outputs=gather_logits, dropout=dropout,
         activation_checkpointing=activation_checkpointing)
-    sm = ShardedModule(gm, p, rank=rank, groups=groups, input_names=facts["input_names"],
-                       constants=facts["constants"], example_inputs=facts["example_inputs"], debug=debug,
-                       recipe=recipe, batch_inputs=facts["batch_inputs"], pad_blocker=facts["pad_blocker"])
-    sm._limits, sm.config = _input_limits(config), config
-    sm._seq_split = pol.seq_split()
+    sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
+                       constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
+                       recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,
+                       limits=_input_limits(config, facts.seq_range), seq_split=pol.seq_split(), config=config,
+                       model_tensors=_tensor_names(model))
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
-    hi = facts["seq_range"][1]
-    if hi < sm._limits.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer sequences
-        sm._limits["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return sm
+
+
+def _tensor_names(model: torch.nn.Module) -> frozenset:
+    """The names of ``model``'s parameters and buffers (tied ones under each name)."""
+    return frozenset(n for n, _ in model.named_parameters(remove_duplicate=False)) | \
+        frozenset(n for n, _ in model.named_buffers(remove_duplicate=False))
 
 
 def _sp_mode(mode: str, sequence_parallel: bool, where: str) -> str:
@@ -350,8 +370,9 @@ def _warn_placement(mesh, world: int) -> None:
              f"dp (or 2.5d depth) across nodes", AutoshardWarning, stacklevel=3)
 
 
-def _input_limits(config) -> dict:
-    """What a call's inputs are checked against: vocabulary and positions."""
+def _input_limits(config, seq_range: tuple | None = None) -> dict:
+    """What a call's inputs are checked against: vocabulary and positions (the lower of
+    the model's maximum and the longest sequence the capture was proven for, ``seq_range``)."""
     out = {}
     for key, names in (("vocab_size", ("vocab_size",)), ("max_positions", ("max_position_embeddings", "n_positions"))):
         for n in names:
@@ -359,6 +380,9 @@ def _input_limits(config) -> dict:
             if isinstance(v, int) and v > 0:
                 out[key] = (n, v)
                 break
+    hi = seq_range[1] if seq_range is not None else None
+    if hi is not None and hi < out.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer ones
+        out["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return out
 
 

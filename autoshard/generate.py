@@ -387,7 +387,7 @@ class Generator:
         return self.graphs[key]
 
     def _recipe(self):
-        r = self.module._recipe
+        r = self.module.recipe
         if r is None:
             raise ConfigError("generate() needs a module sharded from a Hugging Face model (its class and config "
                               "rebuild the model for the step graphs)")
@@ -462,7 +462,7 @@ def sharded_lm(module, *, max_len: int, batch: int):
     from transformers import GenerationMixin
     from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
 
-    gen = module._generator
+    gen = module.generator
     _, decode_plan = gen.graph(prefill=False, max_len=max_len, batch=batch)
     keys, values = gen.cache(decode_plan, batch, max_len, module.device, module.dtype)
     cache = _cache_class()(keys, values, max_len)

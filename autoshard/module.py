@@ -40,16 +40,37 @@ class ShardedModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
                  input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False,
-                 batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None):
+                 batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None,
+                 limits: dict | None = None, seq_split: int = 1, config=None, model_tensors: frozenset = frozenset()):
+        """Wrap this rank's rewritten ``gm`` (what :func:`autoshard.shard` builds).
+
+        Args:
+            gm: the rewritten graph module; its children become this module's (HF names).
+            plan: the plan ``gm`` was rewritten under.
+            rank: this rank in the default process group.
+            groups: axes label -> process-group name.
+            input_names: the keyword arguments the graph takes, in order.
+            constants: non-tensor keyword arguments baked into the graph.
+            example_inputs: the inputs the graph was captured with (its signature).
+            debug: compare a checksum of each call's inputs across the TP ranks.
+            batch_inputs: the inputs whose first dim is the batch.
+            pad_blocker: why padding the batch would not be exact, or None.
+            recipe: how to rebuild the model for a new graph (None: no recapture, no generate).
+            limits: ``{"vocab_size": (name, n), "max_positions": (name, n)}`` a call's
+                inputs are checked against.
+            seq_split: what a call's sequence length must divide (1d-sp: the TP size).
+            config: the Hugging Face config of the model sharded.
+            model_tensors: the names of the model's parameters and buffers: those of
+                ``gm``'s own (top-level) tensors among them are this module's too (the
+                others are constants export lifted out of the forward).
+        """
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
         first = SignatureGraph(gm, plan, tuple(input_names), dict(constants), InputSignature.of(example_inputs),
                        frozenset(batch_inputs), pad_blocker)
         object.__setattr__(self, "_graphs", [first])
         self._recipe = recipe
-        for name, child in gm.named_children():
-            if not name.startswith("_"):
-                self.add_module(name, child)
+        self._adopt(gm, model_tensors)
         self.plan = plan
         self.rank = rank
         self.groups = groups
@@ -62,16 +83,32 @@ class ShardedModule(nn.Module):
         self.self_check = os.environ.get("AUTOSHARD_SELF_CHECK", "1") != "0"
         self._checked: set[int] = set()
         self._ids_checked: set[str] = set()      # signatures whose token ids were range-checked on a GPU
-        self._limits: dict = {}      # {"vocab_size": (name, n), "max_positions": (name, n)}, set by shard()
-        self._seq_split = 1          # 1d-sp: a call's sequence must divide it (set by shard())
+        self._limits: dict = dict(limits or {})
+        self._seq_split = seq_split
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
         self._compiled: dict = {}
-        self._config = None
+        self._config = config
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
         self.set_grad_sync()
+
+    def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
+        """Take ``gm``'s children and the model's top-level tensors as this module's, in
+        the model's order (its own tensors first, as ``nn.Module.state_dict`` lists them):
+        BART's ``final_logits_bias`` is in ``state_dict()`` and loads as the children's
+        tensors do, persistent or not as the model registered it."""
+        persistent = set(gm.state_dict(keep_vars=True))
+        for name, p in gm.named_parameters(recurse=False):
+            if name in model_tensors:
+                self.register_parameter(name, p)
+        for name, b in gm.named_buffers(recurse=False):
+            if name in model_tensors:
+                self.register_buffer(name, b, persistent=name in persistent)
+        for name, child in gm.named_children():
+            if not name.startswith("_"):
+                self.add_module(name, child)
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
         """(Re-)register the gradient hooks that all-reduce each parameter's gradient
@@ -219,6 +256,29 @@ class ShardedModule(nn.Module):
         return self.mesh.size(self.plan.batch_axes) if self.plan.batch_axes else 1
 
     @property
+    def recipe(self) -> "Recipe | None":
+        """How :func:`autoshard.shard` made this module: the model's class and config, the
+        policy and options (what a new graph is captured, planned and rewritten with);
+        None where the model was not a transformers model with a config."""
+        return self._recipe
+
+    @property
+    def limits(self) -> dict:
+        """What a call's inputs are checked against: ``{"vocab_size": (name, n),
+        "max_positions": (name, n)}`` (each where known; a copy)."""
+        return dict(self._limits)
+
+    @property
+    def generator(self):
+        """The :class:`autoshard.generate.Generator` holding :meth:`generate`'s step graphs
+        (made on first use)."""
+        if self._generator is None:
+            from .generate import Generator
+
+            self._generator = Generator(self)
+        return self._generator
+
+    @property
     def model_class(self) -> type | None:
         """The class of the model this module was sharded from (None if not a transformers model)."""
         return self._recipe.model_class if self._recipe is not None else None
@@ -280,10 +340,8 @@ class ShardedModule(nn.Module):
 
             out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32)
         """
-        from .generate import LEN_QUANTUM, Generator, sharded_lm
+        from .generate import LEN_QUANTUM, sharded_lm
 
-        if self._generator is None:
-            self._generator = Generator(self)
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)

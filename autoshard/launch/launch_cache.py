@@ -37,6 +37,7 @@ from ..runtime import selfcheck
 from ..passes.pad import zero_padded
 from ..passes.rewrite import slice_params
 from . import cache_dir
+from .launched import mark_non_persistent
 
 __all__ = ["LaunchEntry", "ShapeOnly", "launch_key", "entry_of", "fits", "rebuild", "enabled", "read", "write", "store"]
 
@@ -279,7 +280,8 @@ def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
 def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict) -> fx.GraphModule:
     """This rank's rewritten module from ``entry``: its graph, ``model``'s own weights
     sliced through the plan (the vocabulary padded first where the plan padded it),
-    group arguments renamed to this launch's groups, export's input guards rebuilt."""
+    group arguments renamed to this launch's groups, export's input guards rebuilt, the
+    buffers the model keeps out of its ``state_dict`` kept out again."""
     from torch.export import _unlift
 
     names = {label: groups[label] for label in entry.groups}
@@ -321,6 +323,7 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
     for k, v in vars(root).items():
         if isinstance(v, torch.Tensor):
             gm.__dict__[k] = v
+    mark_non_persistent(gm, entry.facts.get("non_persistent", ()))     # state_dict() leaves them out, as the model's
     slice_params(gm, plan, plan.mesh, rank)
     gm.recompile()
     return gm

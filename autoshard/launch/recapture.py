@@ -84,11 +84,11 @@ def rewrite_bound(module, cap, p, built):
 def capture_graph(module, kwargs: dict):
     """Capture, plan and rewrite ``module``'s model for the inputs of ``kwargs``; return
     the module's new graph entry (its parameters bound to the module's own)."""
-    r = module._recipe
+    r = module.recipe
     t0 = time.perf_counter()
     built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype)
     built.model.train(r.training)
-    lim = module._limits.get("max_positions")
+    lim = module.limits.get("max_positions")
     example = meta_example(kwargs, max_seq=lim[1] if lim else None)
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
     cap = prepare(cap, r.policy)
