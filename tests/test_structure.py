@@ -220,3 +220,38 @@ def test_every_public_policy_name_has_a_docstring():
     assert not found, "public names in policies/ without a docstring:\n" + "\n".join(found)
     probe = 'class P:\n    """A mode."""\n\n    def linear(self):\n        return 1\n\n    def _helper(self):\n        pass\n'
     assert undocumented(probe, "p.py") == ["p.py:4 P.linear"]
+
+
+def _own_private_fields(tree: ast.AST) -> set[str]:
+    """The ``_fields`` a module's classes assign on ``self``."""
+    return {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+            and n.attr.startswith("_") and not n.attr.startswith("__") and isinstance(n.ctx, ast.Store)}
+
+
+def private_field_reaches(sources: dict[str, str]) -> list[str]:
+    """``obj._field`` (``obj`` not ``self`` / ``cls``) where ``_field`` is a private field
+    that another module's class assigns on ``self`` and this module does not: one module
+    reaching into another's object state (``module._generator`` read from generate.py)."""
+    trees = {m: ast.parse(src) for m, src in sources.items()}
+    own = {m: _own_private_fields(t) for m, t in trees.items()}
+    bad = []
+    for m, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") \
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) and n.attr not in own[m]:
+                owners = sorted(o for o, fields in own.items() if o != m and n.attr in fields)
+                if owners:
+                    bad.append(f"{m}:{n.lineno}: .{n.attr} (a field of {', '.join(owners)})")
+    return sorted(bad)
+
+
+def test_no_module_reaches_into_another_modules_private_fields():
+    found = private_field_reaches({m: f.read_text() for m, f in MODS.items()})
+    assert not found, "private fields reached from another module:\n" + "\n".join(found)
+
+
+def test_the_field_scan_finds_a_reach():
+    owner = "class M:\n    def __init__(self):\n        self._generator = None\n"
+    user = "def f(module):\n    return module._generator\n"
+    assert private_field_reaches({"a": owner, "b": user}) == ["b:2: ._generator (a field of a)"]
