@@ -232,7 +232,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     b += -b % split         # an example batch that does not divide plans as its padded size
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
-                      gather_outputs=gather_logits, dropout=dropout)
+                      gather_outputs=gather_logits, dropout=dropout, frozen=_frozen(model))
     groups = _setup_groups(p, rank, world)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     facts = dict(mode=pol.name, input_names=cap.input_names, constants=cap.constants, example_inputs=cap.example_inputs,
@@ -244,6 +244,12 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     return _finish(model, gm, p, pol, groups, facts, rank=rank, weights=weights, debug=debug,
                    activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
                    dropout=dropout).place(device)
+
+
+def _frozen(model) -> frozenset[str]:
+    """Names of ``model``'s parameters with ``requires_grad=False`` (the plan's frozen ones:
+    a capture, shared or cached, may come from a model frozen otherwise)."""
+    return frozenset(n for n, t in model.named_parameters(remove_duplicate=False) if not t.requires_grad)
 
 
 def _report_auto(model, pol, example_inputs, world: int) -> None:
