@@ -265,11 +265,17 @@ def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example
     b += -b % split         # an example batch that does not divide plans as its padded size
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
-                      gather_outputs=gather_logits, dropout=dropout)
+                      gather_outputs=gather_logits, dropout=dropout, frozen=_frozen(model))
     groups = _setup_groups(p, rank, world)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
     facts = LaunchFacts.of_capture(cap, gm, mode=pol.name, batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
     return Launched(gm=gm, plan=p, policy=pol, groups=groups, facts=facts)
+
+
+def _frozen(model) -> frozenset[str]:
+    """Names of ``model``'s parameters with ``requires_grad=False`` (the plan's frozen ones:
+    a capture, shared or cached, may come from a model frozen otherwise)."""
+    return frozenset(n for n, t in model.named_parameters(remove_duplicate=False) if not t.requires_grad)
 
 
 def _report_auto(model, pol, example_inputs, world: int) -> None:

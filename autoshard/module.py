@@ -143,15 +143,16 @@ class ShardedModule(nn.Module):
         self._bucketed = BucketedGradSync(params, bucket_bytes, {name: label for label, name in self.groups.items()})
 
     def _synced_params(self, exclude: tuple[str, ...]) -> list:
-        """(parameter, group name) for every parameter whose gradient the plan syncs over
-        axes not in ``exclude`` (process groups created as needed, collectively)."""
+        """(parameter, group name) for every trainable parameter whose gradient the plan syncs
+        over axes not in ``exclude`` (process groups created as needed, collectively). A
+        frozen one (``requires_grad=False``) has no gradient to sync and takes no hook."""
         from .runtime.groups import axes_label, mesh_group
 
         params = dict(self.named_parameters(remove_duplicate=False))
         out = []
         for pp in self.plan.params:
             axes = tuple(a for a in pp.grad_sync if a not in exclude)
-            if not axes or pp.name not in params:
+            if not axes or pp.name not in params or not pp.trainable or not params[pp.name].requires_grad:
                 continue
             label = axes_label(axes)
             if label not in self.groups:

@@ -35,12 +35,14 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
-                  gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None) -> ShardingPlan:
+                  gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None,
+                  frozen: frozenset[str] | None = None) -> ShardingPlan:
     """The finished plan of ``captured`` under ``policy``: specs, kernels and
     collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
     node saves for backward (:func:`~autoshard.passes.trace.trace`). ``pinned``: parameter
-    layouts fixed beforehand (:func:`~autoshard.passes.propagate.propagate`)."""
+    layouts fixed beforehand, ``frozen``: the names of the parameters with ``requires_grad=False``
+    in the model (default: those of ``captured.module``; :func:`~autoshard.passes.propagate.propagate`)."""
     captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                  dropout=dropout, pinned=pinned)
+                  dropout=dropout, pinned=pinned, frozen=frozen)
     return trace(p, captured.module)

@@ -379,7 +379,7 @@ _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.
 
 class _Engine:
     def __init__(self, captured, policy: Policy, *, batch_size: int, seq_len: int, gather_outputs: bool,
-                 dropout: str = "sharded", pinned: dict | None = None):
+                 dropout: str = "sharded", pinned: dict | None = None, frozen: frozenset[str] | None = None):
         self.cap = captured
         self.pinned = dict(pinned or {})
         self.gm: fx.GraphModule = captured.module
@@ -390,6 +390,9 @@ class _Engine:
         self.dropout = dropout
         self.batch_size, self.seq_len = batch_size, seq_len
         self.params = param_names(self.gm)
+        # constants for the backward (docs/design.md, frozen parameters): by every name of the tensor
+        self.frozen = frozenset(frozen) if frozen is not None else frozenset(
+            n for n, p in self.gm.named_parameters(remove_duplicate=False) if not p.requires_grad)
         self.state = frozenset(state_inputs(self.gm))
         # data parallelism: each dp replica is handed its own batch, so the batch dim
         # is split over dp before the graph starts; the policy's batch axes split it further
@@ -411,7 +414,8 @@ class _Engine:
         for n in self.gm.graph.nodes:
             v = n.meta.get("val")
             if n.op == "get_attr":
-                if n.target in self.params and _is_tensor_val(v) and v.is_floating_point():
+                if n.target in self.params and n.target not in self.frozen and _is_tensor_val(v) \
+                        and v.is_floating_point():
                     out.add(n.name)
                 continue
             if n.op != "call_function":
@@ -475,7 +479,7 @@ class _Engine:
                 dense = tuple(pad.dense if d == pad.dim else s for d, s in enumerate(p.shape))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
                                     dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name),
-                                    dense_shape=dense))
+                                    dense_shape=dense, trainable=not self.frozen & set(names)))
         local = {n.name: self._local_shape(n) for n in self.gm.graph.nodes}
         return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
@@ -908,11 +912,15 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
 
 
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,
-              gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None) -> ShardingPlan:
+              gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None,
+              frozen: frozenset[str] | None = None) -> ShardingPlan:
     """Plan ``captured`` (from :func:`~autoshard.passes.capture.capture`) under ``policy``.
     ``dropout`` says how train-mode dropout draws its masks (:class:`~autoshard.ir.kernels.Dropout`).
     ``pinned`` (parameter name -> ShardSpec) fixes layouts before any use, as a tied
     weight's first use fixes it for the next: another graph of a model whose parameters
-    are already sliced (a generation step) plans around the slices it is given."""
+    are already sliced (a generation step) plans around the slices it is given.
+    ``frozen``: names of the parameters that are constants for the backward (the model's
+    ``requires_grad=False`` ones; default: those of ``captured.module``): no gradient
+    collective and no gradient sync is planned for them."""
     return _Engine(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                   dropout=check_dropout_mode(dropout), pinned=pinned).run()
+                   dropout=check_dropout_mode(dropout), pinned=pinned, frozen=frozen).run()

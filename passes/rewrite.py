@@ -30,13 +30,14 @@ def _step_node(graph: fx.Graph, x: fx.Node, st: Step, groups: dict) -> fx.Node:
 
 def slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) -> None:
     """Replace each of ``plan``'s tensors in ``gm`` (every name of it) by this rank's slice, a
-    Parameter (meta where the whole one is)."""
+    Parameter (meta where the whole one is) that requires a gradient as the plan's
+    ``trainable`` says (the model's flag at planning time, whatever module ``gm`` was captured from)."""
     for pp in plan.params:
         full = gm.get_parameter(pp.name)
-        local = nn.Parameter(pp.spec.local(full.detach(), mesh, rank), requires_grad=full.requires_grad) \
+        local = nn.Parameter(pp.spec.local(full.detach(), mesh, rank), requires_grad=pp.trainable) \
             if full.device.type != "meta" else nn.Parameter(
                 torch.empty(pp.spec.local_shape(full.shape, mesh), dtype=full.dtype, device="meta"),
-                requires_grad=full.requires_grad)
+                requires_grad=pp.trainable)
         for name in (pp.name,) + pp.aliases:
             mod_path, _, attr = name.rpartition(".")
             setattr(gm.get_submodule(mod_path) if mod_path else gm, attr, local)

@@ -145,7 +145,7 @@ class _Trace:
         pp = self.params.get(node.target)
         if pp is not None:
             t = torch.empty(pp.local_shape(self.mesh), dtype=obj.dtype, device="meta")
-            t.requires_grad_(bool(obj.requires_grad) and t.is_floating_point())
+            t.requires_grad_(pp.trainable and t.is_floating_point())
             self.param_storages.add(_sid(t))
             self.alive.append(t)
             self.env[node.name] = t

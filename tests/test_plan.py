@@ -18,7 +18,8 @@ from autoshard.ir.plan import NodePlan, ParamPlan
 
 SUMMARY_KEYS = {"model", "mode", "mesh", "world_size", "batch_size", "seq_len", "param_bytes_per_rank",
                 "comm_bytes_per_rank_fwd", "comm_bytes_per_rank_bwd", "collective_calls_per_step", "fallbacks",
-                "parallel_fraction", "padding"}
+                "parallel_fraction", "padding", "trainable_bytes_per_rank", "frozen_bytes_per_rank",
+                "grad_bytes_per_rank"}
 
 MODEL_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertForMaskedLM"}
 

@@ -163,6 +163,9 @@ class ParamPlan:
     is_buffer: bool = False
     aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
     dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary was padded (else empty)
+    # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
+    # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
+    trainable: bool = True
 
     def local_shape(self, mesh: Mesh) -> tuple:
         return self.spec.local_shape(self.global_shape, mesh)
@@ -266,10 +269,27 @@ class ShardingPlan:
     def param_bytes_per_rank(self) -> int:
         return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer)
 
+    @property
+    def trainable_bytes_per_rank(self) -> int:
+        """Bytes of the trainable parameters one rank holds."""
+        return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer and p.trainable)
+
+    @property
+    def frozen_bytes_per_rank(self) -> int:
+        """Bytes of the frozen parameters (``requires_grad=False``) one rank holds: no
+        gradient and no optimizer state goes with them."""
+        return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer and not p.trainable)
+
+    @property
+    def grad_bytes_per_rank(self) -> int:
+        """Bytes of the gradients one rank holds after backward: one per trainable
+        parameter, in its dtype."""
+        return self.trainable_bytes_per_rank
+
     def grad_sync_comms(self) -> list[Comm]:
         out = []
         for p in self.params:
-            if p.grad_sync and not p.is_buffer:
+            if p.grad_sync and not p.is_buffer and p.trainable:
                 out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
                                 group_size=self.mesh.size(p.grad_sync),
                                 buffer_bytes=p.local_bytes(self.mesh)))
@@ -405,6 +425,9 @@ class ShardingPlan:
             "model": self.model, "mode": self.mode, "mesh": str(self.mesh),
             "world_size": self.mesh.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len,
             "param_bytes_per_rank": self.param_bytes_per_rank,
+            "trainable_bytes_per_rank": self.trainable_bytes_per_rank,
+            "frozen_bytes_per_rank": self.frozen_bytes_per_rank,
+            "grad_bytes_per_rank": self.grad_bytes_per_rank,
             "comm_bytes_per_rank_fwd": self.comm_bytes_per_rank("fwd"),
             "comm_bytes_per_rank_bwd": self.comm_bytes_per_rank("bwd"),
             "collective_calls_per_step": len(self.comms()),
@@ -455,7 +478,10 @@ class ShardingPlan:
         console.print(self.table(all_nodes=all_nodes))
         s = self.summary()
         console.print(
-            f"[bold]per rank:[/bold] parameters {s['param_bytes_per_rank']:,} B · "
+            f"[bold]per rank:[/bold] parameters {s['param_bytes_per_rank']:,} B"
+            + (f" ({s['trainable_bytes_per_rank']:,} B trainable, {s['frozen_bytes_per_rank']:,} B frozen)"
+               if s["frozen_bytes_per_rank"] else "")
+            + f" · gradients {s['grad_bytes_per_rank']:,} B · "
             f"comm/step fwd {s['comm_bytes_per_rank_fwd']:,.0f} B, bwd {s['comm_bytes_per_rank_bwd']:,.0f} B · "
             f"{s['collective_calls_per_step']} collective calls/step · "
             f"fallbacks: {len(s['fallbacks'])}{' (' + ', '.join(s['fallbacks']) + ')' if s['fallbacks'] else ''}")
@@ -511,7 +537,7 @@ class ShardingPlan:
             "nodes": [node_d(n) for n in self.nodes],
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
-                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape)}
+                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable}
                        for p in self.params],
         })
 
@@ -540,7 +566,8 @@ class ShardingPlan:
         params = tuple(ParamPlan(name=p["name"], global_shape=tuple(p["global_shape"]),
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
-                                 aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())))
+                                 aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
+                                 trainable=p.get("trainable", True))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],

@@ -254,7 +254,8 @@ def _tensors(model: torch.nn.Module) -> dict:
 
 def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
     """Whether ``model`` has every tensor the entry's plan slices, under each of its
-    names, in the shape the plan was made for (checked before the ranks agree to use
+    names, in the shape the plan was made for and frozen (``requires_grad=False``) as the plan
+    has it: a frozen parameter plans no gradient collectives (checked before the ranks agree to use
     the entry: :func:`rebuild` then cannot fail on one rank alone)."""
     if entry.plan is None or "" not in entry.graphs:
         return False
@@ -263,6 +264,8 @@ def fits(entry: LaunchEntry, model: torch.nn.Module) -> bool:
         for name in (pp.name,) + pp.aliases:
             t = own.get(name)
             if t is None or tuple(t.shape) != tuple(pp.hf_shape):
+                return False
+            if not pp.is_buffer and t.requires_grad != pp.trainable:     # frozen otherwise: other collectives
                 return False
     if not entry.facts.get("guards") and any(op == "call_module" and target == "_guards_fn"
                                              for op, _, target, *_ in entry.graphs[""][1]):

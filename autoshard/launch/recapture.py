@@ -93,7 +93,8 @@ def capture_graph(module, kwargs: dict):
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
     cap = prepare(cap, r.policy)
     p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,
-                      dropout=r.dropout)
+                      dropout=r.dropout, frozen=frozenset(n for pp in module.plan.params if not pp.trainable
+                                                          for n in (pp.name, *pp.aliases)))
     sig = InputSignature.of(example).describe()
     held = {n: pp for pp in module.plan.params for n in (pp.name, *pp.aliases)}
     for pp in p.params:

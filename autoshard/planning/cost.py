@@ -20,8 +20,8 @@ Model (one training step on one rank, no overlap of compute and communication)::
   and each node's network (``inter_bw``, the node's links together) carries every
   crossing edge of every group running at the same time, so ``load`` is the
   busiest node's number of outgoing crossing edges.
-* memory per rank: parameters + gradients (same size) + optimizer state
-  (AdamW: two fp32 moments per parameter) + activations: the bytes autograd
+* memory per rank: parameters + gradients (the trainable parameters' size) + optimizer
+  state (AdamW: two fp32 moments per trainable parameter; frozen ones have neither) + activations: the bytes autograd
   saves for backward in one forward, traced on meta when the plan is made
   (:mod:`autoshard.planning.activations`; fused attention per the cluster's ``device``).
 
@@ -450,7 +450,7 @@ def _dp_grad_comms(plan: ShardingPlan) -> list[Comm]:
         return []
     return [Comm(phase="bwd", kind="all_reduce", axes=("dp",), group_size=plan.mesh.size("dp"),
                  buffer_bytes=p.local_bytes(plan.mesh))
-            for p in plan.params if not p.is_buffer and "dp" not in p.grad_sync]
+            for p in plan.params if not p.is_buffer and p.trainable and "dp" not in p.grad_sync]
 
 
 def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device: str = "cuda") -> int:
@@ -532,20 +532,24 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
     pbytes = plan.param_bytes_per_rank
-    trainable = sum(p.local_bytes(mesh) // p.dtype_bytes for p in plan.params if not p.is_buffer)
+    # frozen parameters (requires_grad=False) have neither gradient nor optimizer state
+    trainable = sum(p.local_bytes(mesh) // p.dtype_bytes for p in plan.params if not p.is_buffer and p.trainable)
     if optimizer in (None, "none", "sgd"):
         obytes = 0
     elif optimizer in ("adam", "adamw"):
         obytes = 2 * 4 * trainable
     else:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose 'adamw', 'adam', 'sgd' or None")
-    gbytes = pbytes
+    gbytes = plan.grad_bytes_per_rank
+    if plan.frozen_bytes_per_rank:
+        notes.append(f"{plan.frozen_bytes_per_rank:,} B of frozen parameters per rank: no gradient, "
+                     f"no optimizer state")
     if zero not in (0, 1, 2):
         raise ConfigError(f"zero={zero!r}: the valid choices are 0 (off), 1 (optimizer state over dp), 2 (gradients too)")
     if zero and plan.dp > 1:
         obytes = -(-obytes // plan.dp)
         if zero == 2:
-            gbytes = -(-pbytes // plan.dp)
+            gbytes = -(-gbytes // plan.dp)
         notes.append(f"ZeRO-{zero}: optimizer state{' and gradients' if zero == 2 else ''} split over dp={plan.dp}")
     if plan.fallbacks:
         notes.append(f"{len(plan.fallbacks)} fallback node(s)")

@@ -31,7 +31,9 @@ __all__ = ["BucketedGradSync"]
 
 class BucketedGradSync:
     """Hooks on ``params`` (``[(parameter, group name)]``) that all-reduce their
-    gradients in asynchronous buckets of about ``bucket_bytes`` during backward.
+    gradients in asynchronous buckets of about ``bucket_bytes`` during backward. A
+    frozen parameter (``requires_grad=False``) has no gradient: it takes no hook and no
+    bucket place.
 
     ``labels`` maps each group name to its mesh axes label (``"row"``, ``"dep,row"``):
     the buckets left at the end of backward are launched in the order of the labels,
@@ -51,7 +53,7 @@ class BucketedGradSync:
         self._size: dict = {}
         self._inflight: list = []       # (work, flat buffer, [(param, grad)])
         self._queued = False
-        self.handles = [p.register_hook(self._hook(p, group)) for p, group in params]
+        self.handles = [p.register_hook(self._hook(p, group)) for p, group in params if p.requires_grad]
 
     def remove(self) -> None:
         for h in self.handles:
