@@ -238,13 +238,42 @@ def render(cells: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def dump_plans(folder: str) -> int:
+    """Every cell's plan JSON (``plan.to_json()``) in ``folder``: a refactor that must not
+    change behaviour leaves ``diff -r`` of two dumps empty."""
+    import json
+
+    from autoshard.ir.errors import AutoshardError
+
+    os.makedirs(folder, exist_ok=True)
+    for arch in ARCHS:
+        try:
+            cap, err = capture_arch(arch), None
+        except AutoshardError as e:
+            cap, err = None, e
+        for mode, _, _ in MODES:
+            try:
+                text = plan_cell(cap, mode).to_json() if cap is not None else None
+            except AutoshardError as e:
+                err = e
+                text = None
+            with open(os.path.join(folder, f"{arch}-{mode}.json"), "w") as f:
+                f.write(text if text is not None else json.dumps({"refused": f"{type(err).__name__}: {err}"}))
+    print(f"wrote {len(ARCHS) * len(MODES)} plans to {folder}")
+    return 0
+
+
 def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Regenerate docs/support.md from the architecture matrix.")
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 if docs/support.md differs")
     ap.add_argument("--out", default=SUPPORT_MD)
+    ap.add_argument("--dump", metavar="DIR", help="instead: write every cell's plan as DIR/ARCH-MODE.json (a refused "
+                                                   "cell as its error), to compare the plans of two checkouts with diff -r")
     args = ap.parse_args(argv)
+    if args.dump:
+        return dump_plans(args.dump)
     text = render(collect())
     if args.check:
         cur = open(args.out).read() if os.path.exists(args.out) else ""
