@@ -22,7 +22,7 @@ _WHERE = {
     "shard": "api", "plan": "api", "MODES": "api",
     "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "io.export",
     "CommLedger": "runtime.collectives",
-    "CLUSTERS": "planning.cost", "Cluster": "planning.cost", "estimate": "planning.cost", "profile": "planning.cost",
+    "CLUSTERS": "planning.cost", "Cluster": "planning.cost", "estimate": "planning.cost", "profile": "planning.profile",
     "AutoshardError": "ir.errors", "CaptureError": "ir.errors", "CheckpointError": "ir.errors", "ConfigError": "ir.errors",
     "ShardingError": "ir.errors", "CollectiveError": "ir.errors",
     "Mesh": "ir.mesh",

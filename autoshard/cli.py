@@ -208,7 +208,7 @@ def cmd_profile(args) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise _UsageError("autoshard profile measures the ranks of a torchrun job: run it as "
                           "`torchrun --nproc-per-node N -m autoshard.cli profile --out cluster.json`")
-    from . import profile
+    from .planning.profile import profile
 
     if not dist.is_initialized():
         from .runtime.device import init_process_group

@@ -459,13 +459,18 @@ def sharded_lm(module, *, max_len: int, batch: int):
     """A transformers ``GenerationMixin`` model whose forward runs ``module``'s step
     graphs (:class:`Generator`) on a fresh cache of ``max_len`` positions for ``batch``
     sequences; returns ``(lm, cache)``: pass the cache as ``past_key_values``."""
-    from transformers import GenerationMixin
-    from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast, Seq2SeqLMOutput
-
     gen = module.generator
     _, decode_plan = gen.graph(prefill=False, max_len=max_len, batch=batch)
     keys, values = gen.cache(decode_plan, batch, max_len, module.device, module.dtype)
     cache = _cache_class()(keys, values, max_len)
+    encoder = _encoder_class()(gen)
+    return _lm_class(module, gen, cache, encoder)(), cache
+
+
+def _lm_class(module, gen: Generator, cache, encoder) -> type:
+    """The ``GenerationMixin`` model class over ``gen``'s step graphs: ``module``'s config,
+    device and dtype, ``cache`` where the loop passes none, ``encoder`` as its encoder."""
+    from transformers import GenerationMixin
 
     class ShardedLM(GenerationMixin, nn.Module):
         main_input_name = "input_ids"
@@ -509,43 +514,70 @@ def sharded_lm(module, *, max_len: int, batch: int):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                     decoder_input_ids=None, encoder_outputs=None, **kwargs):
             c = past_key_values if past_key_values is not None else cache
-            seq2seq = encoder_outputs is not None
-            ids = decoder_input_ids if seq2seq else input_ids
-            b, s = ids.shape
-            start = c.seen
-            if start + s > c.max_len:
-                raise ConfigError(f"generation reached {start + s} positions, over the cache's {c.max_len}")
-            mask = torch.zeros(b, c.max_len, dtype=torch.long, device=ids.device)
-            if attention_mask is None or seq2seq:       # a decoder's tokens are all real
-                mask[:, :start + s] = 1
-            else:
-                mask[:, :start + s] = attention_mask[:, :start + s]
-            gm, _ = gen.graph(prefill=s > 1, max_len=c.max_len, batch=b)
-            step = dict(input_ids=ids, attention_mask=mask, cache_keys=c.keys, cache_values=c.values,
-                        cache_position=torch.arange(start, start + s, device=ids.device))
-            if seq2seq:
-                enc = encoder_outputs[0] if isinstance(encoder_outputs, (tuple, list)) else \
-                    encoder_outputs.last_hidden_state
-                step.update(encoder_hidden_states=enc, encoder_attention_mask=attention_mask if attention_mask
-                            is not None else torch.ones(enc.shape[:2], dtype=torch.long, device=ids.device))
-            else:
-                step["position_ids"] = position_ids if position_ids is not None else \
-                    _positions(mask[:, :start + s])[:, start:]
-            logits = gm(**step)
-            c.seen = start + s
-            if seq2seq:
-                return Seq2SeqLMOutput(logits=logits, past_key_values=c, encoder_last_hidden_state=enc)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=c)
+            return _lm_step(gen, c, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            decoder_input_ids=decoder_input_ids, encoder_outputs=encoder_outputs)
+
+    return ShardedLM
+
+
+def _lm_step(gen: Generator, c, *, input_ids, attention_mask, position_ids, decoder_input_ids, encoder_outputs):
+    """One forward of the generation loop: the prefill or decode step graph run on the
+    new tokens and cache ``c`` (its filled length advanced); the transformers output."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
+
+    seq2seq = encoder_outputs is not None
+    ids = decoder_input_ids if seq2seq else input_ids
+    b, s = ids.shape
+    start = c.seen
+    if start + s > c.max_len:
+        raise ConfigError(f"generation reached {start + s} positions, over the cache's {c.max_len}")
+    # a decoder's tokens are all real
+    mask = _step_mask(None if seq2seq else attention_mask, b, start + s, c.max_len, ids.device)
+    gm, _ = gen.graph(prefill=s > 1, max_len=c.max_len, batch=b)
+    step = dict(input_ids=ids, attention_mask=mask, cache_keys=c.keys, cache_values=c.values,
+                cache_position=torch.arange(start, start + s, device=ids.device))
+    if seq2seq:
+        enc = encoder_outputs[0] if isinstance(encoder_outputs, (tuple, list)) else \
+            encoder_outputs.last_hidden_state
+        step.update(encoder_hidden_states=enc, encoder_attention_mask=attention_mask if attention_mask
+                    is not None else torch.ones(enc.shape[:2], dtype=torch.long, device=ids.device))
+    else:
+        step["position_ids"] = position_ids if position_ids is not None else \
+            _positions(mask[:, :start + s])[:, start:]
+    logits = gm(**step)
+    c.seen = start + s
+    if seq2seq:
+        return Seq2SeqLMOutput(logits=logits, past_key_values=c, encoder_last_hidden_state=enc)
+    return CausalLMOutputWithPast(logits=logits, past_key_values=c)
+
+
+def _step_mask(attention_mask, b: int, filled: int, max_len: int, device) -> torch.Tensor:
+    """The ``[b, max_len]`` mask of a cache whose first ``filled`` positions hold tokens:
+    ``attention_mask``'s, or all real where it is None."""
+    mask = torch.zeros(b, max_len, dtype=torch.long, device=device)
+    if attention_mask is None:
+        mask[:, :filled] = 1
+    else:
+        mask[:, :filled] = attention_mask[:, :filled]
+    return mask
+
+
+def _encoder_class() -> type:
+    """The class of the encoder graph as transformers' ``get_encoder()`` returns it."""
+    from transformers.modeling_outputs import BaseModelOutput
 
     class Encoder(nn.Module):
         """The encoder graph as transformers' ``get_encoder()`` returns it."""
 
+        def __init__(self, gen: Generator):
+            super().__init__()
+            self.gen = gen
+
         def forward(self, input_ids=None, attention_mask=None, return_dict=None, output_attentions=None,
                     output_hidden_states=None):
-            gm, _ = gen.encoder(input_ids.shape[0])
+            gm, _ = self.gen.encoder(input_ids.shape[0])
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
             return BaseModelOutput(last_hidden_state=gm(input_ids=input_ids, attention_mask=attention_mask))
 
-    encoder = Encoder()
-    return ShardedLM(), cache
+    return Encoder

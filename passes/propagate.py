@@ -662,41 +662,66 @@ class _Engine:
                               notes=choice.notes + (f"fallback: gathered input dim {nr.dim}: {nr.reason}",))
 
     def _apply(self, node, ann, ctx, choice: Choice) -> NodePlan | None:
+        """Record ``choice`` for ``node``: its inputs' re-layouts and their collectives, the
+        kernel's collectives, its output spec, and its row of the plan (None for a node
+        that neither splits nor runs a kernel)."""
+        arg_steps, in_specs = self._bind_inputs(node, ctx, choice)
+        arg_steps = self._grad_steps(node, choice, in_specs, arg_steps)
+        comms = self._relayout_comms(node, ctx, arg_steps) + self._kernel_comm_rows(node, choice, in_specs)
+        out = choice.out
+        self.st.specs[node.name] = out
+        self._track_batch_index(node, out)
+        self._track_origin(node, ann, choice, in_specs)
+        if out is None and not choice.kernel:
+            return None
+        return self._node_plan(node, ann, choice, arg_steps, in_specs, comms)
+
+    def _bind_inputs(self, node, ctx, choice: Choice) -> tuple[list, dict]:
+        """(re-layout steps per input path, spec per input path) for the layouts the choice
+        asks of ``node``'s inputs: a parameter's layout is fixed by its first use, a free
+        state input takes the one asked, any other value is re-laid from its own."""
         arg_steps = []
-        comms: list[Comm] = []
         in_specs = {}
         for path, req in choice.inputs.items():
             a = _get(node, path)
             if not isinstance(a, fx.Node):
                 continue
-            if a.op == "get_attr" and a.target in self.params:
-                fixed = self.st.param_spec.get(a.target)
-                if fixed is None:
-                    self.st.param_spec[a.target] = req
-                    in_specs[path] = req
-                    continue
-                if fixed != req:
-                    raise ShardingError(f"parameter {a.target} is already split as {fixed} by an earlier use; "
-                                        f"this use needs {req}", node=node)
-                in_specs[path] = req
-                continue
-            if ctx.is_free_state(a):        # a state input takes the layout its first write needs
-                self.st.specs[a.name] = req
-                in_specs[path] = req
-                continue
-            cur = ctx.spec(a)
-            steps = _redistribute(cur, req, self.mesh)
-            if steps and cur.ndim and req.ndim and cur.dims[0] != req.dims[0] \
-                    and ctx.row_fact(a).order is not None:
-                raise ShardingError(f"input {a.name} holds its rows in a rank-local order (sorted on each rank's "
-                                    f"own tokens); re-laying its rows from {cur.dims[0] or 'whole'} to "
-                                    f"{req.dims[0] or 'whole'} would mix the ranks' orders", node=node)
-            if steps:
-                arg_steps.append((path, tuple(steps)))
             in_specs[path] = req
-        out = choice.out
-        out_axes = _spec_axes(out)
-        # grad invariant: replicated inputs of an op whose output is split / partial
+            if a.op == "get_attr" and a.target in self.params:
+                self._bind_param(node, a, req)
+            elif ctx.is_free_state(a):        # a state input takes the layout its first write needs
+                self.st.specs[a.name] = req
+            else:
+                steps = self._relayout(node, ctx, a, req)
+                if steps:
+                    arg_steps.append((path, tuple(steps)))
+        return arg_steps, in_specs
+
+    def _bind_param(self, node, a: fx.Node, req: ShardSpec) -> None:
+        """Fix parameter ``a``'s layout at its first use; a later use must ask the same."""
+        fixed = self.st.param_spec.get(a.target)
+        if fixed is None:
+            self.st.param_spec[a.target] = req
+        elif fixed != req:
+            raise ShardingError(f"parameter {a.target} is already split as {fixed} by an earlier use; "
+                                f"this use needs {req}", node=node)
+
+    def _relayout(self, node, ctx, a: fx.Node, req: ShardSpec) -> list[Step]:
+        """Steps from ``a``'s layout to ``req``; refused where they would move rows that
+        a sort put in a rank-local order."""
+        cur = ctx.spec(a)
+        steps = _redistribute(cur, req, self.mesh)
+        if steps and cur.ndim and req.ndim and cur.dims[0] != req.dims[0] \
+                and ctx.row_fact(a).order is not None:
+            raise ShardingError(f"input {a.name} holds its rows in a rank-local order (sorted on each rank's "
+                                f"own tokens); re-laying its rows from {cur.dims[0] or 'whole'} to "
+                                f"{req.dims[0] or 'whole'} would mix the ranks' orders", node=node)
+        return steps
+
+    def _grad_steps(self, node, choice: Choice, in_specs: dict, arg_steps: list) -> list:
+        """``arg_steps`` with the grad invariant kept: a replicated input of an op whose
+        output is split / partial gets ``copy_to`` (a parameter: its after-backward sync)."""
+        out_axes = _spec_axes(choice.out)
         for path, req in in_specs.items():
             a = _get(node, path)
             if a.name not in self.needs_grad or path in choice.grad_complete:
@@ -708,18 +733,22 @@ class _Engine:
                 continue
             if a.op == "get_attr" and a.target in self.params:
                 self.st.param_uses.setdefault(a.target, []).append((node.name, path, frozenset(rep)))
+                continue
+            steps = dict(arg_steps).get(path, ())
+            last = steps[-1] if steps else None
+            if last is not None and last.op == "gather" and tuple(last.axes) == tuple(rep):
+                # gathered, then summed in backward over the same axes: one all-gather
+                # whose backward reduce-scatters (1d-sp's input to a column block)
+                steps = steps[:-1] + (dataclasses.replace(last, op="gather_partial"),)
             else:
-                steps = dict(arg_steps).get(path, ())
-                last = steps[-1] if steps else None
-                if last is not None and last.op == "gather" and tuple(last.axes) == tuple(rep):
-                    # gathered, then summed in backward over the same axes: one all-gather
-                    # whose backward reduce-scatters (1d-sp's input to a column block)
-                    steps = steps[:-1] + (dataclasses.replace(last, op="gather_partial"),)
-                else:
-                    steps = steps + (Step(op="copy_to", axes=rep),)
-                arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
-        # identical re-layouts of one value are made once and shared (one backward
-        # all-reduce for q, k and v reading the same normed hidden state)
+                steps = steps + (Step(op="copy_to", axes=rep),)
+            arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
+        return arg_steps
+
+    def _relayout_comms(self, node, ctx, arg_steps: list) -> list[Comm]:
+        """The collectives of ``arg_steps``; identical re-layouts of one value are made once
+        and shared (one backward all-reduce for q, k and v reading the same normed hidden state)."""
+        comms: list[Comm] = []
         for path, steps in arg_steps:
             a = _get(node, path)
             key = (a.name, steps)
@@ -727,6 +756,12 @@ class _Engine:
                 continue
             self.st.relayouts.add(key)
             comms += self._step_comms(a, ctx.spec(a), steps, a.name in self.needs_grad)
+        return comms
+
+    def _kernel_comm_rows(self, node, choice: Choice, in_specs: dict) -> list[Comm]:
+        """The kernel's collectives as plan rows, less the backward ones whose gradient
+        nothing needs."""
+        comms: list[Comm] = []
         for kc in self._kernel_comms(node, choice, in_specs):
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad
@@ -736,40 +771,55 @@ class _Engine:
                 continue
             comms.append(Comm(phase=kc.phase, kind=kc.kind, axes=kc.axes, group_size=self.mesh.size(kc.axes),
                               buffer_bytes=kc.numel * _elem_bytes(node)))
-        self.st.specs[node.name] = out
+        return comms
+
+    def _track_batch_index(self, node, out) -> None:
+        """Remember values that index the rank's own batch rows (a split ``arange`` and
+        what reshapes or offsets it)."""
         if node.target == aten.arange.default and isinstance(out, ShardSpec) and out.ndim == 1 and out.dims[0]:
             self.st.batch_index.add(node.name)
         if node.target in (aten.unsqueeze.default, aten.view.default, aten.expand.default, aten.add.Tensor) and \
                 any(isinstance(a, fx.Node) and a.name in self.st.batch_index for a in node.args):
             self.st.batch_index.add(node.name)
-        self._track_origin(node, ann, choice, in_specs)
-        if out is None and not choice.kernel:
-            return None
+
+    def _param_bytes(self, node, ann, in_specs: dict) -> int:
+        """Bytes of the parameters a Linear / embedding / norm holds on one rank."""
+        pbytes = 0
+        if ann.kind not in ("linear", "embedding", "norm"):
+            return pbytes
+        for path, req in in_specs.items():
+            a = _get(node, path)
+            if a.op == "get_attr" and a.target in self.params:
+                pbytes += math.prod(req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)) * \
+                    a.meta["val"].element_size()
+        return pbytes
+
+    def _linear_flops(self, node, ann, gshape) -> int:
+        """Dense forward FLOPs of a Linear (``2·N·k·n``); 0 for any other node."""
+        if ann.kind != "linear" or not gshape:
+            return 0
+        _, wp, _, nd, kd = linear_operands(node)
+        w = _get(node, wp)
+        if isinstance(w, fx.Node) and _is_tensor_val(w.meta.get("val")):
+            ws = self.shapes.concrete(w.meta["val"].shape)
+            if len(ws) > max(nd, kd):
+                return 2 * math.prod(gshape[:-1]) * ws[nd] * ws[kd]
+        return 0
+
+    def _node_plan(self, node, ann, choice: Choice, arg_steps: list, in_specs: dict, comms: list) -> NodePlan:
+        """``node``'s row of the plan."""
+        out = choice.out
         v = node.meta.get("val")
         gshape = self.shapes.concrete(v.shape) if _is_tensor_val(v) else ()
         lshape = out.local_shape(gshape, self.mesh) if isinstance(out, ShardSpec) and gshape else ()
-        pbytes = 0
-        weight = choice.weight
-        for path, req in in_specs.items():
-            a = _get(node, path)
-            if a.op == "get_attr" and a.target in self.params and ann.kind in ("linear", "embedding", "norm"):
-                pbytes += math.prod(req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)) * \
-                    a.meta["val"].element_size()
-        flops = 0
-        if ann.kind == "linear" and gshape:
-            _, wp, _, nd, kd = linear_operands(node)
-            w = _get(node, wp)
-            if isinstance(w, fx.Node) and _is_tensor_val(w.meta.get("val")):
-                ws = self.shapes.concrete(w.meta["val"].shape)
-                if len(ws) > max(nd, kd):
-                    flops = 2 * math.prod(gshape[:-1]) * ws[nd] * ws[kd]
-        return NodePlan(name=node.name, op=_op_name(node), flops=flops, kind=ann.kind if ann.kind in (
-            "linear", "norm", "attention", "embedding", "loss") else "other", module=ann.module, out_spec=out,
-            kernel=choice.kernel, arg_steps=tuple(arg_steps),
-            post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
-            global_shape=gshape, local_shape=lshape, weight=weight, param_bytes=pbytes,
-            notes=tuple(n for n in choice.notes if n) + self._whole_note(node, ann, in_specs, choice.notes),
-            fallback=choice.fallback)
+        return NodePlan(name=node.name, op=_op_name(node), flops=self._linear_flops(node, ann, gshape),
+                        kind=ann.kind if ann.kind in ("linear", "norm", "attention", "embedding", "loss") else "other",
+                        module=ann.module, out_spec=out, kernel=choice.kernel, arg_steps=tuple(arg_steps),
+                        post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
+                        global_shape=gshape, local_shape=lshape, weight=choice.weight,
+                        param_bytes=self._param_bytes(node, ann, in_specs),
+                        notes=tuple(n for n in choice.notes if n) + self._whole_note(node, ann, in_specs, choice.notes),
+                        fallback=choice.fallback)
 
     def _whole_note(self, node, ann, in_specs: dict, notes: tuple) -> tuple[str, ...]:
         """A note for a Linear or lookup whose weight the rule held whole over every

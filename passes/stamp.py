@@ -154,7 +154,28 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
     grown to its full length ``lists[prefix]``. Raises ``StampRefused`` when the layers are
     not one layer repeated."""
     gm = cap.module
-    nodes = list(gm.graph.nodes)
+    g = _Stamper(gm, _find_stacks(list(gm.graph.nodes), lists)).emit()
+    g.lint()
+    gm.graph = g
+    gm.recompile()
+    return dataclasses.replace(cap, module=gm, program=None, stamped=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacks:
+    """The captured stacks to grow and where their layers sit in the graph."""
+
+    nodes: list            # the captured graph's nodes, in order
+    t: int                 # the template layer's index (the last captured)
+    grow: dict             # list prefix -> full length
+    tags: dict             # node -> (list prefix, layer index) or None
+    layer: dict            # list prefix -> the template layer's nodes
+    prev_of: dict          # list prefix -> {layer T-1 node: layer T's}
+
+
+def _find_stacks(nodes: list[fx.Node], lists: dict[str, int]) -> _Stacks:
+    """The stacks of ``lists`` the graph captured, with their last two layers checked to
+    be one layer twice (:func:`_same_layer`)."""
     t = KEEP - 1
     grow = {p: n for p, n in lists.items() if any(_tag(x, (p,)) == (p, t) for x in nodes)}
     if not grow:
@@ -164,22 +185,109 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
     before = {p: [n for n in nodes if tags[n] == (p, t - 1)] for p in grow}
     for p in grow:
         _same_layer(before[p], layer[p], p, t, tags)
-    prev_of = {p: {a: b for a, b in zip(before[p], layer[p])} for p in grow}   # layer T-1 node -> layer T's
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    buffers = dict(gm.named_buffers(remove_duplicate=False))
-    g = fx.Graph()                             # gm grows in place: the capture is this call's own
-    env: dict[fx.Node, fx.Node] = {}
-    copy_of: dict[tuple[int, fx.Node], fx.Node] = {}
-    closed: set[str] = set()                   # stacks whose layers are all emitted
+    prev_of = {p: {a: b for a, b in zip(before[p], layer[p])} for p in grow}
+    return _Stacks(nodes=nodes, t=t, grow=grow, tags=tags, layer=layer, prev_of=prev_of)
 
-    def create(n: fx.Node, args, kwargs, name: str, target=None) -> fx.Node:
-        r = g.create_node(n.op, n.target if target is None else target, args, kwargs, name, n.type)
+
+class _Stamper:
+    """Emits the full graph: every captured node once, and after each run of a stack's
+    template layer its copies up to the stack's length (their tensors added to ``gm``)."""
+
+    def __init__(self, gm: fx.GraphModule, stacks: _Stacks) -> None:
+        self.gm, self.s = gm, stacks
+        self.params = dict(gm.named_parameters(remove_duplicate=False))
+        self.buffers = dict(gm.named_buffers(remove_duplicate=False))
+        self.g = fx.Graph()                    # gm grows in place: the capture is this call's own
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.copy_of: dict[tuple[int, fx.Node], fx.Node] = {}
+        self.closed: set[str] = set()          # stacks whose layers are all emitted
+
+    def emit(self) -> fx.Graph:
+        """The new graph, nodes in the captured order with the copies after their template."""
+        nodes, tags, t = self.s.nodes, self.s.tags, self.s.t
+        k = 0
+        while k < len(nodes):
+            tg = tags[nodes[k]]
+            if tg is not None and tg[1] == t:
+                k = self._emit_layer_run(k)
+                continue
+            self.env[nodes[k]] = self._create_here(nodes[k])
+            k += 1
+        return self.g
+
+    def _create(self, n: fx.Node, args, kwargs, name: str, target=None) -> fx.Node:
+        """A node like ``n`` in the new graph, with ``n``'s meta."""
+        r = self.g.create_node(n.op, n.target if target is None else target, args, kwargs, name, n.type)
         r.meta = dict(n.meta)
         return r
 
-    def add_tensor(target: str, src) -> None:
+    def _create_here(self, n: fx.Node) -> fx.Node:
+        """``n`` itself in the new graph, its inputs mapped by :meth:`_outside`."""
+        return self._create(n, fx.map_arg(n.args, self._outside), fx.map_arg(n.kwargs, self._outside), n.name)
+
+    def _emit_layer_run(self, k: int) -> int:
+        """Emit the run of template-layer nodes starting at ``nodes[k]`` and its copies;
+        the index after the run."""
+        nodes, tags, t = self.s.nodes, self.s.tags, self.s.t
+        tg = tags[nodes[k]]
+        p = tg[0]
+        j = k
+        while j < len(nodes) and tags[nodes[j]] == tg:
+            j += 1
+        run = nodes[k:j]
+        attrs = run[0].op == "get_attr"      # a layer is two runs: its parameters, then its ops
+        if any((m.op == "get_attr") != attrs for m in run) or \
+                len(run) != sum(1 for m in self.s.layer[p] if (m.op == "get_attr") == attrs):
+            raise StampRefused(f"layer {t} of {p} is not one contiguous run of nodes")
+        for m in run:
+            self.env[m] = self._create_here(m)
+        for i in range(t + 1, self.s.grow[p]):
+            for n in run:
+                self.copy_of[(i, n)] = self._copy_node(p, i, n)
+        if not attrs:
+            self.closed.add(p)
+        return j
+
+    def _copy_node(self, p: str, i: int, n: fx.Node) -> fx.Node:
+        """Template node ``n`` of stack ``p`` as layer ``i``'s (a parameter renamed and added)."""
+        t = self.s.t
+        args = fx.map_arg(n.args, lambda x: self._copy_arg(p, i, x))
+        kwargs = fx.map_arg(n.kwargs, lambda x: self._copy_arg(p, i, x))
+        if n.op == "get_attr":
+            target = n.target.replace(f"{p}.{t}.", f"{p}.{i}.", 1)
+            self._add_tensor(target, self.params.get(n.target, self.buffers.get(n.target)))
+            r = self._create(n, args, kwargs, target.replace(".", "_"), target)
+        else:
+            r = self._create(n, args, kwargs, _split_name(n.name)[0])
+        r.meta = _rename_stack(n.meta, p, t, i)
+        return r
+
+    def _copy_arg(self, p: str, i: int, x: fx.Node) -> fx.Node:
+        """Input ``x`` of a template node, as layer ``i``'s copy reads it."""
+        t, tag = self.s.t, self.s.tags.get(x)
+        if tag == (p, t):
+            if (i, x) not in self.copy_of:
+                raise StampRefused(f"layer {t} of {p} reads {x.name} before it is made")
+            return self.copy_of[(i, x)]
+        if tag == (p, t - 1):       # the layer before: its counterpart in copy i-1
+            tx = self.s.prev_of[p][x]
+            return self.env[tx] if i - 1 == t else self.copy_of[(i - 1, tx)]
+        return self._outside(x)
+
+    def _outside(self, x: fx.Node) -> fx.Node:
+        """A value from outside the stack being emitted: a finished stack's template layer
+        stands for its last copy (a decoder reading the encoder's last layer, the head)."""
+        tx = self.s.tags.get(x)
+        if tx is not None and tx[0] in self.closed:
+            if tx[1] != self.s.t:
+                raise StampRefused(f"a node after the layers of {tx[0]} reads its layer {tx[1]} ({x.name})")
+            return self.copy_of[(self.s.grow[tx[0]] - 1, x)]
+        return self.env[x]
+
+    def _add_tensor(self, target: str, src) -> None:
+        """A meta tensor like ``src`` at ``target`` in ``gm`` (modules made on the way)."""
         mod_path, _, attr = target.rpartition(".")
-        owner = gm
+        owner = self.gm
         for part in mod_path.split(".") if mod_path else []:
             if part not in owner._modules:
                 owner._modules[part] = nn.Module()
@@ -191,66 +299,6 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
             owner._buffers[attr] = torch.empty_like(src, device="meta")
         else:
             raise StampRefused(f"{target} is not a tensor")
-
-    def emit_copies(p: str, run: list[fx.Node]) -> None:
-        for i in range(t + 1, grow[p]):
-            def arg(x: fx.Node) -> fx.Node:
-                if tags.get(x) == (p, t):
-                    if (i, x) not in copy_of:
-                        raise StampRefused(f"layer {t} of {p} reads {x.name} before it is made")
-                    return copy_of[(i, x)]
-                if tags.get(x) == (p, t - 1):       # the layer before: its counterpart in copy i-1
-                    tx = prev_of[p][x]
-                    return env[tx] if i - 1 == t else copy_of[(i - 1, tx)]
-                return outside(x)
-            for n in run:
-                args, kwargs = fx.map_arg(n.args, arg), fx.map_arg(n.kwargs, arg)
-                if n.op == "get_attr":
-                    target = n.target.replace(f"{p}.{t}.", f"{p}.{i}.", 1)
-                    add_tensor(target, params.get(n.target, buffers.get(n.target)))
-                    r = create(n, args, kwargs, target.replace(".", "_"), target)
-                else:
-                    r = create(n, args, kwargs, _split_name(n.name)[0])
-                r.meta = _rename_stack(n.meta, p, t, i)
-                copy_of[(i, n)] = r
-
-    def outside(x: fx.Node) -> fx.Node:
-        """A value from outside the stack being emitted: a finished stack's template layer
-        stands for its last copy (a decoder reading the encoder's last layer, the head)."""
-        tx = tags.get(x)
-        if tx is not None and tx[0] in closed:
-            if tx[1] != t:
-                raise StampRefused(f"a node after the layers of {tx[0]} reads its layer {tx[1]} ({x.name})")
-            return copy_of[(grow[tx[0]] - 1, x)]
-        return env[x]
-
-    k = 0
-    while k < len(nodes):
-        n = nodes[k]
-        tg = tags[n]
-        if tg is not None and tg[1] == t:
-            p = tg[0]
-            j = k
-            while j < len(nodes) and tags[nodes[j]] == tg:
-                j += 1
-            run = nodes[k:j]
-            attrs = run[0].op == "get_attr"      # a layer is two runs: its parameters, then its ops
-            if any((m.op == "get_attr") != attrs for m in run) or \
-                    len(run) != sum(1 for m in layer[p] if (m.op == "get_attr") == attrs):
-                raise StampRefused(f"layer {t} of {p} is not one contiguous run of nodes")
-            for m in run:
-                env[m] = create(m, fx.map_arg(m.args, outside), fx.map_arg(m.kwargs, outside), m.name)
-            emit_copies(p, run)
-            if not attrs:
-                closed.add(p)
-            k = j
-            continue
-        env[n] = create(n, fx.map_arg(n.args, outside), fx.map_arg(n.kwargs, outside), n.name)
-        k += 1
-    g.lint()
-    gm.graph = g
-    gm.recompile()
-    return dataclasses.replace(cap, module=gm, program=None, stamped=True)
 
 
 def capture_stamped(full: nn.Module, *, build: Callable, capture_fn: Callable = capture, **kw) -> Captured:

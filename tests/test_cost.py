@@ -7,7 +7,6 @@ search itself does across candidates.
 from __future__ import annotations
 
 import io
-import os
 import math
 
 import pytest
@@ -206,32 +205,6 @@ def test_plan_auto_routes_through_search(cap):
     assert (p.mode, p.mesh) == (ref.candidate.mode, ref.candidate.mesh)
 
 
-# ------------------------------------------------------------------ processes
-
-def _profile_and_auto(rank, world):
-    import models
-    import autoshard
-
-    c = autoshard.profile(sizes=(1 << 10, 1 << 16), iters=2, matmul_size=128)
-    res = models.check(rank, world, "llama", "auto", share_capture=True)
-    return c, res
-
-
-@pytest.mark.slow          # 2 spawned ranks each import torch and export the model
-def test_profile_and_shard_auto_on_gloo():
-    from dist_pool import get_pool
-
-    out = get_pool(2).run(_profile_and_auto)
-    (c0, r0), (c1, _) = out
-    assert c0 == c1 and c0.name == "measured" and c0.ranks_per_node == 2
-    assert c0.intra_bw > 0 and c0.flops > 0 and c0.memory_bytes > 0
-    assert c0.op_overhead > 0 and c0.call_overhead >= 0
-    assert c0.pair_overlap == 0.0          # 2 ranks: no 2 × 2 block to measure a pair on; a CPU shares its cores
-    assert [e for e, _ in c0.flops_curve] == [32, 64, 128] and all(r > 0 for _, r in c0.flops_curve)
-    assert r0["failures"] == [], r0["failures"]
-    assert r0["ledger_bytes"] == pytest.approx(r0["plan_bytes"])
-
-
 # ------------------------------------------------------------------ measured overheads (issue 22)
 
 def test_cluster_file_round_trip(tmp_path):
@@ -271,17 +244,6 @@ def test_call_and_op_overheads_enter_the_estimate(cap):
     assert e1.comm_s - e0.comm_s == pytest.approx(e0.collective_calls * 1e-3)
     assert e1.compute_s - e0.compute_s == pytest.approx(nodes * 1e-5)
     assert e0.collective_calls > 0 and nodes > 50
-
-
-def test_profile_cli_needs_torchrun(capsys):
-    from autoshard.cli import main
-
-    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
-    try:
-        assert main(["profile", "--out", "x.json"]) == 2
-    finally:
-        os.environ.update(env)
-    assert "torchrun --nproc-per-node" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode,world", [("2d", 4), ("3d", 8)])

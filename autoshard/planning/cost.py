@@ -1,8 +1,8 @@
 """Cost model: per-rank FLOPs, memory and alpha-beta communication time of a plan.
 
 Everything here reads a :class:`~autoshard.ir.plan.ShardingPlan` (pure data) and a
-:class:`Cluster`; nothing runs a collective except :func:`profile`, which times
-a few on the current process group and returns a measured :class:`Cluster`.
+:class:`Cluster`; nothing runs a collective. A measured :class:`Cluster` comes from
+:func:`autoshard.planning.profile.profile`, which times a few on the current process group.
 
 Model (one training step on one rank, no overlap of compute and communication)::
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 
 from .activations import saved_bytes
@@ -49,7 +48,7 @@ from ..ir.mesh import Mesh
 from ..ir.plan import Comm, NodePlan, ShardingPlan
 
 __all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "forward_latency", "link_of", "collective_time",
-           "node_flops", "default_cluster", "profile", "human_bytes"]
+           "node_flops", "default_cluster", "human_bytes"]
 
 GiB = 2 ** 30
 
@@ -89,8 +88,9 @@ class Cluster:
         op_overhead: seconds one graph node costs per step (forward and backward
             dispatch of one small op), whatever it computes.
         flops_curve: ``((edge, FLOP/s), ...)``: the matmul rate by size (the cube
-            root of ``m·k·n``), measured by :func:`profile`; a Linear is timed at the
-            rate of its own size (interpolated), ``flops`` where the curve is empty.
+            root of ``m·k·n``), measured by :func:`~autoshard.planning.profile.profile`; a
+            Linear is timed at the rate of its own size (interpolated), ``flops`` where the
+            curve is empty.
         pair_overlap: the share (0-1) of the shorter of two collectives sent together
             (a SUMMA / 3D Linear's two operand gathers, ``Kernel.paired``) hidden behind
             the longer: 1 where they travel on links of their own (NCCL streams), about
@@ -208,7 +208,7 @@ class Cluster:
 
 
 #: Presets. ``flops`` is a *sustained* rate (roughly 60% of the dense peak of the
-#: training dtype), what :func:`profile` would measure, not the datasheet peak.
+#: training dtype), what :func:`~autoshard.planning.profile.profile` would measure, not the datasheet peak.
 #: Latencies per ring step follow NCCL's own tuning model (src/graph/tuning.cc,
 #: Ring/Simple: NVLink 3.4-5.7 µs, network 6.6-9.6 µs per hop).
 CLUSTERS: dict[str, Cluster] = {
@@ -595,254 +595,3 @@ def _compute(plan: ShardingPlan, cluster: Cluster, *, passes: float) -> tuple[in
     seconds = sum(passes * f / cluster.rate(f) for f in per_node if f)
     seconds += cluster.op_overhead * sum(1 for n in plan.nodes if n.kind not in ("input", "state"))
     return sum(per_node), seconds
-
-
-# --------------------------------------------------------------------------- profile
-
-def _fit_alpha_beta(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
-    """Least squares of ``t = steps·α + bytes/β`` over (steps, bytes, seconds); returns (α, β)."""
-    s_ss = sum(s * s for s, _, _ in samples)
-    s_sb = sum(s * b for s, b, _ in samples)
-    s_bb = sum(b * b for _, b, _ in samples)
-    s_st = sum(s * t for s, _, t in samples)
-    s_bt = sum(b * t for _, b, t in samples)
-    det = s_ss * s_bb - s_sb * s_sb
-    if det <= 0:
-        inv_beta = max(s_bt / s_bb, 1e-15) if s_bb else 1e-15
-        return 0.0, 1.0 / inv_beta
-    alpha = (s_st * s_bb - s_bt * s_sb) / det
-    inv_beta = (s_ss * s_bt - s_sb * s_st) / det
-    if alpha < 0 or inv_beta <= 0:          # noisy timings: fall back to one-parameter fits
-        inv_beta = max(s_bt / s_bb, 1e-15)
-        alpha = max(0.0, min((t - b * inv_beta) / s for s, b, t in samples))
-    return max(alpha, 0.0), 1.0 / inv_beta
-
-
-def _timed_loop(fn, iters: int, sync) -> float:
-    """Seconds per call of ``fn`` run ``iters`` times, every rank at once (a fixed count:
-    ``fn`` may be a collective), between barriers."""
-    import time
-
-    import torch.distributed as dist
-
-    fn()
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
-
-
-def _between(fn, busy, busy_s: float, iters: int, sync) -> float:
-    """Seconds ``fn`` (a collective) costs as a rewritten graph pays it: each call after a
-    small computation (``busy``, whose own ``busy_s`` is taken off), so that the group's
-    ranks reach it at their own pace, as they do out of a layer's matmuls. On a host
-    whose cores the ranks share, a call timed back to back would catch its partners
-    already waiting and read a fraction of that."""
-    return max(_timed_loop(lambda: (busy(), fn()), iters, sync) - busy_s, 0.0)
-
-
-def _time_collectives(group, p: int, device, sizes, iters: int, busy, busy_s: float,
-                      sync) -> list[tuple[int, float, float]]:
-    """(ring steps, bytes sent, seconds) of an all-reduce and an all-gather of each of
-    ``sizes`` bytes over ``group`` (:func:`_between`)."""
-    import torch
-    import torch.distributed as dist
-
-    out = []
-    for nbytes in sizes:
-        numel = max(p, nbytes // 4 // p * p)
-        x = torch.ones(numel, dtype=torch.float32, device=device)
-        y = torch.empty(numel, dtype=torch.float32, device=device)
-        for kind in ("all_reduce", "all_gather"):
-            def once():
-                if kind == "all_reduce":
-                    dist.all_reduce(x, group=group)
-                else:
-                    dist.all_gather_into_tensor(y, x[: numel // p], group=group)
-            dt = _between(once, busy, busy_s, iters, sync)
-            steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
-            sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4
-            out.append((steps, sent, dt))
-    return out
-
-
-def _pair_overlap(world: int, rank: int, rpn: int, device, busy, busy_s: float, iters: int, sync) -> float | None:
-    """:attr:`Cluster.pair_overlap` measured: two all-gathers on two different groups of
-    2 ranks of a node (rows and columns of 2 × 2 blocks, every block at once) sent one
-    at a time, then together (:func:`autoshard.runtime.collectives.all_gather_two`); the share of
-    the shorter that the pair hid. None where the node has no 2 × 2 block."""
-    import torch
-    import torch.distributed as dist
-
-    from ..runtime import collectives as C
-
-    if rpn % 4 or world % 4:
-        return None
-    rows = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
-    cols = [dist.new_group([b + j, b + j + 2]) for b in range(0, world, 4) for j in (0, 1)]
-    row = rows[rank // 2].group_name
-    col = cols[(rank // 4) * 2 + rank % 2].group_name
-    a = torch.ones(1 << 14, device=device)
-    b = torch.ones(1 << 14, device=device)
-    t_a = _between(lambda: C.all_gather(a, 0, row), busy, busy_s, iters, sync)
-    t_b = _between(lambda: C.all_gather(b, 0, col), busy, busy_s, iters, sync)
-    t_two = _between(lambda: C.all_gather_two(a, 0, row, b, 0, col), busy, busy_s, iters, sync)
-    short = min(t_a, t_b)
-    return min(max((t_a + t_b - t_two) / short, 0.0), 1.0) if short > 0 else 1.0
-
-
-def profile(*, sizes: tuple[int, ...] = (1 << 12, 1 << 18, 1 << 22), iters: int = 5,
-            ranks_per_node: int | None = None, matmul_size: int | None = None,
-            memory_bytes: int | None = None) -> Cluster:
-    """Measure a :class:`Cluster` on the current process group (call on every rank).
-
-    Times all-reduces and all-gathers of ``sizes`` bytes inside each node (and, if
-    the job spans nodes, between ranks of the same local index on different nodes,
-    all such groups at once, as tensor-parallel traffic would run) and one matmul;
-    fits ``t = steps·α + bytes/β`` per link class. Every collective is timed as a
-    rewritten graph pays it, after a small matmul (whose own time is taken off): the
-    per-call cost of tiny all-reduces on groups of 2, 4, ... ranks, the bytes, and
-    how much of a pair sent together (:attr:`Cluster.pair_overlap`) overlaps. The
-    figures are maxed over ranks, so every rank returns the same Cluster (and
-    ``mode="auto"`` picks the same plan everywhere). With one node the inter-node
-    figures copy the intra-node ones.
-
-    Example (under ``torchrun --nproc-per-node 2``)::
-
-        cluster = autoshard.profile()
-        sharded = autoshard.shard(model, mode="auto", cluster=cluster)
-    """
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError("autoshard.profile needs an initialised process group (run under torchrun)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if rpn < 1 or world % rpn:
-        raise ConfigError(f"ranks_per_node={rpn} must divide the world size {world}")
-    cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    # the computation each timed collective follows (a layer's matmul, small)
-    w = torch.randn(256, 256, device=device)
-
-    def busy():
-        w @ w
-
-    busy_s = _timed_loop(busy, max(iters, 10), sync)
-
-    # groups are created by every rank in the same order
-    node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(world // rpn)]
-    slot_groups = [dist.new_group(list(range(s, world, rpn))) for s in range(rpn)] if world > rpn else []
-    intra = inter = None
-    intra_samples: list = []
-    if rpn > 1:
-        intra_samples = _time_collectives(node_groups[rank // rpn], rpn, device, sizes, iters, busy, busy_s, sync)
-        intra = _fit_alpha_beta(intra_samples)
-    if slot_groups:
-        a, b = _fit_alpha_beta(_time_collectives(slot_groups[rank % rpn], world // rpn, device, sizes, iters,
-                                                 busy, busy_s, sync))
-        inter = (a, b * rpn)       # all rpn slots ran at once: the node's links carried rpn flows
-    if intra is None:
-        intra = inter if inter is not None else (0.0, 1e12)
-    if inter is None:
-        inter = intra
-
-    def per_call(fn, window: float = 0.05) -> float:
-        """Seconds per call of ``fn``, every rank looping at once for ``window`` seconds:
-        ranks that share cores measure their share, as they get it while a layout runs
-        (a short loop would catch a core to itself between the others' time slices)."""
-        dist.barrier()
-        n_, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n_ += 1
-            if n_ % 4 == 0:
-                sync()
-                dt = time.perf_counter() - t0
-                if dt >= window:
-                    return dt / n_
-
-    def rate_at(n: int) -> float:
-        dtype = torch.bfloat16 if cuda else torch.float32
-        a_ = torch.randn(n, n, device=device, dtype=dtype)
-        b_ = torch.randn(n, n, device=device, dtype=dtype)
-        a_ @ b_
-        sync()
-        return 2 * n ** 3 / per_call(lambda: a_ @ b_)
-
-    n = matmul_size or (4096 if cuda else 512)
-    flops = rate_at(n)
-    edges = (1024, 2048, 4096, 8192) if cuda else (32, 64, 128, 256, 512)
-    curve = [(e, flops if e == n else rate_at(e)) for e in edges if not matmul_size or e <= n]
-
-    # per node: forward + backward of a chain of small elementwise ops (dispatch, autograd)
-    x = torch.randn(64, 64, device=device, requires_grad=True)
-
-    def chain(k: int = 50) -> None:
-        y = x
-        for _ in range(k):
-            y = y * 1.0001
-        y.sum().backward()
-
-    chain()
-    op = per_call(chain) / 52
-
-    # per collective call and per ring step: tiny all-reduces on groups of 2, 4, ... ranks of a
-    # node (every group at once), through autoshard's own collective op as the rewritten graph
-    # calls it, fitted as t = call + 2(p-1)·α; the byte fits above keep β
-    from ..runtime import collectives as C
-
-    call = 0.0
-    sizes_p = sorted({g for g in (2, 4, 8, 16, 32, rpn) if 2 <= g <= rpn and rpn % g == 0})
-    tiny_t = []
-    tiny = torch.ones(16, device=device)
-    for g in sizes_p:
-        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
-        mine = groups[rank // g].group_name
-        tiny_t.append((2 * (g - 1), _between(lambda: C.all_reduce(tiny, mine, "sum"), busy, busy_s,
-                                             max(iters, 10), sync)))
-    if len(tiny_t) >= 2:
-        n_ = len(tiny_t)
-        mx = sum(x for x, _ in tiny_t) / n_
-        my = sum(y for _, y in tiny_t) / n_
-        sxx = sum((x - mx) ** 2 for x, _ in tiny_t)
-        a = max(sum((x - mx) * (y - my) for x, y in tiny_t) / sxx, 0.0) if sxx else 0.0
-        call = max(my - a * mx, 0.0)
-        # β from the largest messages once the fixed costs are known (median over them)
-        big = max((b_ for _, b_, _ in intra_samples), default=0)
-        rates = sorted(b_ / (t_ - call - s_ * a) for s_, b_, t_ in intra_samples
-                       if b_ == big and t_ - call - s_ * a > 0)
-        intra = (a, rates[len(rates) // 2] if rates else intra[1])
-        if not slot_groups:
-            inter = intra
-    elif tiny_t:
-        call = max(tiny_t[0][1] - tiny_t[0][0] * intra[0], 0.0)
-    overlap = _pair_overlap(world, rank, rpn, device, busy, busy_s, max(iters, 10), sync)
-    if overlap is None:             # no 2 × 2 block to try: streams of their own on a GPU, shared cores on a CPU
-        overlap = 1.0 if cuda else 0.0
-
-    if memory_bytes is None:
-        if cuda:
-            memory_bytes = torch.cuda.get_device_properties(device).total_memory
-        else:
-            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rpn
-    # agree on one Cluster: slowest latency, bandwidth and flops, smallest memory and overlap
-    vals = torch.tensor([intra[0], -intra[1], inter[0], -inter[1], -flops, -float(memory_bytes), call, op,
-                         -overlap] + [-r for _, r in curve], dtype=torch.float64)
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    v = vals.tolist()
-    return Cluster(name="measured", ranks_per_node=rpn, intra_latency=v[0], intra_bw=-v[1],
-                   inter_latency=v[2], inter_bw=-v[3], flops=-v[4], memory_bytes=int(-v[5]),
-                   device="cuda" if cuda else "cpu", call_overhead=v[6], op_overhead=v[7],
-                   pair_overlap=-v[8], flops_curve=tuple((e, -r) for (e, _), r in zip(curve, v[9:])))
