@@ -177,7 +177,7 @@ def _time_collectives(group, p: int, probe: _Probe, sizes, iters: int) -> list[t
                 if kind == "all_reduce":
                     dist.all_reduce(x, group=group)
                 else:
-                    dist.all_gather_into_tensor(y, x[: numel // p], group=group)
+                    dist.all_gather_single(y, x[: numel // p], group=group)
             dt = _between(once, probe, iters)
             steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
             sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4
@@ -287,7 +287,8 @@ def _agree(probe: _Probe, m: _Measured) -> Cluster:
     memory and overlap over ranks (one all-reduce), so ``mode="auto"`` picks the same
     plan everywhere."""
     vals = torch.tensor([m.intra[0], -m.intra[1], m.inter[0], -m.inter[1], -m.flops, -float(m.memory_bytes),
-                         m.call, m.op, -m.overlap] + [-r for _, r in m.curve], dtype=torch.float64)
+                         m.call, m.op, -m.overlap] + [-r for _, r in m.curve], dtype=torch.float64,
+                        device=probe.device)       # NCCL reduces device tensors only
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     v = vals.tolist()
     return Cluster(name="measured", ranks_per_node=probe.rpn, intra_latency=v[0], intra_bw=-v[1],

@@ -216,7 +216,7 @@ def test_a_group_without_a_label_is_refused():
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "rand", "randn", "randint", "randperm", "eye",
              "linspace", "as_tensor"}
 RUNTIME = ["autoshard/runtime", "autoshard/training", "autoshard/io", "autoshard/launch", "autoshard/module.py",
-           "autoshard/generate.py", "passes/rewrite.py"]
+           "autoshard/generate.py", "autoshard/planning/profile.py", "passes/rewrite.py"]
 
 
 def device_findings(source: str, where: str) -> list[str]:
