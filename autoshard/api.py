@@ -140,7 +140,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     ``mode="auto"`` picks the cheapest TP layout for this world size and ``dp`` on
     ``cluster`` (a preset name, a :class:`~autoshard.planning.cost.Cluster`, e.g. from
     :func:`autoshard.profile`; default: guessed from the device), see
-    :func:`autoshard.planning.search`.
+    :func:`autoshard.search`.
 
     Every input is checked first, on every rank alike (see :mod:`autoshard.planning.validate`):
     a bad one raises one :class:`~autoshard.ir.errors.ConfigError` listing every problem
@@ -407,7 +407,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         >>> p.mesh.axes, p.param("lm_head.weight").spec
         (('row', 'col'), [S(col), S(row)])
 
-    ``mode="auto"`` returns the best plan of :func:`autoshard.planning.search` on ``cluster``
+    ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
     ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`).

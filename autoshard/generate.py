@@ -338,7 +338,7 @@ def plan_step(model: nn.Module, policy, held_plan, *, step: str = "decode", max_
     ``"prefill"``: the prompt) for a cache of ``max_len`` positions and ``batch``
     sequences, laid out as ``held_plan`` (the model's own plan under ``policy``) lays the
     parameters: what :meth:`~autoshard.module.ShardedModule.generate` would run, planned
-    without processes (:func:`autoshard.ir.plan` with ``step=``)."""
+    without processes (:func:`autoshard.plan` with ``step=``)."""
     from .launch.capture_share import capture_cached
 
     if step not in ("decode", "prefill"):
