@@ -220,6 +220,8 @@ class ShardedModule(nn.Module):
         literals and constants too, even where they named another device, as a graph
         captured on another rank's GPU does). Returns the module."""
         device = torch.device(device)
+        if any(t.is_meta for t in list(self.parameters()) + list(self.buffers())):
+            return self         # not materialised (sharded on meta without weights): nothing to move yet
         self.to(device)
         self._retarget(device)
         return self

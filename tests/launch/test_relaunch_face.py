@@ -51,14 +51,14 @@ def _entry_path(name: str, mode: str, inputs: dict) -> Path:
     import torch.distributed as dist
 
     from autoshard import api
-    from autoshard.launch.capture_share import cache_dir
+    from autoshard.launch import cache_dir
     from autoshard.policies import make_policy
 
     world = dist.get_world_size()
     pol = make_policy(mode, world, None, 1)
     key = api._launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True, dropout="sharded",
                           policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
-    return cache_dir() / "launch" / f"{key}.bin"
+    return cache_dir.folder("launch") / f"{key}.bin"
 
 
 def _face(sm) -> dict:
