@@ -123,8 +123,8 @@ CASES = [  # (world, mode, depth, dp)
     (2, "1d", None, 1),
     (4, "1d", None, 2),
     (4, "2d", None, 1),
-    pytest.param((8, "2.5d", 2, 1), marks=pytest.mark.slow),
-    pytest.param((8, "3d", None, 1), marks=pytest.mark.slow),
+    pytest.param((8, "2.5d", 2, 1), marks=[pytest.mark.slow, pytest.mark.extended]),
+    pytest.param((8, "3d", None, 1), marks=[pytest.mark.slow, pytest.mark.extended]),
 ]
 IDS = ["llama-1d-p2", "llama-1d-tp2-dp2", "llama-2d-q2"]
 

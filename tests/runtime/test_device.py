@@ -144,7 +144,7 @@ def _to_meta(rank, world, arch, mode):
     return off_device(sharded, torch.device("meta")), literals
 
 
-SAMPLE = ("llama", "gpt2", "bert", "t5", "mixtral")
+SAMPLE = ("llama", "gpt2", "bert")   # the rest of the matrix: make test-extended
 TO_META = [pytest.param(a, mode, world, id=f"{a}-{mode}",
                         marks=[] if a in SAMPLE else [pytest.mark.extended])
            for mode, world in (("1d", 2), ("2d", 4)) for a in M.ARCHS
