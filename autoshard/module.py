@@ -492,10 +492,11 @@ class ShardedModule(nn.Module):
             voc = self._limits.get("vocab_size")
             # the range check reads the ids on the host: on an accelerator that is a sync per
             # call, so there it runs once per input signature (every call under debug)
-            sig = InputSignature.of(full).describe()
-            once = ids.device.type == "cpu" or self.debug or sig not in self._ids_checked
-            if voc and ids.numel() and not ids.dtype.is_floating_point and once:
-                self._ids_checked.add(sig)
+            on_host = ids.device.type == "cpu" or self.debug
+            sig = None if on_host else InputSignature.of(full).describe()      # keyed only off the host
+            if voc and ids.numel() and not ids.dtype.is_floating_point and (on_host or sig not in self._ids_checked):
+                if sig is not None:
+                    self._ids_checked.add(sig)
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= voc[1]:
                     problems.append(_P("input_ids", f"token ids span {lo}..{hi}, outside the vocabulary "
