@@ -364,7 +364,9 @@ _POOLS: dict[int, RankPool] = {}
 def get_pool(world_size: int, **kwargs) -> RankPool:
     """The cached pool for ``world_size``; a broken/dead one is replaced.
 
-    ``kwargs`` (timeout, pg_timeout) only apply when a new pool is built.
+    ``pg_timeout`` only applies when a new pool is built; ``timeout`` (the per-task limit)
+    also applies to a live pool, from this call on, so a test that asks for a long limit
+    gets it whichever test built the pool.
     """
     pool = _POOLS.get(world_size)
     if pool is not None and not pool.healthy:
@@ -373,6 +375,8 @@ def get_pool(world_size: int, **kwargs) -> RankPool:
     if pool is None:
         pool = RankPool(world_size, **kwargs)
         _POOLS[world_size] = pool
+    elif "timeout" in kwargs:
+        pool.timeout = float(kwargs["timeout"])
     return pool
 
 

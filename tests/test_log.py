@@ -45,9 +45,10 @@ def test_warn_only_on_rank_0():
     assert r1 == ([], ["AutoshardWarning: vocab does not divide"])
 
 
-def test_faces_are_quiet_on_other_ranks(monkeypatch, capsys):
+def test_faces_are_quiet_on_other_ranks(monkeypatch):
     """A decorated face prints warnings and transformers' log lines once per job: on
     rank 0, not on the others (torchrun's RANK counts before a process group exists)."""
+    import logging
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -60,13 +61,24 @@ def test_faces_are_quiet_on_other_ranks(monkeypatch, capsys):
         hf_logging.get_logger("transformers.modeling_utils").warning("config report")
         return 7
 
+    # records are caught by a handler of our own: transformers' stream handler holds
+    # whichever sys.stderr existed when it was made, which capsys cannot see
+    lines: list[str] = []
+    catcher = logging.Handler()
+    catcher.emit = lambda record: lines.append(record.getMessage())
+    hf_log = hf_logging.get_logger("transformers.modeling_utils")
+    hf_log.addHandler(catcher)
     seen = {}
-    for r in ("1", "0"):
-        monkeypatch.setenv("RANK", r)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            assert load() == 7
-        seen[r] = ([str(x.message) for x in w], capsys.readouterr().err)
-    assert seen["1"] == ([], "")
-    assert seen["0"][0] == ["a load report"] and "config report" in seen["0"][1]
+    try:
+        for r in ("1", "0"):
+            monkeypatch.setenv("RANK", r)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                assert load() == 7
+            seen[r] = ([str(x.message) for x in w], list(lines))
+            lines.clear()
+    finally:
+        hf_log.removeHandler(catcher)
+    assert seen["1"] == ([], [])
+    assert seen["0"] == (["a load report"], ["config report"])
     assert hf_logging.get_verbosity() == hf_logging.WARNING       # restored
