@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .ir.errors import AutoshardWarning, ConfigError, ShardingError
 from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
+from .adapters import unwrap
 from .ir.signature import Recipe, pad_blocker
 from .ir.plan import ShardingPlan
 from .launch.capture_share import capture_for_plan, capture_shared
@@ -192,6 +193,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         raise ConfigError(f"shard() takes a torch.nn.Module (e.g. a transformers model) or the path of a local "
                           f"Hugging Face folder (config.json + safetensors), got {type(model).__name__}"
                           + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
+    model, adapters = unwrap(model)     # a peft wrapper: its injected model (autoshard.adapters)
     stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -224,7 +226,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
             launch_cache.store(key, launched.gm, launched.plan, launched.groups, launched.facts.to_dict())
     return _finish(model, launched, rank=rank, weights=weights, debug=debug,
                    activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                   dropout=dropout).place(device)
+                   dropout=dropout, adapters=adapters).place(device)
 
 
 def _relaunch(entry, model, pol, *, mode: str, example_inputs, rank: int, world: int) -> Launched:
@@ -323,8 +325,9 @@ def _setup_groups(p: ShardingPlan, rank: int, world: int) -> dict:
 
 
 def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activation_checkpointing: bool,
-            gather_logits: bool, dropout: str) -> ShardedModule:
-    """The ShardedModule of this rank's launch (weights filled, blocks checkpointed)."""
+            gather_logits: bool, dropout: str, adapters=None) -> ShardedModule:
+    """The ShardedModule of this rank's launch (weights filled, blocks checkpointed);
+    ``adapters``: the peft adapters ``model`` carries (:mod:`autoshard.adapters`)."""
     gm, p, pol, facts = launched.gm, launched.plan, launched.policy, launched.facts
     if activation_checkpointing:
         from .passes.remat import checkpoint_blocks
@@ -336,12 +339,13 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
     recipe = None if config is None else Recipe(
         model_class=type(model), config=config, training=facts.training, policy=pol,
         batch_size=facts.batch_size, seq_len=facts.seq_len, gather_outputs=gather_logits, dropout=dropout,
-        activation_checkpointing=activation_checkpointing)
+        activation_checkpointing=activation_checkpointing, adapt=adapters.inject if adapters is not None else None)
     sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
                        constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
                        recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,
                        limits=_input_limits(config, facts.seq_range), seq_split=pol.seq_split(), config=config,
                        model_tensors=_tensor_names(model))
+    sm.adapters = adapters
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     return sm
 

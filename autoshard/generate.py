@@ -400,7 +400,7 @@ class Generator:
         m = self.module
         r = self._recipe()
         t0 = time.perf_counter()
-        built = build_meta(r.config, model_class=cls, dtype=m.dtype)
+        built = build_meta(r.config, model_class=cls, dtype=m.dtype, adapt=r.adapt)
         built.model.eval()
         cap, p = plan_graph(built, what, example, capture_fn, r.policy, m.plan, batch=batch * m.plan.dp,
                             seq=seq, dropout=r.dropout, capture=capture_shared)      # collective

@@ -90,6 +90,7 @@ class ShardedModule(nn.Module):
         self._config = config
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
+        self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
         self.set_grad_sync()
@@ -556,8 +557,23 @@ class ShardedModule(nn.Module):
         from .io.sharded_format import save_checkpoint
         save_checkpoint(self, path, optimizer)
 
-    def save_pretrained(self, path, *, config=None, max_shard_size="5GB") -> None:
-        """Dense Hugging Face folder (config.json + safetensors) that transformers loads."""
+    def save_pretrained(self, path, *, config=None, max_shard_size="5GB", merged: bool = False) -> None:
+        """Dense Hugging Face folder (config.json + safetensors) that transformers loads.
+
+        A module sharded from a peft model (:attr:`adapters`) writes what
+        ``peft_model.save_pretrained(path)`` writes: ``adapter_config.json`` and
+        ``adapter_model.safetensors`` (dense), which ``PeftModel.from_pretrained(base,
+        path)`` loads; ``merged=True`` writes the base model with the adapters merged into
+        its weights instead (peft's ``merge_and_unload``), a folder transformers loads.
+        Collective: call on every rank (rank 0 writes)."""
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None and not merged:
+            adapters.save(self, path)
+            return
+        if adapters is not None:
+            from .io.gather import save_merged
+            save_merged(self, path, adapters.merged, config=config, max_shard_size=max_shard_size)
+            return
         from .io.gather import save_pretrained
         save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
 

@@ -137,6 +137,11 @@ class OneD(Policy):
             return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
         m = ctx.output_segments(node)
         stop = ctx.split_stop(node)
+        up = _low_rank_up(ctx, node, n, k)
+        if up is not None:      # the down half of a low-rank pair (LoRA's A): its up half splits instead
+            return local(f"whole: the down half of a low-rank pair ({k} -> {n} -> {up} features, into "
+                         f"`{_linear_after(node).name}`): held whole, its consumer splits its out features "
+                         f"with no collective, where splitting this one would all-reduce the consumer's output")
         if not stop and n % (c * m) == 0:
             return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), m), m)
         return local(_whole_note(stop, n, k, m, c, in_split=sx.dims[-1] == tp))
@@ -207,6 +212,44 @@ class OneD(Policy):
                    "smaller and its lookup is not summed with one")
         return Choice(out=out, inputs={(0,): ShardSpec(dims=((), ())), (1,): si}, weight="replicated",
                       notes=(why,) if why else ())
+
+
+_VIEWS = _CASTS | {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_LINEARS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
+
+
+def _linear_after(node):
+    """The Linear that alone consumes ``node``'s output as its input, through views and
+    casts, or None."""
+    cur = node
+    while True:
+        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
+        if len(users) != 1:
+            return None
+        if users[0].target not in _VIEWS:
+            break
+        cur = users[0]
+    u = users[0]
+    if u.op != "call_function" or u.target not in _LINEARS or get_arg(u, linear_operands(u)[0]) is not cur:
+        return None
+    return u
+
+
+def _low_rank_up(ctx: RuleContext, node, n: int, k: int) -> int | None:
+    """The out features of the Linear that alone consumes ``node``'s output when the pair
+    is low-rank (``node`` narrows ``k`` features to ``n``, its consumer widens them again:
+    LoRA's A then B); None otherwise. Splitting the narrow ``n`` would make the consumer
+    row-parallel, an all-reduce of its wide output; holding the narrow half whole costs
+    ``n × k`` replicated weights and lets the wide half split its output instead."""
+    up = _linear_after(node)
+    if up is None or not n < k:
+        return None
+    _, wp, _, nd, _ = linear_operands(up)
+    w = get_arg(up, wp)
+    if getattr(w, "op", None) != "get_attr":
+        return None
+    wide = ctx.pshape(w)[nd]
+    return wide if n < wide else None
 
 
 def _whole_note(stop: str, n: int, k: int, m: int, c: int, *, in_split: bool) -> str:

@@ -145,12 +145,16 @@ class Built:
         self.model, self.buffers, self.persistent, self.config = model, buffers, persistent, config
 
 
-def build_meta(config, *, model_class=None, dtype=None) -> Built:
-    """The model of ``config`` with parameters on meta and its buffers' real values kept aside."""
+def build_meta(config, *, model_class=None, dtype=None, adapt=None) -> Built:
+    """The model of ``config`` with parameters on meta and its buffers' real values kept aside.
+    ``adapt(model)``, where given, returns the model to keep instead (e.g. with adapters
+    injected, :meth:`autoshard.adapters.Adapters.inject`); its new parameters are on meta too."""
     dtype = resolve_dtype(dtype, config)
     cls = resolve_class(config, model_class)
     with _default_dtype(dtype), _params_on_meta():
         model = _construct(config, cls)
+        if adapt is not None:
+            model = adapt(model)
     buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     persistent = {k for k in model.state_dict(keep_vars=True) if k not in pnames}

@@ -109,13 +109,15 @@ def _dense_entries(sharded, aliases: bool = True) -> list[tuple[str, tuple, torc
 
 
 def iter_full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = True,
-                         copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                         copy: bool = False, only=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, dense tensor)`` one tensor at a time, in plan order (tied
     aliases right after their tensor, the same object), then persistent buffers.
 
     Every rank must iterate to the end (the gathers are collective); with
     ``rank0_only`` only rank 0 gets tensors, the others yield nothing. Replicated
-    tensors are the live local tensors unless ``copy`` (gathered ones are new)."""
+    tensors are the live local tensors unless ``copy`` (gathered ones are new).
+    ``only`` (a set of names): gather just the parameters named there (under any of
+    their names), and no buffer."""
     plan, mesh = sharded.plan, sharded.mesh
     params = dict(sharded.named_parameters(remove_duplicate=False))
     # create the groups first, collectively: later some ranks skip tensors they do not gather
@@ -123,6 +125,8 @@ def iter_full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = Tr
                        key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
         _group(sharded, axes)
     for pp in plan.params:
+        if only is not None and not only & {pp.name, *pp.aliases}:
+            continue
         full = _gather(sharded, params[pp.name].detach(), pp.spec, pp.global_shape, rank0_only)
         if full is None:
             continue
@@ -134,7 +138,7 @@ def iter_full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = Tr
             for a in pp.aliases:
                 yield a, full
         del full            # the consumer may have dropped it: do not hold it across the next gather
-    if not rank0_only or sharded.rank == 0:
+    if only is None and (not rank0_only or sharded.rank == 0):
         for name, buf in persistent_buffers(sharded):
             yield name, buf.detach().clone() if copy else buf.detach()
 
@@ -237,3 +241,22 @@ def write_folder(path, entries, tensors, config, *, max_shard_size="5GB", progre
         for w in writers:
             w.abort()
         raise
+
+
+def save_merged(sharded, path, merge, *, config=None, max_shard_size="5GB") -> None:
+    """Write the dense Hugging Face folder of ``merge(dense state dict)`` (e.g. a peft
+    model's adapters merged into its base weights, :meth:`autoshard.adapters.Adapters.merged`).
+    Call on every rank: the tensors are gathered to rank 0, which merges and writes."""
+    dist = _dist()
+    config = config if config is not None else getattr(sharded, "config", None)
+    if config is None:
+        raise ConfigError("save_pretrained needs the model's config: pass config=model.config")
+    entry_barrier("save_pretrained")
+    dense = dict(iter_full_state_dict(sharded, rank0_only=True, aliases=False, copy=True))
+    if sharded.rank == 0:
+        state = {n: t for n, t in merge(dense).items() if not t.is_meta}
+        entries = [(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+        write_folder(path, entries, iter(state.items()), with_architecture(config, sharded.plan.model),
+                     max_shard_size=max_shard_size)
+    if dist.is_initialized():
+        dist.barrier()

@@ -95,6 +95,7 @@ class Recipe:
     gather_outputs: bool
     dropout: str
     activation_checkpointing: bool = False
+    adapt: Any = None       # model -> model: what a model rebuilt from the config needs (peft adapters)
 
 
 @dataclass

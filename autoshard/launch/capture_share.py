@@ -302,6 +302,7 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = ""
              config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config),
              str(model.training), tag,
              ";".join(f"{n}:{type(m).__name__}" for n, m in model.named_modules()),
+             ";".join(f"{n}:{_scalars(m)}" for n, m in model.named_modules()),
              ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}:{t.device.type}"
                       for n, t in list(model.named_parameters(remove_duplicate=False))
                       + list(model.named_buffers(remove_duplicate=False)))]
@@ -315,6 +316,17 @@ def cache_key(model: torch.nn.Module, example_inputs: dict | None, tag: str = ""
 
         parts.append(";".join(one(k, v) for k, v in sorted(example_inputs.items())))
     return cache_dir.key(*parts)
+
+
+def _scalars(module) -> str:
+    """The plain-value attributes of ``module`` (numbers, flags, strings, and dicts of them),
+    which a forward may bake into the graph: a LoRA layer's scaling and active adapter, a
+    dropout's p. Two models alike but for one of them are different captures."""
+    def plain(v):
+        return isinstance(v, (bool, int, float, str, type(None))) or (
+            isinstance(v, (dict, list, tuple)) and all(plain(x) for x in (v.values() if isinstance(v, dict) else v)))
+
+    return repr(sorted((k, v) for k, v in vars(module).items() if not k.startswith("__") and plain(v)))
 
 
 def _fn_tag(capture_fn) -> str:

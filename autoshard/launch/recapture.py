@@ -86,7 +86,7 @@ def capture_graph(module, kwargs: dict):
     the module's new graph entry (its parameters bound to the module's own)."""
     r = module.recipe
     t0 = time.perf_counter()
-    built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype)
+    built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype, adapt=r.adapt)
     built.model.train(r.training)
     lim = module.limits.get("max_positions")
     example = meta_example(kwargs, max_seq=lim[1] if lim else None)

@@ -1,0 +1,212 @@
+"""LoRA through peft on a sharded model (docs/design.md, "Frozen parameters and LoRA";
+autoshard/adapters.py).
+
+``shard(peft_model)`` of a tiny Llama (LoRA on every Linear), a GPT-2 (LoRA on its
+Conv1D ``c_attn`` / ``c_proj`` / ``c_fc``, ``fan_in_fan_out``) and a BERT classifier
+(``modules_to_save`` head), on gloo CPU ranks: loss, logits and every trainable local
+gradient equal dense peft's within atol = rtol = 1e-5, frozen slices end backward
+with ``.grad is None`` and plan no gradient collective, the ledger equals the plan,
+3 AdamW steps over the trainable slices track dense peft's, and AdamW's state is
+twice the trainable local bytes. The 8-rank cells (2.5d, 3d) run in ``make
+test-extended``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import models
+from dist_pool import get_pool
+
+pytest.importorskip("peft")
+
+STEPS = 3
+TARGETS = {"llama": "all-linear", "gpt2": ["c_attn", "c_proj", "c_fc"], "bert-cls": ["query", "value", "dense"]}
+
+
+def build(name: str, **lora):
+    """The dense peft model of ``name`` (LoRA r=4, its B matrices made non-zero so the
+    adapters change the output from the first step)."""
+    import peft
+    import transformers
+
+    if name == "bert-cls":
+        _, _, kw = models.TINY["bert"]
+        torch.manual_seed(0)
+        base = transformers.BertForSequenceClassification(transformers.BertConfig(**kw, num_labels=3))
+        task = dict(task_type="SEQ_CLS")
+    else:
+        base = models.build(name)
+        task = dict(task_type="CAUSAL_LM")
+    cfg = dict(r=4, lora_alpha=8, target_modules=TARGETS[name], **task)
+    if name == "gpt2":
+        cfg["fan_in_fan_out"] = True
+    cfg.update(lora)
+    model = peft.get_peft_model(base, peft.LoraConfig(**cfg))
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    model.train()
+    return model
+
+
+def batch(name: str, b: int = 4) -> dict:
+    inputs = models.batch("bert" if name == "bert-cls" else name, b=b)
+    if name == "bert-cls":
+        inputs["labels"] = torch.arange(b) % 3
+    return inputs
+
+
+def check_lora(rank: int, world: int, name: str, mode: str, depth=None, dp: int = 1) -> dict:
+    """Run on every rank: the failures of every comparison (empty = exact), the ledger /
+    plan figures and the optimizer-state bytes."""
+    import autoshard
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dense = build(name)
+    model = copy.deepcopy(dense)
+    inputs = batch(name, b=4 * dp)
+    out_d = dense(**inputs)
+    out_d.loss.backward()
+    tp = world // dp
+    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
+    ref_logits = out_d.logits[rows]
+    inputs = {k: v[rows] for k, v in inputs.items()}
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs)
+    plan = sharded.plan
+    with CommLedger() as fwd:
+        out = sharded(**inputs)
+    with CommLedger() as bwd:
+        out.loss.backward()
+    failures = []
+
+    def cmp(what, got, ref):
+        try:
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        except AssertionError as e:
+            failures.append(f"{what}: {str(e).splitlines()[0]}")
+
+    cmp("loss", out.loss, out_d.loss)
+    cmp("logits", out.logits, ref_logits)
+    dparams = dict(dense.get_base_model().named_parameters(remove_duplicate=False))
+    sparams = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in plan.params:
+        got = sparams[pp.name]
+        if pp.trainable != dparams[pp.name].requires_grad:
+            failures.append(f"{pp.name}: plan trainable={pp.trainable}")
+        if not pp.trainable:
+            if got.grad is not None or got.requires_grad:
+                failures.append(f"{pp.name}: frozen, has a gradient or requires one")
+            if pp.grad_sync:
+                failures.append(f"{pp.name}: frozen, grad sync over {pp.grad_sync}")
+            continue
+        if got.grad is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got.grad, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    trainable = [p for p in sharded.parameters() if p.requires_grad]
+    res = {"failures": failures, "loss": out.loss.item(),
+           "ledger": {"fwd": (fwd.count(), fwd.bytes_per_rank()), "bwd": (bwd.count(), bwd.bytes_per_rank())},
+           "plan": {ph: (len(plan.comms(ph)), plan.comm_bytes_per_rank(ph)) for ph in ("fwd", "bwd")},
+           "lora_params": sum("lora_" in pp.name for pp in plan.params),
+           "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
+           "plan_trainable_bytes": plan.trainable_bytes_per_rank}
+    if dp == 1:
+        res.update(_train(sharded, dense, inputs))
+    return res
+
+
+def _train(sharded, dense, inputs) -> dict:
+    """3 AdamW steps over each model's trainable parameters: the losses, the frozen
+    slices untouched, and the bytes of the sharded optimizer's state."""
+    before = {n: p.detach().clone() for n, p in sharded.named_parameters() if not p.requires_grad}
+    out = {}
+    for key, m in (("losses", sharded), ("dense_losses", dense)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        out[key] = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = m(**inputs).loss
+            loss.backward()
+            opt.step()
+            out[key].append(loss.item())
+        if m is sharded:
+            out["adam_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values()
+                                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    out["frozen_moved"] = [n for n, p in sharded.named_parameters() if n in before and not torch.equal(p, before[n])]
+    return out
+
+
+CASES = [  # (name, world, mode, depth, dp)
+    ("llama", 2, "1d", None, 1),
+    ("gpt2", 4, "2d", None, 1),
+    ("bert-cls", 4, "1d", None, 2),
+    pytest.param(("llama", 4, "1d", None, 1), marks=pytest.mark.extended),
+    pytest.param(("llama", 4, "2d", None, 1), marks=pytest.mark.extended),
+    pytest.param(("llama", 4, "1d-sp", None, 1), marks=pytest.mark.extended),
+    pytest.param(("gpt2", 2, "1d", None, 1), marks=pytest.mark.extended),
+    pytest.param(("gpt2", 4, "1d", None, 1), marks=pytest.mark.extended),
+    pytest.param(("bert-cls", 2, "1d", None, 1), marks=pytest.mark.extended),
+    pytest.param(("bert-cls", 4, "2d", None, 1), marks=pytest.mark.extended),
+] + [pytest.param((n, 8, m, d, 1), marks=[pytest.mark.slow, pytest.mark.extended])
+     for n in ("llama", "gpt2", "bert-cls") for m, d in (("2.5d", 2), ("3d", None))]
+
+
+def _id(c) -> str:
+    name, world, mode, depth, dp = c
+    return f"{name}-{mode}x{world}" + (f"-d{depth}" if depth else "") + (f"-dp{dp}" if dp > 1 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_lora_equals_dense_peft(case):
+    name, world, mode, depth, dp = case
+    results = get_pool(world, timeout=900).run(check_lora, name, mode, depth, dp)
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["ledger"] == r["plan"], f"rank {rank}: ledger {r['ledger']} vs plan {r['plan']}"
+        assert r["lora_params"] > 0
+        assert r["trainable_bytes"] == r["plan_trainable_bytes"]
+        if dp == 1:
+            assert r["frozen_moved"] == []
+            assert abs(r["dense_losses"][-1] - r["dense_losses"][0]) > 1e-3, "the steps must move the loss"
+            for a, b in zip(r["losses"], r["dense_losses"]):
+                assert abs(a - b) <= 1e-5, (r["losses"], r["dense_losses"])
+            # AdamW keeps exp_avg and exp_avg_sq of each trainable local shard, nothing for the frozen base
+            assert abs(r["adam_bytes"] - 2 * r["trainable_bytes"]) <= 0.02 * 2 * r["trainable_bytes"]
+    assert len({r["loss"] for r in results}) == 1, [r["loss"] for r in results]
+
+
+def test_lora_plan_keeps_the_adapter_in_the_base_layout():
+    """On meta, no processes: in 1d a column-split base gets a whole A and a column-split
+    B (no new collective in forward), a row-split base a row-split A and a whole B; the
+    plan's forward adds one all-reduce of r features per row-split target, nothing for
+    the column-split ones; the plan table shows the adapters."""
+    import autoshard
+
+    m = build("llama")
+    p = autoshard.plan(m.get_base_model(), world_size=2, mode="1d", batch_size=4, seq_len=8)
+    full = autoshard.plan(models.build("llama"), world_size=2, mode="1d", batch_size=4, seq_len=8)
+    spec = {pp.name: str(pp.spec) for pp in p.params}
+    pre = "model.layers.0."
+    for col in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.gate_proj"):
+        assert spec[f"{pre}{col}.base_layer.weight"] == "[S(tp), R]"
+        assert (spec[f"{pre}{col}.lora_A.default.weight"], spec[f"{pre}{col}.lora_B.default.weight"]) \
+            == ("[R, R]", "[S(tp), R]"), col
+    for row in ("self_attn.o_proj", "mlp.down_proj"):
+        assert spec[f"{pre}{row}.base_layer.weight"] == "[R, S(tp)]"
+        assert (spec[f"{pre}{row}.lora_A.default.weight"], spec[f"{pre}{row}.lora_B.default.weight"]) \
+            == ("[R, S(tp)]", "[R, R]"), row
+    layers = m.get_base_model().config.num_hidden_layers
+    assert len(p.comms("fwd")) == len(full.comms("fwd")) + 2 * layers
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    console.print(p.table())
+    text = console.export_text()
+    assert "lora_A" in text and "lora_B" in text
