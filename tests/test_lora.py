@@ -210,3 +210,86 @@ def test_lora_plan_keeps_the_adapter_in_the_base_layout():
     console.print(p.table())
     text = console.export_text()
     assert "lora_A" in text and "lora_B" in text
+
+
+def _round_trip(rank: int, world: int, mode: str, folder: str) -> dict:
+    """Save the adapters (and the merged model) of a sharded peft Llama; peft loads them on a
+    dense base (rank 0); a peft folder loaded into shard() resumes where it was."""
+    import os
+
+    import peft
+    import transformers
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    inputs = batch("llama")
+    dense = build("llama")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    sharded.eval()
+    logits = sharded(**inputs).logits.detach()
+    sharded.save_pretrained(os.path.join(folder, "adapter"))
+    sharded.save_pretrained(os.path.join(folder, "merged"), merged=True)
+    out = {"files": sorted(os.listdir(os.path.join(folder, "adapter")))}
+    if rank == 0:
+        loaded = peft.PeftModel.from_pretrained(models.build("llama"), os.path.join(folder, "adapter")).eval()
+        out["peft_loaded"] = (loaded(**inputs).logits - logits).abs().max().item()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "merged")).eval()
+        out["merged"] = (merged(**inputs).logits - logits).abs().max().item()
+        out["merged_names"] = [n for n, _ in merged.named_parameters() if "lora" in n]
+    resumed = peft.PeftModel.from_pretrained(models.build("llama"), os.path.join(folder, "adapter"), is_trainable=True)
+    again = autoshard.shard(resumed, mode=mode, example_inputs=inputs).eval()
+    out["resumed"] = (again(**inputs).logits - logits).abs().max().item()
+    out["resumed_trainable"] = sum(p.requires_grad for p in again.parameters())
+    return out
+
+
+def test_adapter_round_trip(tmp_path):
+    """2d@4: ``save_pretrained`` writes peft's adapter folder, which
+    ``PeftModel.from_pretrained`` loads on a dense base with the sharded module's logits;
+    ``merged=True`` writes a folder transformers loads with the same logits; the adapter
+    folder loaded into ``shard()`` gives them again, its adapters trainable."""
+    results = get_pool(4, timeout=900).run(_round_trip, "2d", str(tmp_path))
+    r0 = results[0]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r0["files"])
+    assert r0["peft_loaded"] <= 1e-5 and r0["merged"] <= 1e-5, r0
+    assert r0["merged_names"] == []
+    for r in results:
+        assert r["resumed"] <= 1e-5 and r["resumed_trainable"] > 0, r
+
+
+def _generate(rank: int, world: int, mode: str) -> dict:
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = build("llama").eval()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = dense.generate(input_ids=ids, **kw)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=batch("llama"))
+    return {"got": sharded.generate(input_ids=ids, **kw).tolist(), "ref": ref.tolist()}
+
+
+def test_generate_equals_dense_peft():
+    """generate() on a sharded peft Llama (1d@2): peft's dense generate, token for token
+    (the step graphs are rebuilt with the adapters re-injected)."""
+    for r in get_pool(2, timeout=900).run(_generate, "1d"):
+        assert r["got"] == r["ref"]
+
+
+def test_refused_by_name():
+    """Prefix tuning and a quantized base are refused before any collective, naming them."""
+    import peft
+
+    import autoshard
+    from autoshard.ir.errors import ConfigError
+
+    base = models.build("llama")
+    prefix = peft.get_peft_model(base, peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ConfigError, match="PREFIX_TUNING"):
+        autoshard.shard(prefix, mode="1d")
+    q = models.build("llama")
+    q.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    q.is_loaded_in_4bit = True
+    with pytest.raises(ConfigError, match="bitsandbytes"):
+        autoshard.shard(q, mode="1d")
