@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/finetune.py --task cls --mode 1d --steps 30
     torchrun --nproc-per-node 4 examples/finetune.py --task clm --mode 1d --dp 2 --steps 20
+    torchrun --nproc-per-node 2 examples/finetune.py --task cls --mode 1d --lora 8 --export merged/
 
 --task cls: sequence classification on a JSONL of {"text", "label"} (2 classes),
             accuracy on a held-out 20% before and after training.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -56,6 +58,15 @@ def parse_args(argv=None):
     p.add_argument("--export", default=None, metavar="DIR",
                    help="at the end, write the fine-tuned model as a dense Hugging Face folder to DIR "
                         "(AutoModelFor...from_pretrained loads it; `autoshard export` does the same from a checkpoint)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="fine-tune LoRA adapters of rank R through peft instead of every weight (the base frozen: "
+                        "no gradient, no optimizer state); --export then writes the merged model")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                   help="module names LoRA adapts (default: every Linear of the blocks, peft's 'all-linear': "
+                        "the attention and MLP projections, not the output head)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 R)")
+    p.add_argument("--save-adapter", default=None, metavar="DIR",
+                   help="with --lora: at the end, write the adapter as peft does (PeftModel.from_pretrained loads it)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before/after)")
     p.add_argument("--seed", type=int, default=0)
@@ -82,6 +93,12 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --dp {args.dp}")
     if args.save_every < 0 or args.eval_every < 0 or args.warmup < 0:
         p.error("--save-every, --eval-every and --warmup must be >= 0")
+    if args.lora < 0:
+        p.error(f"--lora must be >= 0 (0: no LoRA), got {args.lora}")
+    if not args.lora and (args.lora_targets or args.save_adapter or args.lora_alpha is not None):
+        p.error("--lora-targets, --lora-alpha and --save-adapter need --lora R")
+    if args.lora and args.resume:
+        p.error("--resume with --lora is not supported yet: resume from a saved adapter with --save-adapter's folder")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.resume and not os.path.isdir(args.checkpoint_dir):
@@ -158,7 +175,34 @@ def build_model(args, tok):
         _maybe_no_dropout(cfg, args)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, config=cfg)
     model.train()
-    return model
+    return with_lora(model, args)
+
+
+def with_lora(model, args):
+    """``model`` wrapped by peft with LoRA adapters of rank ``--lora`` (the model itself without)."""
+    if not args.lora:
+        return model
+    try:
+        import peft
+    except ImportError:
+        raise SystemExit("--lora needs peft: pip install 'autoshard[lora]'") from None
+    targets = args.lora_targets or "all-linear"
+    cfg = peft.LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, target_modules=targets,
+                          task_type="SEQ_CLS" if args.task == "cls" else "CAUSAL_LM",
+                          fan_in_fan_out=type(model).__name__.startswith("GPT2"))
+    return peft.get_peft_model(model, cfg)
+
+
+def report_memory(sharded, log) -> None:
+    """Trainable and frozen parameters, and this rank's bytes of each (AdamW keeps two
+    moments of the trainable ones only)."""
+    p = sharded.plan
+    n_train = sum(math.prod(pp.hf_shape) for pp in p.params if pp.trainable)
+    n_all = sum(math.prod(pp.hf_shape) for pp in p.params)
+    mib = 2 ** 20
+    log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / max(1, n_all):.2f} %); per rank: "
+        f"trainable {p.trainable_bytes_per_rank / mib:.2f} MiB, frozen {p.frozen_bytes_per_rank / mib:.2f} MiB, "
+        f"gradients {p.grad_bytes_per_rank / mib:.2f} MiB, AdamW state {2 * p.trainable_bytes_per_rank / mib:.2f} MiB")
 
 
 def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
@@ -243,6 +287,7 @@ def main(argv=None):
     dp_index = sharded.coords.get("dp", 0)
     log(f"{args.model}  task {args.task}  world {world}  mesh "
         f"{' × '.join(f'{a}={s}' for a, s in zip(mesh.axes, mesh.sizes))}  sharded in {time.perf_counter() - t0:.1f} s")
+    report_memory(sharded, log)
     where = mesh.placement(int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None)
     if where:
         log(f"nodes: {where}")
@@ -270,9 +315,13 @@ def main(argv=None):
     if args.checkpoint_dir:
         T.save_state(sharded, _step_dir(args, args.steps), opt, step=args.steps)
         log(f"saved {_step_dir(args, args.steps)} (step {args.steps})")
+    if args.save_adapter:
+        sharded.save_pretrained(args.save_adapter)    # peft's adapter folder (collective; rank 0 writes)
+        log(f"saved the LoRA adapter to {args.save_adapter} (PeftModel.from_pretrained(base, dir) loads it)")
     if args.export:
-        sharded.save_pretrained(args.export)          # collective: every rank calls it, rank 0 writes
-        log(f"exported the fine-tuned model to {args.export} ({type(model).__name__}, Hugging Face format)")
+        sharded.save_pretrained(args.export, merged=True)   # collective: every rank calls it, rank 0 writes
+        what = "the adapters merged into the base" if args.lora else "Hugging Face format"
+        log(f"exported the fine-tuned model to {args.export} ({sharded.plan.model}, {what})")
     dist.destroy_process_group()
 
 

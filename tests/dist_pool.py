@@ -153,7 +153,7 @@ class RankPool:
     """``world_size`` spawned processes joined in one gloo process group."""
 
     def __init__(self, world_size: int, *, timeout: float = 120.0,
-                 pg_timeout: float = 60.0, start_timeout: float | None = None):
+                 pg_timeout: float = 300.0, start_timeout: float | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size

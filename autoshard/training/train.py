@@ -238,7 +238,8 @@ def warmup_cosine(steps: int, warmup: int = 0, min_ratio: float = 0.0) -> Callab
 
 def make_optimizer(module: torch.nn.Module, *, lr: float, steps: int, warmup: int = 0, weight_decay: float = 0.0,
                    betas=(0.9, 0.999), min_ratio: float = 0.0, zero: int = 0):
-    """AdamW over the local shards + LambdaLR(linear warmup, cosine decay).
+    """AdamW over the trainable local shards + LambdaLR(linear warmup, cosine decay) (frozen
+    parameters, e.g. a base under LoRA, get no optimizer state).
     ``zero=1`` shards the AdamW state over the data-parallel replicas, ``zero=2``
     the gradients too (:class:`autoshard.training.zero.ZeroAdamW`; collective)."""
     if zero:
@@ -246,7 +247,8 @@ def make_optimizer(module: torch.nn.Module, *, lr: float, steps: int, warmup: in
 
         opt = ZeroAdamW(module, stage=zero, lr=lr, betas=betas, weight_decay=weight_decay)
     else:
-        opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr, betas=betas,
+                                weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps, warmup, min_ratio))
     return opt, sched
 

@@ -72,6 +72,8 @@ class ZeroAdamW(torch.optim.AdamW):
         self.entries = []           # (ParamPlan, local parameter, chunk length)
         chunks = []
         for pp, p in unique_params(sharded):
+            if not p.requires_grad:     # frozen (a base under LoRA): no gradient, no optimizer state
+                continue
             if not p.is_contiguous():
                 raise ConfigError(f"ZeRO: parameter {pp.name} is not contiguous")
             c = math.ceil(p.numel() / self.dp)
@@ -188,11 +190,11 @@ class ZeroAdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------ checkpoints
     def gathered(self) -> torch.optim.AdamW:
-        """A plain AdamW over ``sharded.parameters()`` holding the whole TP-local state
+        """A plain AdamW over ``sharded``'s trainable parameters holding the whole TP-local state
         (the chunks all-gathered over ``dp``), as an unsharded optimizer would hold it:
         what :func:`autoshard.training.train.save_state` stores. Collective."""
         group = self.param_groups[0]
-        opt = torch.optim.AdamW(self.sharded.parameters(), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        opt = torch.optim.AdamW([p for p in self.sharded.parameters() if p.requires_grad], lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                 weight_decay=group["weight_decay"])
         for key in ("initial_lr",):
             if key in group:
