@@ -8,7 +8,8 @@ gradient equal dense peft's within atol = rtol = 1e-5, frozen slices end backwar
 with ``.grad is None`` and plan no gradient collective, the ledger equals the plan,
 3 AdamW steps over the trainable slices track dense peft's, and AdamW's state is
 twice the trainable local bytes. The 8-rank cells (2.5d, 3d) run in ``make
-test-extended``.
+test-extended``, with the BERT classifier's tp × dp cell, generate() and the LoRA
+variants (rsLoRA, DoRA, lora_dropout, two adapters).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def _train(sharded, dense, inputs) -> dict:
 CASES = [  # (name, world, mode, depth, dp)
     ("llama", 2, "1d", None, 1),
     ("gpt2", 4, "2d", None, 1),
-    ("bert-cls", 4, "1d", None, 2),
+    pytest.param(("bert-cls", 4, "1d", None, 2), marks=pytest.mark.extended),
     pytest.param(("llama", 4, "1d", None, 1), marks=pytest.mark.extended),
     pytest.param(("llama", 4, "2d", None, 1), marks=pytest.mark.extended),
     pytest.param(("llama", 4, "1d-sp", None, 1), marks=pytest.mark.extended),
@@ -270,6 +271,7 @@ def _generate(rank: int, world: int, mode: str) -> dict:
     return {"got": sharded.generate(input_ids=ids, **kw).tolist(), "ref": ref.tolist()}
 
 
+@pytest.mark.extended
 def test_generate_equals_dense_peft():
     """generate() on a sharded peft Llama (1d@2): peft's dense generate, token for token
     (the step graphs are rebuilt with the adapters re-injected)."""
@@ -293,3 +295,51 @@ def test_refused_by_name():
     q.is_loaded_in_4bit = True
     with pytest.raises(ConfigError, match="bitsandbytes"):
         autoshard.shard(q, mode="1d")
+
+
+def _variants(rank: int, world: int, folder: str) -> dict:
+    """rsLoRA, DoRA, lora_dropout under dropout="dense", and two adapters with the second
+    active: loss and logits of each equal dense peft's; both adapters are saved."""
+    import os
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    inputs = batch("llama")
+    out = {}
+    for label, kw, opts in (("rslora", dict(use_rslora=True), {}), ("dora", dict(use_dora=True), {}),
+                            ("dropout", dict(lora_dropout=0.3), dict(dropout="dense")), ("two", {}, {})):
+        dense = build("llama", **kw)
+        if label == "two":
+            import peft
+
+            dense.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                        task_type="CAUSAL_LM"))
+            dense.set_adapter("second")
+        model = copy.deepcopy(dense)
+        torch.manual_seed(5)
+        ref = dense(**inputs)
+        ref.loss.backward()
+        sharded = autoshard.shard(model, mode="1d", example_inputs=inputs, **opts)
+        torch.manual_seed(5)
+        got = sharded(**inputs)
+        got.loss.backward()
+        dparams = dict(dense.get_base_model().named_parameters())
+        grads = [(pp.spec.local(pp.pad(dparams[pp.name].grad), sharded.plan.mesh, rank)
+                  - p.grad).abs().max().item()
+                 for pp in sharded.plan.params for p in [sharded.get_parameter(pp.name)] if p.grad is not None]
+        out[label] = {"loss": (got.loss - ref.loss).abs().item(), "logits": (got.logits - ref.logits).abs().max().item(),
+                      "grad": max(grads), "trainable": sum(p.requires_grad for p in sharded.parameters())}
+        if label == "two":
+            sharded.save_pretrained(os.path.join(folder, "two"))
+            out[label]["files"] = sorted(os.listdir(os.path.join(folder, "two")))
+    return out
+
+
+@pytest.mark.extended
+def test_lora_variants_equal_dense_peft(tmp_path):
+    for r in get_pool(2, timeout=900).run(_variants, str(tmp_path)):
+        for label, v in r.items():
+            assert v["loss"] <= 1e-5 and v["logits"] <= 1e-5 and v["grad"] <= 1e-5, (label, v)
+            assert v["trainable"] > 0, label
+        assert "second" in r["two"]["files"] and "adapter_model.safetensors" in r["two"]["files"], r["two"]["files"]
