@@ -37,7 +37,7 @@ import torch
 
 from .ir.errors import ConfigError
 
-__all__ = ["Adapters", "is_peft_model", "refuse_quantized", "unwrap"]
+__all__ = ["Adapters", "export_merged", "is_peft_model", "refuse_quantized", "unwrap"]
 
 # peft's methods autoshard shards: LoRA (with rsLoRA, DoRA, fan_in_fan_out, several adapters)
 LORA_FAMILY = ("LORA",)
@@ -129,6 +129,12 @@ class Adapters:
         if dist.is_initialized():
             dist.barrier()
 
+    def write_configs(self, path) -> None:
+        """Write the active adapter's peft config (``adapter_config.json``) into a sharded
+        checkpoint folder, so that ``autoshard export`` merges the adapter (:func:`export_merged`)."""
+        if len(self.active) == 1:
+            self.configs[self.active[0]].save_pretrained(str(path))
+
     def merged(self, dense: dict) -> dict:
         """The base model's dense state dict with the active adapters merged into the base
         weights (peft's ``merge_and_unload``), from ``dense`` (inner names -> tensors)."""
@@ -172,3 +178,40 @@ def _used_by_active(inner: torch.nn.Module, active: tuple, adapters: tuple) -> s
     modules by its name: ``lora_A.<name>.weight``)."""
     idle = set(adapters) - set(active)
     return {n for n, _ in inner.named_parameters(remove_duplicate=False) if not idle & set(n.split("."))}
+
+
+def export_merged(path, out, *, model_class=None, max_shard_size="5GB"):
+    """``autoshard export`` of a checkpoint saved from a sharded peft model (its folder holds
+    ``adapter_config.json``): the dense Hugging Face folder of the base with the adapter
+    merged into its weights (peft's ``merge_and_unload``), in one process. Returns ``out``."""
+    import tempfile
+    from pathlib import Path
+
+    from peft import PeftConfig, PeftModel
+    from safetensors.torch import load_file
+
+    from .io.builder import build_meta, load_config, resolve_class
+    from .io.export import export_checkpoint
+    from .io.sharded_format import checkpoint_class, read_manifest
+
+    path, out = Path(path), Path(out)
+    with tempfile.TemporaryDirectory(prefix="autoshard-unmerged-", dir=out.parent if out.parent.exists() else None) \
+            as tmp:
+        export_checkpoint(path, tmp, model_class=model_class, max_shard_size="1000GB")
+        config = load_config(path)
+        cls = resolve_class(config, checkpoint_class(read_manifest(path), model_class, config))
+        built = build_meta(config, model_class=cls)
+        wrapped = PeftModel(built.model, PeftConfig.from_pretrained(str(path)))
+        state = load_file(str(Path(tmp) / "model.safetensors"))
+        wrapped.get_base_model().load_state_dict(state, strict=False, assign=True)
+    for name, buf in built.buffers.items():     # non-persistent buffers: the constructor's values
+        mod, _, attr = name.rpartition(".")
+        owner = wrapped.get_base_model().get_submodule(mod) if mod else wrapped.get_base_model()
+        if owner._buffers.get(attr) is not None and owner._buffers[attr].is_meta:
+            owner._buffers[attr] = buf
+    merged = wrapped.merge_and_unload()
+    left = [n for n, t in list(merged.named_parameters()) + list(merged.named_buffers()) if t.is_meta]
+    if left:
+        raise ConfigError(f"export: {path} holds no values for {left[:4]}; was it saved from this model?")
+    merged.save_pretrained(str(out), max_shard_size=max_shard_size)
+    return out

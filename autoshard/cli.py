@@ -613,6 +613,15 @@ def cmd_export(args) -> int:
     from .io.export import export_checkpoint
 
     cls = resolve_class(None, args.model_class) if args.model_class else None
+    from pathlib import Path
+
+    if (Path(args.checkpoint) / "adapter_config.json").exists():     # saved from a sharded peft model
+        from .adapters import export_merged
+
+        out = export_merged(args.checkpoint, args.out, model_class=cls, max_shard_size=args.max_shard_size)
+        print(f"wrote {out} (the LoRA adapter merged into the base: "
+              f"{', '.join(sorted(p.name for p in out.iterdir()))})")
+        return 0
     out = export_checkpoint(args.checkpoint, args.out, model_class=cls, max_shard_size=args.max_shard_size,
                             progress=sys.stderr.isatty())
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")

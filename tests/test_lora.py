@@ -231,6 +231,7 @@ def _round_trip(rank: int, world: int, mode: str, folder: str) -> dict:
     logits = sharded(**inputs).logits.detach()
     sharded.save_pretrained(os.path.join(folder, "adapter"))
     sharded.save_pretrained(os.path.join(folder, "merged"), merged=True)
+    sharded.save_checkpoint(os.path.join(folder, "ckpt"))
     out = {"files": sorted(os.listdir(os.path.join(folder, "adapter")))}
     if rank == 0:
         loaded = peft.PeftModel.from_pretrained(models.build("llama"), os.path.join(folder, "adapter")).eval()
@@ -238,6 +239,11 @@ def _round_trip(rank: int, world: int, mode: str, folder: str) -> dict:
         merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "merged")).eval()
         out["merged"] = (merged(**inputs).logits - logits).abs().max().item()
         out["merged_names"] = [n for n, _ in merged.named_parameters() if "lora" in n]
+        from autoshard.cli import main as cli
+
+        assert cli(["export", os.path.join(folder, "ckpt"), os.path.join(folder, "exported")]) == 0
+        exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "exported")).eval()
+        out["exported"] = (exported(**inputs).logits - logits).abs().max().item()
     resumed = peft.PeftModel.from_pretrained(models.build("llama"), os.path.join(folder, "adapter"), is_trainable=True)
     again = autoshard.shard(resumed, mode=mode, example_inputs=inputs).eval()
     out["resumed"] = (again(**inputs).logits - logits).abs().max().item()
@@ -248,12 +254,13 @@ def _round_trip(rank: int, world: int, mode: str, folder: str) -> dict:
 def test_adapter_round_trip(tmp_path):
     """2d@4: ``save_pretrained`` writes peft's adapter folder, which
     ``PeftModel.from_pretrained`` loads on a dense base with the sharded module's logits;
-    ``merged=True`` writes a folder transformers loads with the same logits; the adapter
+    ``merged=True`` writes a folder transformers loads with the same logits, and so does
+    ``autoshard export`` of a sharded checkpoint (the adapter merged); the adapter
     folder loaded into ``shard()`` gives them again, its adapters trainable."""
     results = get_pool(4, timeout=900).run(_round_trip, "2d", str(tmp_path))
     r0 = results[0]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r0["files"])
-    assert r0["peft_loaded"] <= 1e-5 and r0["merged"] <= 1e-5, r0
+    assert r0["peft_loaded"] <= 1e-5 and r0["merged"] <= 1e-5 and r0["exported"] <= 1e-5, r0
     assert r0["merged_names"] == []
     for r in results:
         assert r["resumed"] <= 1e-5 and r["resumed_trainable"] > 0, r

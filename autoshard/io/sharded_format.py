@@ -189,6 +189,9 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     if rank == 0:
         if config is not None:
             with_architecture(config, plan.model).save_pretrained(str(path))
+        adapters = getattr(sharded, "adapters", None)
+        if adapters is not None:        # peft adapters (autoshard.adapters): export merges them
+            adapters.write_configs(path)
         by_rank = {rep["rank"]: rep for rep in reports}
         tensors = {}
         by_name = {pp.name: pp for pp in plan.params}
