@@ -176,3 +176,84 @@ def _train(sharded, dense, inputs, steps):
             opt.step()
             out.append(loss.item())
     return ls, ld
+
+
+def check_trainable(rank: int, world: int, dense, model, inputs: dict, *, mode: str, depth=None, dp: int = 1,
+                    dense_params: dict | None = None, captured=None, **shard_kw) -> tuple[dict, object, dict]:
+    """The frozen-parameter comparison (tests/test_frozen.py, tests/test_lora.py), run on
+    every rank: ``dense`` (some parameters frozen) on the global batch ``inputs``,
+    ``model`` (a copy, or the same model wrapped) sharded and run on this replica's
+    rows. Returns ``(result, sharded, local inputs)``: ``result`` holds the failures
+    (empty = exact: loss, logits, every trainable local gradient within 1e-5; frozen
+    slices without a gradient, not trainable in the plan, no gradient sync) and the
+    ledger / plan figures per phase. ``dense_params``: the dense parameters under the
+    sharded module's names (default: ``dense``'s)."""
+    import autoshard
+    from autoshard.runtime.collectives import CommLedger
+
+    out_d = dense(**inputs)
+    out_d.loss.backward()
+    tp = world // dp
+    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
+    ref_logits = out_d.logits[rows]
+    inputs = {k: v[rows] for k, v in inputs.items()}
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, captured=captured,
+                              **shard_kw)
+    plan = sharded.plan
+    with CommLedger() as fwd:
+        out = sharded(**inputs)
+    with CommLedger() as bwd:
+        out.loss.backward()
+    failures = []
+
+    def cmp(what, got, ref):
+        try:
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        except AssertionError as e:
+            failures.append(f"{what}: {str(e).splitlines()[0]}")
+
+    cmp("loss", out.loss, out_d.loss)
+    cmp("logits", out.logits, ref_logits)
+    dparams = dense_params if dense_params is not None else dict(dense.named_parameters(remove_duplicate=False))
+    sparams = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in plan.params:
+        got = sparams[pp.name]
+        if pp.trainable != dparams[pp.name].requires_grad:
+            failures.append(f"{pp.name}: plan trainable={pp.trainable}")
+        if got.requires_grad != pp.trainable:
+            failures.append(f"{pp.name}: local slice requires_grad={got.requires_grad}")
+        if not pp.trainable:
+            if got.grad is not None:
+                failures.append(f"{pp.name}: frozen, has a gradient")
+            if pp.grad_sync:
+                failures.append(f"{pp.name}: frozen, grad sync over {pp.grad_sync}")
+            continue
+        if got.grad is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got.grad, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    res = {"failures": failures, "loss": out.loss.item(),
+           "ledger": {"fwd": (fwd.count(), fwd.bytes_per_rank()), "bwd": (bwd.count(), bwd.bytes_per_rank())},
+           "plan": {ph: (len(plan.comms(ph)), plan.comm_bytes_per_rank(ph)) for ph in ("fwd", "bwd")}}
+    return res, sharded, inputs
+
+
+def train_trainable(sharded, dense, inputs, steps: int, lr: float = 1e-3) -> dict:
+    """``steps`` AdamW steps over each model's trainable parameters: the losses, the
+    frozen slices that moved (none should), and the sharded optimizer's state bytes."""
+    before = {n: p.detach().clone() for n, p in sharded.named_parameters() if not p.requires_grad}
+    out = {}
+    for key, m in (("losses", sharded), ("dense_losses", dense)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
+        out[key] = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = m(**inputs).loss
+            loss.backward()
+            opt.step()
+            out[key].append(loss.item())
+        if m is sharded:
+            out["adam_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values()
+                                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    out["frozen_moved"] = [n for n, p in sharded.named_parameters() if n in before and not torch.equal(p, before[n])]
+    return out

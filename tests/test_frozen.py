@@ -36,87 +36,29 @@ def _in_frozen_part(module: str) -> bool:
 
 def check_frozen(rank: int, world: int, mode: str, depth=None, dp: int = 1) -> dict:
     """Run on every rank: the failures of every comparison (empty = exact) and the
-    ledger / plan figures, phase by phase."""
-    import autoshard
-    from autoshard.runtime.collectives import CommLedger
-
+    ledger / plan figures, phase by phase (:func:`models.check_trainable`)."""
     torch.set_num_threads(1)
     dense = models.build("llama")
     for n, p in dense.named_parameters():
         p.requires_grad_(not _frozen(n))
     model = copy.deepcopy(dense)
     inputs = models.batch("llama", b=4 * dp)
-    out_d = dense(**inputs)
-    out_d.loss.backward()
     tp = world // dp
     rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
-    ref_logits = out_d.logits[rows]
-    inputs = {k: v[rows] for k, v in inputs.items()}
-    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs,
-                              captured=models.shared_capture("llama", model, inputs))
+    res, sharded, inputs = models.check_trainable(
+        rank, world, dense, model, inputs, mode=mode, depth=depth, dp=dp,
+        captured=models.shared_capture("llama", model, {k: v[rows] for k, v in inputs.items()}))
     plan = sharded.plan
-    with CommLedger() as fwd:
-        out = sharded(**inputs)
-    with CommLedger() as bwd:
-        out.loss.backward()
-    failures = []
-
-    def cmp(what, got, ref):
-        try:
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        except AssertionError as e:
-            failures.append(f"{what}: {str(e).splitlines()[0]}")
-
-    cmp("loss", out.loss, out_d.loss)
-    cmp("logits", out.logits, ref_logits)
-    dparams = dict(dense.named_parameters(remove_duplicate=False))
-    sparams = dict(sharded.named_parameters(remove_duplicate=False))
-    for pp in plan.params:
-        got = sparams[pp.name]
-        if pp.trainable != (not _frozen(pp.name)):
-            failures.append(f"{pp.name}: plan trainable={pp.trainable}")
-        if got.requires_grad != pp.trainable:
-            failures.append(f"{pp.name}: local slice requires_grad={got.requires_grad}")
-        if not pp.trainable:
-            if got.grad is not None:
-                failures.append(f"{pp.name}: frozen, has a gradient")
-            if pp.grad_sync:
-                failures.append(f"{pp.name}: frozen, grad sync over {pp.grad_sync}")
-            continue
-        if got.grad is None:
-            failures.append(f"grad {pp.name}: missing")
-            continue
-        cmp(f"grad {pp.name}", got.grad, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
-    res = {"failures": failures, "loss": out.loss.item(),
-           "ledger": {"fwd": (fwd.count(), fwd.bytes_per_rank()), "bwd": (bwd.count(), bwd.bytes_per_rank())},
-           "plan": {ph: (len(plan.comms(ph)), plan.comm_bytes_per_rank(ph)) for ph in ("fwd", "bwd")},
-           "frozen_bwd": [n.name for n in plan.nodes if _in_frozen_part(n.module)
-                          and any(c.phase == "bwd" for c in n.comms)],
-           "bytes": (plan.trainable_bytes_per_rank, plan.frozen_bytes_per_rank, plan.grad_bytes_per_rank,
-                     plan.param_bytes_per_rank),
-           "local_bytes": (sum(p.numel() * p.element_size() for p in sharded.parameters() if p.requires_grad),
-                           sum(p.numel() * p.element_size() for p in sharded.parameters() if not p.requires_grad))}
+    res.update({"frozen_bwd": [n.name for n in plan.nodes if _in_frozen_part(n.module)
+                               and any(c.phase == "bwd" for c in n.comms)],
+                "bytes": (plan.trainable_bytes_per_rank, plan.frozen_bytes_per_rank, plan.grad_bytes_per_rank,
+                          plan.param_bytes_per_rank),
+                "local_bytes": (sum(p.numel() * p.element_size() for p in sharded.parameters() if p.requires_grad),
+                                sum(p.numel() * p.element_size() for p in sharded.parameters()
+                                    if not p.requires_grad))})
     if dp == 1:
-        res.update(_train(sharded, dense, inputs))
+        res.update(models.train_trainable(sharded, dense, inputs, STEPS))
     return res
-
-
-def _train(sharded, dense, inputs) -> dict:
-    """3 AdamW steps over the trainable parameters of each model; the losses, and
-    whether the frozen slices stayed as they were."""
-    before = {n: p.detach().clone() for n, p in sharded.named_parameters() if not p.requires_grad}
-    losses = {}
-    for key, m in (("losses", sharded), ("dense_losses", dense)):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-        losses[key] = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = m(**inputs).loss
-            loss.backward()
-            opt.step()
-            losses[key].append(loss.item())
-    losses["frozen_moved"] = [n for n, p in sharded.named_parameters() if n in before and not torch.equal(p, before[n])]
-    return losses
 
 
 CASES = [  # (world, mode, depth, dp)

@@ -65,83 +65,19 @@ def batch(name: str, b: int = 4) -> dict:
 
 def check_lora(rank: int, world: int, name: str, mode: str, depth=None, dp: int = 1) -> dict:
     """Run on every rank: the failures of every comparison (empty = exact), the ledger /
-    plan figures and the optimizer-state bytes."""
-    import autoshard
-    from autoshard.runtime.collectives import CommLedger
-
+    plan figures and the optimizer-state bytes (:func:`models.check_trainable`)."""
     torch.set_num_threads(1)
     dense = build(name)
-    model = copy.deepcopy(dense)
-    inputs = batch(name, b=4 * dp)
-    out_d = dense(**inputs)
-    out_d.loss.backward()
-    tp = world // dp
-    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
-    ref_logits = out_d.logits[rows]
-    inputs = {k: v[rows] for k, v in inputs.items()}
-    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs)
+    res, sharded, inputs = models.check_trainable(
+        rank, world, dense, copy.deepcopy(dense), batch(name, b=4 * dp), mode=mode, depth=depth, dp=dp,
+        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)))
     plan = sharded.plan
-    with CommLedger() as fwd:
-        out = sharded(**inputs)
-    with CommLedger() as bwd:
-        out.loss.backward()
-    failures = []
-
-    def cmp(what, got, ref):
-        try:
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        except AssertionError as e:
-            failures.append(f"{what}: {str(e).splitlines()[0]}")
-
-    cmp("loss", out.loss, out_d.loss)
-    cmp("logits", out.logits, ref_logits)
-    dparams = dict(dense.get_base_model().named_parameters(remove_duplicate=False))
-    sparams = dict(sharded.named_parameters(remove_duplicate=False))
-    for pp in plan.params:
-        got = sparams[pp.name]
-        if pp.trainable != dparams[pp.name].requires_grad:
-            failures.append(f"{pp.name}: plan trainable={pp.trainable}")
-        if not pp.trainable:
-            if got.grad is not None or got.requires_grad:
-                failures.append(f"{pp.name}: frozen, has a gradient or requires one")
-            if pp.grad_sync:
-                failures.append(f"{pp.name}: frozen, grad sync over {pp.grad_sync}")
-            continue
-        if got.grad is None:
-            failures.append(f"grad {pp.name}: missing")
-            continue
-        cmp(f"grad {pp.name}", got.grad, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
-    trainable = [p for p in sharded.parameters() if p.requires_grad]
-    res = {"failures": failures, "loss": out.loss.item(),
-           "ledger": {"fwd": (fwd.count(), fwd.bytes_per_rank()), "bwd": (bwd.count(), bwd.bytes_per_rank())},
-           "plan": {ph: (len(plan.comms(ph)), plan.comm_bytes_per_rank(ph)) for ph in ("fwd", "bwd")},
-           "lora_params": sum("lora_" in pp.name for pp in plan.params),
-           "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
-           "plan_trainable_bytes": plan.trainable_bytes_per_rank}
+    res.update({"lora_params": sum("lora_" in pp.name for pp in plan.params),
+                "trainable_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters() if p.requires_grad),
+                "plan_trainable_bytes": plan.trainable_bytes_per_rank})
     if dp == 1:
-        res.update(_train(sharded, dense, inputs))
+        res.update(models.train_trainable(sharded, dense, inputs, STEPS, lr=1e-2))
     return res
-
-
-def _train(sharded, dense, inputs) -> dict:
-    """3 AdamW steps over each model's trainable parameters: the losses, the frozen
-    slices untouched, and the bytes of the sharded optimizer's state."""
-    before = {n: p.detach().clone() for n, p in sharded.named_parameters() if not p.requires_grad}
-    out = {}
-    for key, m in (("losses", sharded), ("dense_losses", dense)):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        out[key] = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = m(**inputs).loss
-            loss.backward()
-            opt.step()
-            out[key].append(loss.item())
-        if m is sharded:
-            out["adam_bytes"] = sum(t.numel() * t.element_size() for s in opt.state.values()
-                                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    out["frozen_moved"] = [n for n, p in sharded.named_parameters() if n in before and not torch.equal(p, before[n])]
-    return out
 
 
 CASES = [  # (name, world, mode, depth, dp)
