@@ -65,13 +65,14 @@ CASES = [  # (world, mode, depth, dp)
     (2, "1d", None, 1),
     (4, "1d", None, 2),
     (4, "2d", None, 1),
+    pytest.param((4, "1d-sp", None, 1), marks=pytest.mark.extended),
     pytest.param((8, "2.5d", 2, 1), marks=[pytest.mark.slow, pytest.mark.extended]),
     pytest.param((8, "3d", None, 1), marks=[pytest.mark.slow, pytest.mark.extended]),
 ]
 IDS = ["llama-1d-p2", "llama-1d-tp2-dp2", "llama-2d-q2"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS + ["llama-2.5d-q2d2", "llama-3d-q2"])
+@pytest.mark.parametrize("case", CASES, ids=IDS + ["llama-1d-sp-p4", "llama-2.5d-q2d2", "llama-3d-q2"])
 def test_frozen_equals_dense(case):
     world, mode, depth, dp = case
     results = get_pool(world, timeout=600).run(check_frozen, mode, depth, dp)
