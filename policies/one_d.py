@@ -53,6 +53,9 @@ class OneD(Policy):
     tp_axes = ("tp",)
     batch_axes = ()
     size_unit = "tp sizes"
+    #: a row-split Linear and the low-rank pair beside it (LoRA's A, B on the same input)
+    #: leave partial sums, reduced once after their add (1d-sp reduce-scatters each instead)
+    fuse_low_rank = True
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:
@@ -97,6 +100,14 @@ class OneD(Policy):
         node = ctx.node
         xp, wp, bp, nd, kd = linear_operands(node)
         x, w = get_arg(node, xp), get_arg(node, wp)
+        tp = self.tp_axes
+        role = _fused_role(ctx, node) if self.fuse_low_rank and self.mesh.size(tp) > 1 else None
+        if role == "up" and tuple(sx.partial) == tp and not bp and sx.dims[-1] != tp:
+            # the up half of a low-rank pair on a partial input: linear in it, the sum waits for the add
+            d = [()] * len(ctx.pshape(w))
+            out = ShardSpec(dims=sx.dims[:-1] + ((),), segments=sx.segments[:-1] + (1,), partial=tp)
+            return Choice(out=out, inputs={xp: sx, wp: ShardSpec(dims=tuple(d))}, weight="replicated",
+                          notes=("partial sum, reduced once with the Linear it is added to",))
         sx = sx.with_partial(())
         wshape = ctx.pshape(w)
         n, k = wshape[nd], wshape[kd]
@@ -134,6 +145,12 @@ class OneD(Policy):
             if fixed.is_replicated:
                 return local(f"whole: its weight `{w.target}` is held whole by an earlier use (a shared weight)")
         if sx.dims[-1] == tp and k % c == 0:
+            if role in ("base", "down"):
+                # a row-split Linear with a low-rank pair beside it: both sums wait for their add
+                out = ShardSpec(dims=sx.dims[:-1] + ((),), segments=sx.segments[:-1] + (1,), partial=tp)
+                ins = {xp: sx, wp: wspec((), tp)}
+                return Choice(out=out, inputs=ins, weight=f"row: in features / {c}",
+                              notes=("partial sum, reduced once after the add with its low-rank pair",))
             return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
         m = ctx.output_segments(node)
         stop = ctx.split_stop(node)
@@ -250,6 +267,82 @@ def _low_rank_up(ctx: RuleContext, node, n: int, k: int) -> int | None:
         return None
     wide = ctx.pshape(w)[nd]
     return wide if n < wide else None
+
+
+_THROUGH = _VIEWS | {aten.dropout.default}
+
+
+def _back(node):
+    """``node`` followed back through views, casts and dropout."""
+    while getattr(node, "target", None) in _THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _fused_role(ctx: RuleContext, node) -> str | None:
+    """The role of the Linear ``node`` in ``base(x) + up(down(x)) * s`` (a Linear and a
+    low-rank pair on the same input, added: LoRA), or None: ``"base"``, ``"down"`` or
+    ``"up"``. Found from the graph: the add, the scale, the pair's widths."""
+    add = None
+    if _linear_after(node) is not None and _linear_after(node).target in _LINEARS:     # down -> up -> add
+        up = _linear_after(node)
+        add = _single_user_through(up, _VIEWS | {aten.mul.Tensor, aten.mul.Scalar})
+    direct = _single_user_through(node, _VIEWS | {aten.mul.Tensor, aten.mul.Scalar})
+    for a in (add, direct):
+        if a is None or a.target != aten.add.Tensor or len(a.args) != 2:
+            continue
+        sides = [_back_through(x, {aten.mul.Tensor, aten.mul.Scalar}) for x in a.args]
+        for base, up in (sides, sides[::-1]):
+            if not (_is_linear(base) and _is_linear(up)) or linear_operands(base)[2] is not None:
+                continue        # a biased base would add its bias once per rank to a partial sum
+            down = _back(get_arg(up, linear_operands(up)[0]))
+            if not _is_linear(down) or _linear_after(down) is not up:
+                continue
+            x_base, x_down = (_back(get_arg(n, linear_operands(n)[0])) for n in (base, down))
+            if x_base is not x_down:
+                continue
+            n_down, k_down = _out_in(ctx, down)
+            if _low_rank_up(ctx, down, n_down, k_down) is None:
+                continue
+            return {base: "base", down: "down", up: "up"}.get(node)
+    return None
+
+
+def _is_linear(n) -> bool:
+    return getattr(n, "op", None) == "call_function" and n.target in _LINEARS and \
+        getattr(get_arg(n, linear_operands(n)[1]), "op", None) == "get_attr"
+
+
+def _out_in(ctx: RuleContext, node) -> tuple[int, int]:
+    _, wp, _, nd, kd = linear_operands(node)
+    shape = ctx.pshape(get_arg(node, wp))
+    return shape[nd], shape[kd]
+
+
+def _single_user_through(node, through):
+    """The one user of ``node`` past ops in ``through`` (the first argument chain), or None."""
+    cur = node
+    while True:
+        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
+        if len(users) != 1:
+            return None
+        if users[0].target in through:
+            cur = users[0]
+            continue
+        return users[0]
+
+
+def _back_through(node, scales):
+    """``node`` followed back through views, casts and multiplications by a scale (a
+    number or a tensor that is not a Linear's output chain)."""
+    while True:
+        node = _back(node)
+        if getattr(node, "target", None) in scales:
+            tensors = [a for a in node.args if hasattr(a, "op")]
+            node = tensors[0] if tensors else node
+            if tensors:
+                continue
+        return node
 
 
 def _whole_note(stop: str, n: int, k: int, m: int, c: int, *, in_split: bool) -> str:

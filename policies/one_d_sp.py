@@ -58,6 +58,7 @@ class OneDSP(OneD):
     name = "1d-sp"
     order = 1
     size_unit = "tp sizes"
+    fuse_low_rank = False       # each row product is reduce-scattered on the sequence
 
     def seq_split(self) -> int:
         """The TP size: a call's sequence length must be a multiple of it."""
