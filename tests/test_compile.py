@@ -75,7 +75,8 @@ def _compiled_vs_eager(rank, world, name, mode, backend):
 # through aot_eager in `make test`, which traces the same graph with dynamo and
 # AOTAutograd (graph breaks, the collectives' fake kernels) without codegen
 
-@pytest.mark.parametrize("case", [("llama", "1d", 2, "inductor"), ("llama", "2d", 4, "aot_eager"),
+@pytest.mark.parametrize("case", [("llama", "1d", 2, "inductor"),
+                                  pytest.param(("llama", "2d", 4, "aot_eager"), marks=pytest.mark.slow),
                                   pytest.param(("llama", "2d", 4, "inductor"), marks=pytest.mark.extended),
                                   pytest.param(("gpt2", "3d", 8, "aot_eager"), marks=pytest.mark.slow),
                                   pytest.param(("bert", "2.5d", 8, "aot_eager"), marks=pytest.mark.slow)],
