@@ -238,16 +238,8 @@ _LINEARS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmu
 def _linear_after(node):
     """The Linear that alone consumes ``node``'s output as its input, through views and
     casts, or None."""
-    cur = node
-    while True:
-        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
-        if len(users) != 1:
-            return None
-        if users[0].target not in _VIEWS:
-            break
-        cur = users[0]
-    u = users[0]
-    if u.op != "call_function" or u.target not in _LINEARS or get_arg(u, linear_operands(u)[0]) is not cur:
+    u, cur = _walk_users(node, _VIEWS)
+    if u is None or u.op != "call_function" or u.target not in _LINEARS or get_arg(u, linear_operands(u)[0]) is not cur:
         return None
     return u
 
@@ -283,11 +275,10 @@ def _fused_role(ctx: RuleContext, node) -> str | None:
     """The role of the Linear ``node`` in ``base(x) + up(down(x)) * s`` (a Linear and a
     low-rank pair on the same input, added: LoRA), or None: ``"base"``, ``"down"`` or
     ``"up"``. Found from the graph: the add, the scale, the pair's widths."""
-    add = None
-    if _linear_after(node) is not None and _linear_after(node).target in _LINEARS:     # down -> up -> add
-        up = _linear_after(node)
-        add = _single_user_through(up, _VIEWS | {aten.mul.Tensor, aten.mul.Scalar})
-    direct = _single_user_through(node, _VIEWS | {aten.mul.Tensor, aten.mul.Scalar})
+    scaled = _VIEWS | {aten.mul.Tensor, aten.mul.Scalar}
+    up = _linear_after(node)
+    add = _walk_users(up, scaled)[0] if up is not None else None       # down -> up -> add
+    direct = _walk_users(node, scaled)[0]
     for a in (add, direct):
         if a is None or a.target != aten.add.Tensor or len(a.args) != 2:
             continue
@@ -319,17 +310,18 @@ def _out_in(ctx: RuleContext, node) -> tuple[int, int]:
     return shape[nd], shape[kd]
 
 
-def _single_user_through(node, through):
-    """The one user of ``node`` past ops in ``through`` (the first argument chain), or None."""
+def _walk_users(node, through):
+    """``(the one user of node past ops in through, the last value before it)``, following
+    single users (shape asserts and size reads aside); ``(None, None)`` where a value has
+    several users or none."""
     cur = node
     while True:
         users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
         if len(users) != 1:
-            return None
-        if users[0].target in through:
-            cur = users[0]
-            continue
-        return users[0]
+            return None, None
+        if users[0].target not in through:
+            return users[0], cur
+        cur = users[0]
 
 
 def _back_through(node, scales):
