@@ -19,7 +19,7 @@ import types
 
 # public name -> the module that defines it
 _WHERE = {
-    "shard": "api", "plan": "api", "MODES": "api",
+    "shard": "api", "plan": "api", "MODES": "api", "verify": "verify", "VerifyReport": "verify",
     "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "io.export",
     "CommLedger": "runtime.collectives",
     "CLUSTERS": "planning.cost", "Cluster": "planning.cost", "estimate": "planning.cost", "profile": "planning.profile",
@@ -32,7 +32,7 @@ _WHERE = {
     "ShardSpec": "ir.spec",
 }
 
-__all__ = ["shard", "plan", "from_pretrained", "load_checkpoint", "export_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
+__all__ = ["shard", "plan", "verify", "VerifyReport", "from_pretrained", "load_checkpoint", "export_checkpoint", "MODES", "Mesh", "ShardSpec", "ShardingPlan",
            "ShardedModule", "CommLedger",
            "search", "profile", "estimate", "Cluster", "CLUSTERS",
            "AutoshardError", "ConfigError", "ShardingError", "CaptureError", "CheckpointError", "CollectiveError"]

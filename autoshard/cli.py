@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-__all__ = ["main", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes", "group_notes", "MODE_NAMES", "CLUSTER_NAMES"]
+__all__ = ["main", "cmd_verify", "KNOWN_MODELS", "resolve_model", "build_parser", "human_bytes", "group_notes", "MODE_NAMES", "CLUSTER_NAMES"]
 
 # Named here so `autoshard --help` needs no torch (policies and the cost model import it);
 # tests/test_cli.py checks them against POLICIES and CLUSTERS.
@@ -22,41 +22,14 @@ MODE_NAMES = ("auto", "1d", "1d-sp", "2d", "2.5d", "3d")
 CLUSTER_NAMES = ("dgx-a100", "h100-sxm", "cpu-gloo", "tesseract-paper")
 
 
+from .known import DEFAULT_SIZES, KNOWN_MODELS, resolve_model  # noqa: E402,F401 - the CLI's names too
+
+
 def human_bytes(n: float) -> str:
     """:func:`autoshard.planning.cost.human_bytes`, imported on first use."""
     from .planning.cost import human_bytes as hb
 
     return hb(n)
-
-# Public shapes of well-known checkpoints, dropout as shipped (the configs' defaults).
-KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
-    "llama:tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=128, max_position_embeddings=256)),
-    "llama:7b": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)),
-    "llama:13b": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)),
-    "llama:70b": ("LlamaForCausalLM", "LlamaConfig", dict(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
-    "gpt2:small": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),
-    "gpt2:medium": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024)),
-    "gpt2:large": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1280, n_layer=36, n_head=20, vocab_size=50257, n_positions=1024)),
-    "gpt2:xl": ("GPT2LMHeadModel", "GPT2Config", dict(
-        n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024)),
-    "bert:base": ("BertForMaskedLM", "BertConfig", dict(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-        vocab_size=30522, max_position_embeddings=512)),
-    "bert:large": ("BertForMaskedLM", "BertConfig", dict(
-        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-        vocab_size=30522, max_position_embeddings=512)),
-}
 
 _EPILOG_PLAN = """\
 MODEL_OR_CONFIG is one of
@@ -114,8 +87,9 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
                    help="2.5d depth d (world = dp·d·q²); with --mode auto it pins d")
     p.add_argument("--dp", type=int, default=None, metavar="R",
                    help="data-parallel replicas outside the TP mesh (default 1; searched with --mode auto)")
-    p.add_argument("--batch-size", "-b", type=int, default=8, metavar="B",
-                   help="global sequences per step (dp replicas split it)")
+    p.add_argument("--batch-size", "-b", type=int, default=None, metavar="B",
+                   help="global sequences per step (dp replicas split it); default: the smallest batch the "
+                        "mode's batch split and dp accept (with --mode auto: one row per rank), said in the output")
     p.add_argument("--seq-len", "-s", type=int, default=128, metavar="S", help="tokens per sequence")
     p.add_argument("--cluster", "-c", default=None, metavar="PRESET",
                    help="hardware for the cost model: a preset (" + ", ".join(CLUSTER_NAMES)
@@ -132,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Automatic tensor parallelism for Hugging Face models: print the sharding plan of a "
                     "model on a mesh (1d / 2d / 2.5d / 3d or auto), or check that it can be sharded.",
         epilog="run `autoshard plan --help` or `autoshard check --help` for the options and examples")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{plan,check,diff,export,profile,cache}")
+    sub = ap.add_subparsers(dest="command", required=True,
+                            metavar="{plan,check,verify,diff,export,profile,cache}")
     pp = sub.add_parser("plan", formatter_class=_Help, help="print the plan table, summary and cost",
                         description="Plan MODEL_OR_CONFIG on WORLD_SIZE ranks and print the per-node plan table, "
                                     "a per-rank summary (parameter, gradient, optimizer and activation bytes, "
@@ -161,11 +136,111 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Check MODEL_OR_CONFIG on WORLD_SIZE ranks without processes.",
                         epilog=_EPILOG_CHECK)
     _add_common(cp, mode_default=None)
+    _add_verify(sub)
     _add_diff(sub)
     _add_export(sub)
     _add_profile(sub)
     _add_cache(sub)
     return ap
+
+
+_EPILOG_VERIFY = """\
+MODEL is a local Hugging Face folder (config.json; weights optional), a config.json, a
+known architecture:size ({known}) or pkg.module:function returning a model.
+
+verify builds a shrunk random copy of MODEL (the same class and config switches, the
+fewest layers that keep its layer pattern, the smallest widths that keep every split the
+real layout makes; the report says what was shrunk and from what), starts N gloo ranks
+itself (no torchrun, no GPU) and runs forward, backward and one SGD step sharded and dense
+on the same batch. It prints each planned node's max |sharded - dense| (worst first), the
+loss, logits, gradient and parameter differences, the collectives counted against the
+plan's, and the share of the model that is split. --full uses the real sizes (and the
+folder's weights) when N copies fit in this machine's memory.
+
+exit status: 0 exact (fp32: atol = rtol = 1e-5; bf16: within twice the dense model's own
+bf16 error), 1 a mismatch (the first node that differs is named), 2 refused (the node and
+the reason) or bad arguments.
+
+examples:
+  autoshard verify llama:7b --world-size 8 --mode 2.5d --depth 2
+  autoshard verify ./my-model --world-size 4 --mode 2d --dtype bf16
+  autoshard verify mypkg.models:build --world-size 2 --mode 1d --json report.json
+"""
+
+
+def _add_verify(sub) -> None:
+    vp = sub.add_parser("verify", formatter_class=_Help, help="prove a layout exact on CPU ranks (exit 1 if not)",
+                        description="Shard a shrunk copy of MODEL on N local gloo ranks and compare it, node by "
+                                    "node, with the dense model: forward, backward and one optimizer step.",
+                        epilog=_EPILOG_VERIFY.format(known=", ".join(KNOWN_MODELS)))
+    vp.add_argument("model", metavar="MODEL", help="local HF folder, config.json, known name (llama:7b) or "
+                                                   "pkg.module:function")
+    vp.add_argument("--world-size", "-w", type=int, required=True, metavar="N",
+                    help="ranks to start (gloo, on this machine's CPUs)")
+    vp.add_argument("--mode", "-m", required=True, metavar="MODE",
+                    help=f"tensor-parallel mode, one of {', '.join(m for m in MODE_NAMES if m != 'auto')}")
+    vp.add_argument("--depth", "-d", type=int, default=None, metavar="D", help="2.5d depth d (world = dp·d·q²)")
+    vp.add_argument("--dp", type=int, default=1, metavar="R", help="data-parallel replicas outside the TP mesh")
+    vp.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the dtype both runs compute in")
+    vp.add_argument("--full", action="store_true",
+                    help="the real sizes (and the folder's weights) instead of a shrunk copy")
+    vp.add_argument("--batch-size", "-b", type=int, default=None, metavar="B",
+                    help="global batch (default: the smallest that splits, with at least 2 rows per replica)")
+    vp.add_argument("--seq-len", "-s", type=int, default=8, metavar="S",
+                    help="tokens per row (rounded up to what the mode's sequence split needs)")
+    vp.add_argument("--setup", default=None, metavar="PKG.MODULE:FN",
+                    help="call this function on every rank first (e.g. to register a custom rule)")
+    vp.add_argument("--timeout", type=float, default=600.0, metavar="SEC", help="limit for the whole run")
+    vp.add_argument("--top", type=int, default=25, metavar="K", help="node rows to print, worst first; 0 = all")
+    vp.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    vp.add_argument("--width", type=int, default=None, metavar="COLS",
+                    help="console width for the tables (default: terminal width, at least 220)")
+
+
+def cmd_verify(args) -> int:
+    from .verify import verify
+
+    if args.mode == "auto":
+        raise _UsageError("verify proves one layout: choose --mode from "
+                          + ", ".join(m for m in MODE_NAMES if m != "auto")
+                          + " (autoshard plan --mode auto shows which one the search picks)")
+    console = _console(args.width)
+
+    def progress(done, world):
+        if sys.stderr.isatty():
+            print(f"\r{done}/{world} ranks done", end="" if done < world else "\n", file=sys.stderr, flush=True)
+
+    report = verify(args.model, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp,
+                    dtype=args.dtype, full=args.full, batch_size=args.batch_size, seq_len=args.seq_len,
+                    setup=args.setup, timeout=args.timeout, progress=progress)
+    report.show(console, top=args.top or None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1, default=str)
+        console.print(f"wrote {args.json}")
+    return report.exit_code
+
+
+def _default_batch(args) -> None:
+    """``--batch-size`` left out: the smallest global batch the layout splits, said on stderr."""
+    if getattr(args, "batch_size", None) is not None:
+        return
+    from .ir.errors import ConfigError
+    from .planning.validate import smallest_batch
+    from .policies import make_policy
+
+    if args.mode == "auto":
+        args.batch_size = args.world_size
+        print(f"batch {args.batch_size}: one row per rank, a batch every candidate layout splits; pass "
+              f"--batch-size to choose another", file=sys.stderr)
+        return
+    try:
+        pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1)
+    except ConfigError:
+        args.batch_size = args.dp or 1          # the mesh itself is the finding
+        return
+    args.batch_size, note = smallest_batch(pol, args.dp or 1)
+    print(note, file=sys.stderr)
 
 
 def _add_export(sub) -> None:
@@ -278,28 +353,6 @@ def _add_diff(sub) -> None:
 
 class _UsageError(Exception):
     pass
-
-
-# A family name alone means its best-known size: `autoshard plan gpt2`.
-DEFAULT_SIZES = {"gpt2": "gpt2:small", "bert": "bert:base", "llama": "llama:7b"}
-
-
-def resolve_model(spec: str):
-    """A config (or model) for a local folder, a config.json, or a known ``arch:size`` name."""
-    import transformers
-
-    if os.path.isdir(spec) or (os.path.isfile(spec) and spec.endswith(".json")):
-        try:
-            return transformers.AutoConfig.from_pretrained(spec)
-        except Exception as e:   # transformers raises OSError / ValueError / KeyError
-            raise _UsageError(f"cannot read a Hugging Face config from {spec!r}: {e}") from e
-    key = spec.lower()
-    key = DEFAULT_SIZES.get(key, key)
-    if key in KNOWN_MODELS:
-        arch, cfg_cls, kw = KNOWN_MODELS[key]
-        return getattr(transformers, cfg_cls)(**kw, architectures=[arch])
-    raise _UsageError(f"{spec!r} is neither a local folder, a config.json nor a known model; "
-                      f"known: {', '.join(KNOWN_MODELS)} (or a family alone: {', '.join(DEFAULT_SIZES)})")
 
 
 def _cluster(arg):
@@ -641,8 +694,12 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
+        if args.command in ("plan", "check"):
+            _default_batch(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "verify":
+            return cmd_verify(args)
         if args.command == "diff":
             return cmd_diff(args)
         if args.command == "export":

@@ -544,6 +544,69 @@ class ShardedModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._gm
 
+    def compare_values(self, dense_values: dict, batch: dict, *, atol: "float | dict" = 1e-5,
+                       rtol: float = 1e-5) -> list:
+        """Run this rank's graph for ``batch`` (this replica's rows) node by node and compare
+        each planned node with its block of ``dense_values`` (the dense graph's node values on
+        the same rows, :func:`autoshard.runtime.compare.record`). Collective: every rank calls
+        it (a partial sum is summed over its axes to be compared). ``atol`` may map node names to their own tolerance. Returns this
+        rank's :class:`~autoshard.runtime.compare.NodeDiff` rows in graph order."""
+        from .runtime.compare import compare
+
+        kwargs = _on_device({k: v for k, v in batch.items() if v is not None}, self.device)
+        g, full = self._graph_for(kwargs)
+        ids = full.get("input_ids")
+        if self.batch_split > 1 and isinstance(ids, torch.Tensor) and ids.shape[0] % self.batch_split:
+            raise ConfigError(f"compare: batch size {ids.shape[0]} does not divide the batch split "
+                              f"{self.batch_split}; use a multiple of {self.batch_split}")
+        from .runtime.groups import axes_label
+
+        drop = ("dp",) if "dp" in self.mesh.axes else ()
+
+        def reduce(t, axes):        # a partial sum, summed over its axes (every rank reaches the same nodes)
+            group = self.groups.get(axes_label(axes))
+            return None if group is None else C.all_reduce(t.detach().clone(), group, "sum")
+
+        with torch.no_grad(), parallel_ops.dropout_active(self.training):
+            _, rows = compare(g.gm, self.mesh, full, dense_values, rank=self.rank, atol=atol, rtol=rtol,
+                              drop_axes=drop, reduce=reduce)
+        return rows
+
+    def compare(self, dense_model: nn.Module, batch: dict, *, atol: float = 1e-5, rtol: float = 1e-5):
+        """Debugging aid for a running job: each planned node's output against the dense
+        model's on a real batch, merged over every rank (collective: every rank calls it,
+        each with its replica's ``batch``; ``dense_model`` has the weights the sharded one
+        was made from, e.g. the model before :func:`autoshard.shard`). Run both models with
+        dropout off (``.eval()``, or the module in eval mode) for an exact comparison.
+
+        Returns a :class:`~autoshard.runtime.compare.Comparison`: ``rows`` in graph order,
+        ``first_mismatch``, ``table()``. Example (under ``torchrun``)::
+
+            cmp = sharded.compare(dense, {"input_ids": ids, "labels": ids})
+            if cmp.first_mismatch:
+                print(cmp.first_mismatch.name, cmp.first_mismatch.max_abs)
+        """
+        import torch.distributed as dist
+
+        from .launch.capture_share import capture_shared
+        from .passes.pipeline import prepare
+        from .policies import POLICIES
+        from .runtime.compare import Comparison, merge, record
+
+        kwargs = {k: v for k, v in batch.items() if v is not None}
+        cap = capture_shared(dense_model, example_inputs=kwargs)
+        prepared = prepare(cap, POLICIES[self.plan.mode](self.plan.mesh))
+        dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
+        with torch.no_grad():
+            values = record(prepared.module, {**_on_device(kwargs, dev), **prepared.constants})
+        rows = self.compare_values({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                                    for k, v in values.items()}, kwargs, atol=atol, rtol=rtol)
+        every = [None] * dist.get_world_size() if dist.is_initialized() else [rows]
+        if dist.is_initialized():
+            dist.all_gather_object(every, rows)
+        kinds = {n.name: (n.kind, n.module or "") for n in self.plan.nodes}
+        return Comparison(merge(every), kinds)
+
     # -- checkpoints: autoshard.io.gather and autoshard.io.sharded_format (collective: call on every rank)
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """Dense tensors under HF names (tied aliases included), gathered tensor by tensor;

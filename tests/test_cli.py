@@ -131,7 +131,7 @@ def test_help_states_each_default_once(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: False)" not in text
-    assert "(default 1; searched with --mode auto)" in text and "(default: 8)" in text
+    assert "(default 1; searched with --mode auto)" in text and "default: the smallest batch" in text
     sub = build_parser()._subparsers._group_actions[0].choices["plan"]
     fmt = sub._get_formatter()
     for action in sub._actions:

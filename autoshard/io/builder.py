@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ir.errors import ConfigError
 
-__all__ = ["model_from", "build_meta", "resolve_class", "with_architecture", "load_config", "resolve_dtype", "Built"]
+__all__ = ["model_from", "construct", "build_meta", "resolve_class", "with_architecture", "load_config", "resolve_dtype", "Built"]
 
 
 def resolve_class(config, model_class=None):
@@ -58,7 +58,7 @@ def with_architecture(config, class_name: str):
     return config
 
 
-def _construct(config, cls):
+def construct(config, cls):
     """``cls(config)``, or the first Auto class that accepts the config."""
     import transformers
 
@@ -88,7 +88,7 @@ def model_from(obj, *, meta: bool = True):
         return obj
     config = load_config(obj) if isinstance(obj, (str, os.PathLike)) else obj
     with torch.device("meta") if meta else torch.device("cpu"):
-        return _construct(config, resolve_class(config))
+        return construct(config, resolve_class(config))
 
 
 @contextlib.contextmanager
@@ -152,7 +152,7 @@ def build_meta(config, *, model_class=None, dtype=None, adapt=None) -> Built:
     dtype = resolve_dtype(dtype, config)
     cls = resolve_class(config, model_class)
     with _default_dtype(dtype), _params_on_meta():
-        model = _construct(config, cls)
+        model = construct(config, cls)
         if adapt is not None:
             model = adapt(model)
     buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}

@@ -33,7 +33,7 @@ from ..ir.errors import AutoshardWarning, ConfigError
 from ..ir.log import warn
 from ..ir.mesh import Mesh
 
-__all__ = ["Problem", "check_environment", "check_group", "check_model", "check_dims", "check_example_inputs",
+__all__ = ["Problem", "smallest_batch", "check_environment", "check_group", "check_model", "check_dims", "check_example_inputs",
            "raise_problems", "dims_of", "check_batch", "check_seq"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -286,3 +286,15 @@ def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3
         raise ConfigError(f"{context}: {errors[0]}")
     if errors:
         raise ConfigError(f"{context}: {len(errors)} problems:\n" + "\n".join(f"  - {p}" for p in errors))
+
+
+def smallest_batch(policy, dp: int = 1, rows: int = 1) -> tuple[int, str]:
+    """The smallest global batch that splits over ``policy``'s batch axes and ``dp``
+    replicas (with at least ``rows`` rows per replica), and a sentence saying so."""
+    split, label = policy.batch_split()
+    split = max(split, 1)
+    b = split * -(-rows // split) * dp
+    why = label if split > 1 else "no batch split"
+    least = f", at least {rows} rows per replica" if rows > 1 else ""
+    return b, f"batch {b}: the smallest global batch that splits ({why}" + (f", × dp{dp}" if dp > 1 else "") + \
+        f"{least}); pass --batch-size to choose another"

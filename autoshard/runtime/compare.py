@@ -1,0 +1,234 @@
+"""Node-by-node comparison of a rewritten graph with the dense graph it came from.
+
+The rewrite tags every planned node's final value with its plan name, its spec and
+its capture-time value (:data:`autoshard.runtime.selfcheck.META`). Running the
+dense (prepared, unsplit) graph records each node's global value by name; running
+this rank's graph then compares each tagged local value with the block of the
+dense value that the spec says this rank holds (:meth:`ShardSpec.local`). A wrong
+rule shows at the first node whose block differs, with its op and both figures,
+instead of as a loss that is off three layers later.
+
+Values the plan leaves as partial sums (a row-parallel product before its
+reduction) are summed over their axes first where the caller gives a ``reduce``
+(:meth:`ShardedModule.compare` does: a collective of its own), else marked
+``partial`` and compared where the graph reduces them. With data-parallel replicas each rank compares
+against the dense graph run on its own replica's rows (the spec's ``dp`` axis is
+dropped), so a replica-local loss is compared with the loss of those rows.
+
+    >>> import torch
+    >>> from torch import fx
+    >>> from autoshard.ir.mesh import Mesh
+    >>> from autoshard.ir.spec import ShardSpec
+    >>> from autoshard.runtime.selfcheck import META
+    >>> dense = fx.symbolic_trace(lambda x: x * 2)
+    >>> ref = record(dense, {"x": torch.arange(8.0).view(2, 4)})
+    >>> local = fx.symbolic_trace(lambda x: x * 2 + (x > 2))      # a wrong rank-local graph
+    >>> n = next(n for n in local.graph.nodes if n.name == "add")
+    >>> n.meta[META] = ("mul", ShardSpec(dims=((), ("tp",))), None)
+    >>> mesh = Mesh(axes=("tp",), sizes=(2,))
+    >>> _, rows = compare(local, mesh, {"x": torch.tensor([[2.0, 3.0], [6.0, 7.0]])}, ref, rank=1)
+    >>> rows[0].name, rows[0].max_abs, rows[0].ok
+    ('mul', 1.0, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ..ir.spec import ShardSpec
+from .selfcheck import META
+
+__all__ = ["NodeDiff", "Comparison", "record", "compare", "strip_axis", "merge"]
+
+
+@dataclass(frozen=True)
+class NodeDiff:
+    """One planned node's comparison on one rank (or merged over ranks, :func:`merge`).
+
+    ``max_abs``: the largest ``|local − dense block|``; ``excess``: the largest
+    ``|local − dense| − (atol + rtol·|dense|)`` (≤ 0 when within tolerance);
+    ``status``: ``"ok"``, ``"mismatch"``, ``"partial"`` (a pending sum, compared where it is
+    reduced), ``"index"`` (split integers: indices local to the rank's block, e.g. an
+    ``arange`` over the batch block, not comparable with the dense values), ``"shape"`` (the local shape is not the spec's block) or ``"missing"``
+    (no dense value of that name)."""
+
+    name: str
+    op: str
+    spec: str
+    order: int
+    status: str
+    max_abs: float = 0.0
+    excess: float = float("-inf")
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "partial", "index", "missing")
+
+
+def _op(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values: dict = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function":
+            self.values[n.name] = out.detach() if isinstance(out, torch.Tensor) else out
+        return out
+
+
+def record(gm: fx.GraphModule, inputs: dict) -> dict:
+    """Run the dense graph ``gm`` on ``inputs`` (its keyword arguments, by placeholder
+    name) and return every ``call_function`` node's output by node name."""
+    rec = _Recorder(gm)
+    rec.run(*[inputs[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    return rec.values
+
+
+def strip_axis(spec, axis: str):
+    """``spec`` with mesh ``axis`` dropped from every dim (a tuple of specs alike)."""
+    if isinstance(spec, tuple):
+        return tuple(strip_axis(s, axis) for s in spec)
+    if not isinstance(spec, ShardSpec) or axis not in spec.axes + spec.partial:
+        return spec
+    return ShardSpec(dims=tuple(tuple(a for a in d if a != axis) for d in spec.dims),
+                     partial=tuple(a for a in spec.partial if a != axis), segments=spec.segments)
+
+
+class _Comparer(fx.Interpreter):
+    def __init__(self, gm, mesh, dense: dict, rank: int, atol: float, rtol: float, drop: tuple, reduce):
+        super().__init__(gm)
+        self.mesh, self.dense, self.rank, self.atol, self.rtol, self.drop = mesh, dense, rank, atol, rtol, drop
+        self.reduce = reduce
+        self.rows: list[NodeDiff] = []
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        tag = n.meta.get(META)
+        if tag is not None:
+            self._compare(n, out, tag)
+        return out
+
+    def _compare(self, n, out, tag) -> None:
+        name, specs, _ = tag
+        ref = self.dense.get(name)
+        for a in self.drop:
+            specs = strip_axis(specs, a)
+        pairs = list(zip(out, ref if isinstance(ref, (tuple, list)) else [None] * len(out), specs)) \
+            if isinstance(specs, tuple) and isinstance(out, (tuple, list)) else [(out, ref, specs)]
+        worst, excess, status = 0.0, float("-inf"), "ok" if ref is not None else "missing"
+        for got, want, spec in pairs:
+            if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) or not isinstance(spec, ShardSpec):
+                continue
+            if spec.partial:
+                summed = self.reduce(got, spec.partial) if self.reduce is not None else None
+                if summed is None:
+                    status = "partial" if status == "ok" else status
+                    continue
+                got, spec = summed, spec.with_partial(())
+            try:
+                block = spec.local(want, self.mesh, self.rank)
+            except Exception:  # noqa: BLE001 - a block that cannot be cut is a shape finding
+                block = None
+            if block is None or block.shape != got.shape:
+                status = "shape"
+                continue
+            if not (got.dtype.is_floating_point or got.dtype.is_complex):
+                if spec.axes:           # split integers are rank-local indices (arange over a batch block)
+                    status = "index" if status == "ok" else status
+                    continue
+                bad = (got != block)
+                err = float(bad.any())
+                worst, excess = max(worst, err), max(excess, err - 0.5)
+            else:
+                g, w = got.detach().double(), block.double()
+                atol = self.atol.get(name, 1e-5) if isinstance(self.atol, dict) else self.atol
+                diff = (g - w).abs()
+                nan = g.isnan() != w.isnan()
+                diff = torch.where(g.isnan() & w.isnan(), torch.zeros_like(diff), diff)
+                if diff.numel():
+                    worst = max(worst, float(diff.nan_to_num(float("inf")).max()))
+                    ex = diff - (atol + self.rtol * w.abs())
+                    ex = torch.where(nan, torch.full_like(ex, float("inf")), ex.nan_to_num(float("inf")))
+                    excess = max(excess, float(ex.max()))
+            if status == "ok" and excess > 0:
+                status = "mismatch"
+        self.rows.append(NodeDiff(name, _op(n), str(specs if not isinstance(specs, tuple) else
+                                                       ", ".join(map(str, specs))),
+                                  len(self.rows), status, worst, excess))
+
+
+def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, atol: "float | dict" = 1e-5,
+            rtol: float = 1e-5, drop_axes: tuple[str, ...] = (), reduce=None):
+    """Run this rank's rewritten graph ``gm`` on ``inputs`` and compare each planned
+    node with its block of ``dense`` (from :func:`record`). ``drop_axes``: mesh axes the
+    dense values are not split over (``("dp",)`` when ``dense`` holds one replica's rows).
+    ``atol`` may map node names to their own absolute tolerance (1e-5 for the others).
+    ``reduce(local, axes)``: the sum of a partial value over the ranks of ``axes`` (a
+    collective every rank reaches at the same node), or None to leave it ``partial``.
+
+    Returns ``(what gm returns, [NodeDiff] in graph order)``."""
+    cmp = _Comparer(gm, mesh, dense, rank, atol, rtol, tuple(drop_axes), reduce)
+    out = cmp.run(*[inputs[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    return out, cmp.rows
+
+
+_RANK = {"shape": 5, "mismatch": 4, "ok": 3, "partial": 2, "index": 1, "missing": 0}
+
+
+def merge(per_rank: list[list[NodeDiff]]) -> list[NodeDiff]:
+    """One row per node over every rank's rows: the worst status and figures, in graph order."""
+    out: dict[str, NodeDiff] = {}
+    for rows in per_rank:
+        for r in rows:
+            cur = out.get(r.name)
+            if cur is None:
+                out[r.name] = r
+                continue
+            status = max(cur.status, r.status, key=_RANK.__getitem__)
+            out[r.name] = NodeDiff(r.name, r.op, r.spec, min(cur.order, r.order), status,
+                                   max(cur.max_abs, r.max_abs), max(cur.excess, r.excess))
+    return sorted(out.values(), key=lambda r: r.order)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every planned node compared over every rank (:meth:`ShardedModule.compare`)."""
+
+    rows: list
+    kinds: dict         # node -> (kind, module)
+
+    @property
+    def first_mismatch(self) -> "NodeDiff | None":
+        """The first node in graph order whose block differs (or has the wrong shape)."""
+        return next((r for r in self.rows if not r.ok), None)
+
+    def worst(self, top: int | None = 25) -> list:
+        """The rows worst first: past the tolerance first, then by ``max_abs``."""
+        rows = sorted(self.rows, key=lambda r: (r.ok, -r.excess, -r.max_abs))
+        return rows[:top] if top else rows
+
+    def table(self, top: int | None = 25):
+        """A rich table of :meth:`worst`: node, op, kind, module, spec, max |diff|, status."""
+        from rich.table import Table
+
+        t = Table(title=f"planned nodes, worst first ({min(top or len(self.rows), len(self.rows))} of "
+                        f"{len(self.rows)})", title_justify="left")
+        for c in ("node", "op", "kind", "module", "spec", "max |sharded − dense|", "status"):
+            t.add_column(c, justify="right" if c.startswith("max") else "left")
+        for r in self.worst(top):
+            kind, module = self.kinds.get(r.name, ("", ""))
+            t.add_row(r.name, r.op, kind, module, r.spec,
+                      f"{r.max_abs:.3g}" if r.status in ("ok", "mismatch") else "—", r.status,
+                      style="red" if not r.ok else None)
+        return t
