@@ -7,7 +7,8 @@ sizes. :func:`shrink` picks those sizes so that the layout on the shrunk model
 cuts exactly as it cuts the real one: every dimension a policy splits keeps its
 residue modulo the split (a dimension that divides still divides, one that does
 not is still padded or refused the same way) and is at least the split, so every
-rank still holds a share (docs/design.md, "Up-front checks").
+rank still holds a share: :func:`~autoshard.planning.validate.check_dims` finds the
+same problems in both (docs/design.md, "Layouts").
 
 Only sizes named by Hugging Face attribute names (and the aliases of
 ``config.attribute_map``) are touched: heads, kv heads, head dims, hidden,
