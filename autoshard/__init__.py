@@ -19,7 +19,7 @@ import types
 
 # public name -> the module that defines it
 _WHERE = {
-    "shard": "api", "plan": "api", "MODES": "api", "verify": "verify", "VerifyReport": "verify",
+    "shard": "api", "plan": "api", "MODES": "api", "verify": "verification", "VerifyReport": "verification",
     "from_pretrained": "load", "load_checkpoint": "load", "export_checkpoint": "io.export",
     "CommLedger": "runtime.collectives",
     "CLUSTERS": "planning.cost", "Cluster": "planning.cost", "estimate": "planning.cost", "profile": "planning.profile",

@@ -198,7 +198,7 @@ def _add_verify(sub) -> None:
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify
+    from .verification import verify
 
     if args.mode == "auto":
         raise _UsageError("verify proves one layout: choose --mode from "

@@ -71,6 +71,7 @@ class VerifyReport:
     ledger: dict = field(default_factory=dict)      # phase -> {"ledger": (calls, bytes), "plan": (calls, bytes)}
     split: dict = field(default_factory=dict)       # plan.parallel_fraction() figures
     seconds: float = 0.0
+    seconds_by_phase: dict = field(default_factory=dict)    # here, and the slowest rank's phases
 
     @property
     def ok(self) -> bool:
@@ -120,6 +121,9 @@ class VerifyReport:
                           f"{self.split.get('flops_split', 0):.0%} of Linear FLOPs; parameter bytes per rank "
                           f"{self.split.get('vs_ideal', 0):.2f}× the mode's ideal", markup=False)
         colour = {"exact": "green", "mismatch": "red", "refused": "yellow"}[self.verdict]
+        if self.seconds_by_phase:
+            console.print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds_by_phase.items()),
+                          markup=False)
         console.print(f"[bold {colour}]{self.verdict.upper()}[/bold {colour}] (exit {self.exit_code}) in "
                       f"{self.seconds:.1f} s" + (f": {self.reason}" if self.reason else ""))
 
@@ -213,29 +217,67 @@ def _describe(e: BaseException) -> dict:
             "traceback": traceback.format_exc()}
 
 
-def _rank_entry(rank: int, world: int, port: int, folder: str) -> None:
-    """One rank (``python -m autoshard.verify RANK WORLD PORT FOLDER``): reads the job from
-    ``FOLDER/job.pt``, writes its result or its error to ``FOLDER/rank<RANK>.pt``."""
+def _rank_entry(rank: int, world: int, port: int, folder: str, job: dict) -> None:
+    """One rank, forked by :func:`_serve`: writes its result or its error to
+    ``FOLDER/rank<RANK>.pt`` (whole or absent)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        job = torch.load(os.path.join(folder, "job.pt"), weights_only=False)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job["pg_timeout"]))
         result = run_rank(rank, world, job)
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
         result = (rank, "error", _describe(e))
-    tmp = os.path.join(folder, f".rank{rank}.pt")
-    torch.save(result, tmp)
-    os.replace(tmp, os.path.join(folder, f"rank{rank}.pt"))      # whole or absent
+    _write(folder, rank, result)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _write(folder: str, rank: int, result) -> None:
+    tmp = os.path.join(folder, f".rank{rank}.pt")
+    torch.save(result, tmp)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def _serve(world: int, port: int, folder: str) -> None:
+    """``python -m autoshard.verification WORLD PORT FOLDER``: import what a rank needs once, wait
+    for ``FOLDER/job.pt`` (or ``FOLDER/cancel``), then fork the ``world`` ranks (this process
+    has run no parallel op, so forking it is safe) and wait for them; a rank that dies
+    without a result gets an error record."""
+    for name in ("torch.distributed", "transformers", "autoshard.api", "autoshard.module",
+                 "autoshard.launch.capture_share", "autoshard.runtime.compare"):
+        importlib.import_module(name)       # once here, inherited by every rank
+
+    job_path = os.path.join(folder, "job.pt")
+    while not os.path.exists(job_path):
+        if os.path.exists(os.path.join(folder, "cancel")):
+            return
+        time.sleep(0.05)
+    job = torch.load(job_path, weights_only=False)      # imports the model's own module too
+    pids = {}
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _rank_entry(r, world, port, folder, job)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                os._exit(code)
+        pids[pid] = r
+    while pids:
+        pid, status = os.waitpid(-1, 0)
+        r = pids.pop(pid, None)
+        if r is not None and not os.path.exists(os.path.join(folder, f"rank{r}.pt")):
+            _write(folder, r, (r, "error", {"kind": "crash", "type": "RankExited", "node": "", "traceback": "",
+                                            "message": f"rank {r} ended without a result (wait status {status})"}))
 
 
 def run_rank(rank: int, world: int, job: dict) -> tuple:
@@ -283,6 +325,8 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
     from .runtime import compare
     from .runtime.collectives import CommLedger
 
+    clock = _Clock(job.get("t_start"))
+    clock.lap("start-up")
     dense = _build(job)
     if job["dtype"] == "bf16":
         dense32 = copy.deepcopy(dense)
@@ -298,10 +342,13 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
 
     out_d = dense(**inputs)
     out_d.loss.backward()
+    clock.lap("dense run")
     cap = capture_shared(model, example_inputs=local)
+    clock.lap("capture (shared)")
     prepared = prepare(cap, pol)
     with torch.no_grad():
         ref_vals = compare.record(prepared.module, {**local, **prepared.constants})
+    clock.lap("dense node values")
     node_tol = None
     if job["dtype"] == "bf16":      # a node's tolerance: twice the dense bf16 run's own error against fp32
         cap32 = prepare(capture_shared(copy.deepcopy(dense32), example_inputs=local), pol)
@@ -312,8 +359,10 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
                     and isinstance(vals32.get(k), torch.Tensor) and vals32[k].shape == v.shape and v.numel()}
     sharded = autoshard.shard(model, mode=job["mode"], depth=job["depth"], dp=dp, example_inputs=local, captured=cap)
     plan = sharded.plan
+    clock.lap("shard (plan, rewrite)")
     cmp_rows = sharded.compare_values(ref_vals, local, atol=_FP32_TOL if node_tol is None else node_tol,
                                       rtol=_FP32_TOL if node_tol is None else 0.0)
+    clock.lap("node comparison")
     with CommLedger() as fwd:
         out = sharded(**local)
     with CommLedger() as bwd:
@@ -366,7 +415,8 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
         check("parameters after one SGD step", sparams[pp.name],
               pp.spec.local(pp.pad(dparams[pp.name].detach()), mesh, rank), ref_hi)
     kinds = {n.name: (n.kind, n.module or "") for n in plan.nodes}
-    return {
+    clock.lap("sharded run, checks, step")
+    return {"seconds": clock.laps,
         "nodes": cmp_rows, "checks": checks, "missing_grads": missing, "kinds": kinds if rank == 0 else {},
         "ledger": {"fwd": {"ledger": (fwd.count(), fwd.bytes_per_rank()),
                            "plan": (len(plan.comms("fwd")), plan.comm_bytes_per_rank("fwd"))},
@@ -376,67 +426,96 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
     }
 
 
-def _launch(world: int, job: dict, timeout: float, progress) -> list:
-    """Run :func:`_run_rank` on ``world`` gloo ranks, each a ``python -m autoshard.verify``
-    process (no torchrun; the caller's ``__main__`` is not re-imported);
-    ``[(rank, status, payload)]``. A rank that fails stops the others after a short grace;
-    the whole run stops at ``timeout``."""
-    import subprocess
-    import sys
-    import tempfile
+class _Clock:
+    """Seconds per phase, from ``t0`` (a ``time.time()``; default now)."""
 
-    with tempfile.TemporaryDirectory(prefix="autoshard-verify-") as folder:
-        torch.save(job, os.path.join(folder, "job.pt"))
-        port = _free_port()
+    def __init__(self, t0=None):
+        self.t = t0 if t0 is not None else time.time()
+        self.laps: dict = {}
+
+    def lap(self, what: str) -> None:
+        now = time.time()
+        self.laps[what] = round(now - self.t, 2)
+        self.t = now
+
+
+class _Ranks:
+    """The ranks of one :func:`verify` run: a ``python -m autoshard.verification`` server started
+    at once (its imports overlap the caller's planning), which forks the ranks when
+    :meth:`run` hands it the job. No torchrun, no ``multiprocessing`` (the caller's
+    ``__main__`` is never re-imported); :meth:`close` kills whatever is left."""
+
+    def __init__(self, world: int):
+        import subprocess
+        import sys
+        import tempfile
+
+        self.world = world
+        self._tmp = tempfile.TemporaryDirectory(prefix="autoshard-verify-")
+        self.folder = self._tmp.name
+        self.port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        procs = [subprocess.Popen([sys.executable, "-m", "autoshard.verify", str(r), str(world), str(port), folder],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for r in range(world)]
-        got: dict = {}
+        self.proc = subprocess.Popen([sys.executable, "-m", "autoshard.verification", str(world), str(self.port),
+                                      self.folder], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+
+    def run(self, job: dict, timeout: float, progress) -> list:
+        """``[(rank, status, payload)]`` of every rank. A rank that fails stops the others
+        after a short grace; the whole run stops at ``timeout``."""
+        tmp = os.path.join(self.folder, ".job.pt")
+        torch.save(job, tmp)
+        os.replace(tmp, os.path.join(self.folder, "job.pt"))
+        world, got = self.world, {}
         deadline = time.monotonic() + timeout
         first_error = None
-        try:
-            while len(got) < world:
-                now = time.monotonic()
-                if now > deadline or (first_error is not None and now > first_error + 15):
-                    break
+        while len(got) < world:
+            now = time.monotonic()
+            if now > deadline or (first_error is not None and now > first_error + 15):
+                break
+            for r in range(world):
+                path = os.path.join(self.folder, f"rank{r}.pt")
+                if r not in got and os.path.exists(path):
+                    got[r] = torch.load(path, weights_only=False)
+                    if got[r][1] == "error" and first_error is None:
+                        first_error = time.monotonic()
+                    if progress:
+                        progress(len(got), world)
+            if len(got) < world and self.proc.poll() is not None and not any(
+                    os.path.exists(os.path.join(self.folder, f"rank{r}.pt")) for r in range(world) if r not in got):
+                err = (self.proc.stderr.read() or "")[-3000:]
                 for r in range(world):
-                    path = os.path.join(folder, f"rank{r}.pt")
-                    if r not in got and os.path.exists(path):
-                        got[r] = torch.load(path, weights_only=False)
-                        if got[r][1] == "error" and first_error is None:
-                            first_error = time.monotonic()
-                        if progress:
-                            progress(len(got), world)
-                    elif r not in got and procs[r].poll() is not None:
-                        err = (procs[r].stderr.read() or "")[-3000:]
-                        got[r] = (r, "error", {"kind": "crash", "type": "RankExited",
-                                               "message": f"rank {r} exited with code {procs[r].returncode}\n{err}",
-                                               "node": "", "traceback": ""})
-                        first_error = first_error or time.monotonic()
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait()
-                if p.stderr:
-                    p.stderr.close()
-    for r in range(world):
-        if r not in got:
-            why = f"timed out (limit {timeout:.0f} s)" if first_error is None else "was stopped after another rank failed"
-            got[r] = (r, "error", {"kind": "crash" if first_error is None else "lost", "type": "RankLost",
-                                   "message": f"rank {r} {why}", "node": "", "traceback": ""})
-    return [got[r] for r in range(world)]
+                    got.setdefault(r, (r, "error", {"kind": "crash", "type": "RankExited", "node": "", "traceback": "",
+                                                    "message": f"the ranks' process exited with code "
+                                                               f"{self.proc.returncode}\n{err}"}))
+                break
+            time.sleep(0.1)
+        for r in range(world):
+            if r not in got:
+                why = f"timed out (limit {timeout:.0f} s)" if first_error is None else \
+                    "was stopped after another rank failed"
+                got[r] = (r, "error", {"kind": "crash" if first_error is None else "lost", "type": "RankLost",
+                                       "message": f"rank {r} {why}", "node": "", "traceback": ""})
+        return [got[r] for r in range(world)]
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            open(os.path.join(self.folder, "cancel"), "w").close()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)        # the server and every forked rank
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait()
+        self.proc.stderr.close()
+        self._tmp.cleanup()
 
 
 # --------------------------------------------------------------------------- verify
 
 def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = None, dp: int = 1,
            dtype: str = "fp32", full: bool = False, batch_size: int | None = None, seq_len: int = 8,
-           setup: str | None = None, timeout: float = 600.0, seed: int = 0, progress=None,
-           runner=None) -> VerifyReport:
+           setup: str | None = None, timeout: float = 600.0, seed: int = 0, progress=None) -> VerifyReport:
     """Prove ``mode`` on ``world_size`` ranks exact for this architecture (module doc).
 
     Args:
@@ -453,8 +532,6 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
             register a rule).
         timeout: seconds for the whole run of the ranks.
         progress: ``progress(ranks done, world_size)``, called as ranks finish.
-        runner: ``runner(world_size, job) -> [run_rank(...) of every rank]`` on ranks of
-            the caller's own (e.g. a test's pool of processes); default: start them here.
 
     Returns:
         a :class:`VerifyReport`; ``exit_code`` 0 exact, 1 mismatch, 2 refused.
@@ -476,68 +553,77 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
         pol = make_policy(mode, world_size, depth, dp)
     except AutoshardError as e:
         return refuse(f"{type(e).__name__}: {e}")
-    folder = str(model_or_config) if isinstance(model_or_config, (str, os.PathLike)) and \
-        os.path.isdir(model_or_config) else None
-    cfg = copy.deepcopy(cfg)
-    if full:
-        if model is None:
-            n = _param_count(cfg, cls)
-            need = n * 4 * 6 * (world_size + 1)
-            have = _memory_bytes()
-            if have and need > have * 0.8:
-                return refuse(f"--full needs about {need / 2**30:.1f} GiB for {world_size} ranks' dense and "
-                              f"sharded copies of {n / 1e6:,.0f}M parameters; this machine has "
-                              f"{have / 2**30:.1f} GiB: run without --full (a shrunk copy)")
-    else:
-        from .planning.shrink import shrink
-
-        small = shrink(cfg, pol)
-        report.shrunk = [tuple(c) for c in small.changes]
-        cfg = small.config
-        model = None        # rebuilt from the shrunk config on every rank
-        folder = None
-    report.shrunk += [tuple(c) for c in _no_dropout(cfg)]
-    if model is not None:
-        _no_dropout(model.config)
-    seq_split = pol.seq_split()
-    seq = -(-max(seq_len, 2) // seq_split) * seq_split
-    if batch_size is None:          # at least two rows per replica: one of them left-padded
-        from .planning.validate import smallest_batch
-
-        batch_size, report.batch_note = smallest_batch(pol, dp, rows=2)
-    report.batch = (batch_size, seq)
-    fn = str(model_or_config) if full and model is not None and isinstance(model_or_config, (str, os.PathLike)) \
-        else None
-    job = {"config": cfg, "cls": cls, "fn": fn, "folder": folder if full and _has_weights(folder) else None,
-           "seed": seed, "dtype": dtype, "batch": batch_size, "seq": seq, "dp": dp, "mode": mode, "depth": depth,
-           "setup": setup, "pg_timeout": max(60.0, timeout / 2)}
-    if model is not None and full and fn is None:
-        job["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    # capture and plan here first, without processes: a refused architecture stops here,
-    # and the ranks find the capture in the disk cache
+    # the ranks' process starts now: its imports overlap the planning below
+    ranks = _Ranks(world_size)
     try:
-        if setup:
-            _call(setup)
-        _plan_here(job, world_size)
-    except AutoshardError as e:
-        return refuse(_first_lines(e))
-    results = runner(world_size, job) if runner is not None else _launch(world_size, job, timeout, progress)
-    errors = [(r, p) for r, st, p in results if st == "error"]
-    if errors:
-        real = [e for e in errors if e[1]["kind"] != "lost"] or errors
-        r, e = min(real, key=lambda x: ({"refused": 0, "mismatch": 1, "crash": 2, "lost": 3}[x[1]["kind"]], x[0]))
-        msg = f"{e['type']} on rank {r}: " + "\n".join(e["message"].splitlines()[:6])
+        folder = str(model_or_config) if isinstance(model_or_config, (str, os.PathLike)) and \
+            os.path.isdir(model_or_config) else None
+        cfg = copy.deepcopy(cfg)
+        if full:
+            if model is None:
+                n = _param_count(cfg, cls)
+                need = n * 4 * 6 * (world_size + 1)
+                have = _memory_bytes()
+                if have and need > have * 0.8:
+                    return refuse(f"--full needs about {need / 2**30:.1f} GiB for {world_size} ranks' dense and "
+                                  f"sharded copies of {n / 1e6:,.0f}M parameters; this machine has "
+                                  f"{have / 2**30:.1f} GiB: run without --full (a shrunk copy)")
+        else:
+            from .planning.shrink import shrink
+
+            small = shrink(cfg, pol)
+            report.shrunk = [tuple(c) for c in small.changes]
+            cfg = small.config
+            model = None        # rebuilt from the shrunk config on every rank
+            folder = None
+        report.shrunk += [tuple(c) for c in _no_dropout(cfg)]
+        if model is not None:
+            _no_dropout(model.config)
+        seq_split = pol.seq_split()
+        seq = -(-max(seq_len, 2) // seq_split) * seq_split
+        if batch_size is None:          # at least two rows per replica: one of them left-padded
+            from .planning.validate import smallest_batch
+
+            batch_size, report.batch_note = smallest_batch(pol, dp, rows=2)
+        report.batch = (batch_size, seq)
+        fn = str(model_or_config) if full and model is not None and isinstance(model_or_config, (str, os.PathLike)) \
+            else None
+        job = {"config": cfg, "cls": cls, "fn": fn, "folder": folder if full and _has_weights(folder) else None,
+               "seed": seed, "dtype": dtype, "batch": batch_size, "seq": seq, "dp": dp, "mode": mode, "depth": depth,
+               "setup": setup, "pg_timeout": max(60.0, timeout / 2)}
+        if model is not None and full and fn is None:
+            job["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # capture and plan here first, without processes: a refused architecture stops here,
+        # and the ranks find the capture in the disk cache
+        try:
+            if setup:
+                _call(setup)
+            _plan_here(job, world_size)
+        except AutoshardError as e:
+            return refuse(_first_lines(e))
+        report.seconds_by_phase["plan here (capture, plan)"] = round(time.perf_counter() - t0, 2)
+        job["t_start"] = time.time()
+        results = ranks.run(job, timeout, progress)
+        report.seconds_by_phase["ranks"] = round(time.perf_counter() - t0 - report.seconds_by_phase[
+            "plan here (capture, plan)"], 2)
+        errors = [(r, p) for r, st, p in results if st == "error"]
+        if errors:
+            real = [e for e in errors if e[1]["kind"] != "lost"] or errors
+            r, e = min(real, key=lambda x: ({"refused": 0, "mismatch": 1, "crash": 2, "lost": 3}[x[1]["kind"]], x[0]))
+            msg = f"{e['type']} on rank {r}: " + "\n".join(e["message"].splitlines()[:6])
+            report.seconds = time.perf_counter() - t0
+            if e["kind"] == "refused":
+                return refuse(msg)
+            report.verdict, report.exit_code = "mismatch", MISMATCH
+            report.reason = msg + ("" if e["kind"] == "mismatch" else "\n" + e["traceback"][-2000:])
+            report.first_node = e["node"]
+            return report
+        payloads = [p for _, _, p in results]
+        _fill(report, payloads)
         report.seconds = time.perf_counter() - t0
-        if e["kind"] == "refused":
-            return refuse(msg)
-        report.verdict, report.exit_code = "mismatch", MISMATCH
-        report.reason = msg + ("" if e["kind"] == "mismatch" else "\n" + e["traceback"][-2000:])
-        report.first_node = e["node"]
         return report
-    payloads = [p for _, _, p in results]
-    _fill(report, payloads)
-    report.seconds = time.perf_counter() - t0
-    return report
+    finally:
+        ranks.close()
 
 
 def _fill(report: VerifyReport, payloads: list) -> None:
@@ -556,6 +642,8 @@ def _fill(report: VerifyReport, payloads: list) -> None:
     report.ledger = payloads[0]["ledger"]
     ledger_ok = all(p["ledger"][ph]["ledger"] == p["ledger"][ph]["plan"] for p in payloads for ph in p["ledger"])
     report.split = payloads[0]["split"]
+    slowest = max(payloads, key=lambda p: sum(p["seconds"].values()))
+    report.seconds_by_phase.update({f"rank: {k}": v for k, v in slowest["seconds"].items()})
     missing = sorted({n for p in payloads for n in p["missing_grads"]})
     bad_nodes = [r for r in rows if not r.ok]
     bad_checks = [w for w, (_, _, ok) in checks.items() if not ok]
@@ -617,7 +705,7 @@ def _has_weights(folder) -> bool:
     return bool(folder) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
 
 
-if __name__ == "__main__":          # one rank of verify(): python -m autoshard.verify RANK WORLD PORT FOLDER
+if __name__ == "__main__":          # the ranks of verify(): python -m autoshard.verification WORLD PORT FOLDER
     import sys
 
-    _rank_entry(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
