@@ -58,7 +58,7 @@ demo: venv
 	$(VPY) examples/shard_and_inspect.py
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 -m "not extended and not slow" tests || rc=$$?; \
+	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=60 -m "not extended and not slow" tests || rc=$$?; \
 	if [ -n "$(PYTEST_RC_FILE)" ]; then echo $$rc > "$(PYTEST_RC_FILE)"; fi; \
 	exit $$rc
 

@@ -33,6 +33,8 @@ def cells():
     return {(a, m): found[a, m] for a in M.ARCHS for m, _, _ in M.MODES}
 
 
+# the two report checks plan all 84 cells (137 s of a loaded `make test`): make test-extended
+@pytest.mark.slow
 def test_support_md_is_generated_from_the_matrix(cells):
     with open(M.SUPPORT_MD) as f:
         committed = f.read()
@@ -40,6 +42,7 @@ def test_support_md_is_generated_from_the_matrix(cells):
                                           "`.venv/bin/python tests/arch_matrix.py` and commit it")
 
 
+@pytest.mark.slow
 def test_matrix_covers_the_issue(cells):
     """At least 10 architectures beyond nothing-special, in every mode, each cell with
     the verdict it is known to have (arch_matrix.EXPECTED_FALLBACKS; the rest pass)."""

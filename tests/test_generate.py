@@ -95,7 +95,7 @@ def _dense_cache_bytes(model, batch: int, max_len: int) -> int:
 
 
 # the 8-rank cells, 2.5d@8 (q=2, d=2) and 3d@8 (slow: 170 s on a loaded machine), run under `make test-extended`
-CASES = [("1d", 2, None), ("1d", 4, None), ("2d", 4, None),
+CASES = [("1d", 2, None), pytest.param(("1d", 4, None), marks=pytest.mark.slow), ("2d", 4, None),
          pytest.param(("2.5d", 8, 2), marks=pytest.mark.extended),
          pytest.param(("3d", 8, None), marks=pytest.mark.slow)]
 
@@ -117,6 +117,7 @@ def test_greedy_equals_dense(case):
                 assert x["cache_bytes"] < x["dense_cache_bytes"], (kind, mode, x["cache_bytes"])
 
 
+@pytest.mark.slow
 def test_t5_greedy_equals_dense():
     for rank, r in enumerate(get_pool(2, timeout=600).run(_greedy, "1d", None, ("t5",))):
         x = r["t5"]

@@ -72,6 +72,9 @@ def _finish(proc, out) -> tuple[dict, ShardingPlan]:
     return stats, ShardingPlan.from_json(out.read_text())
 
 
+# a 7B plan per fixture child (102 s of setup in a loaded `make test`): make test-extended
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both plans, each in its own child, one after the other: the second child

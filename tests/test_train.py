@@ -73,7 +73,7 @@ def _dense_reference(name: str):
     return _DENSE[name]
 
 
-@pytest.mark.parametrize("world,mode,depth,dp", [(4, "1d", None, 2), (8, "2.5d", 2, 1),
+@pytest.mark.parametrize("world,mode,depth,dp", [(4, "1d", None, 2), pytest.param(8, "2.5d", 2, 1, marks=pytest.mark.slow),
                                                  pytest.param(8, "3d", None, 1, marks=pytest.mark.slow)],
                          ids=["1d-tp2-dp2", "2.5d-q2-d2", "3d-q2"])
 def test_train_accum_clip_equals_dense(world, mode, depth, dp):

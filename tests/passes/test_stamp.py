@@ -89,7 +89,8 @@ def _captures(arch: str):
     return _CASES[arch]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", pytest.param("t5", marks=pytest.mark.slow), "bart"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", pytest.param("t5", marks=pytest.mark.slow),
+                                  pytest.param("bart", marks=pytest.mark.slow)])
 def test_stamped_graph_is_the_full_export(arch):
     full, stamped = _captures(arch)
     assert stamped.stamped, "stamping did not happen: the full model was exported"
@@ -102,7 +103,7 @@ def test_stamped_graph_is_the_full_export(arch):
     assert n_layer > 10, "the last stamped layer has no nodes"
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", "t5", "bart"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert", pytest.param("t5", marks=pytest.mark.slow), "bart"])
 @pytest.mark.parametrize("mode", ["1d", "2d"])
 def test_stamped_plan_equals_full_plan(arch, mode):
     full, stamped = _captures(arch)
