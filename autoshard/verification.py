@@ -179,6 +179,19 @@ def _batch(model, b: int, s: int, replicas: int) -> dict:
     return out
 
 
+def _dropout_off(model):
+    """``model`` with every dropout probability at 0, in its modules as built (a config
+    changed after construction no longer reaches them)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for k, v in list(vars(m).items()):
+            if isinstance(v, float) and v > 0 and "dropout" in k:
+                setattr(m, k, 0.0)
+    _no_dropout(model.config)
+    return model
+
+
 def _no_dropout(config) -> list:
     """Dropout probabilities set to 0 in ``config`` (in place, nested configs too): the
     comparison runs in train mode with the same values on both sides."""
@@ -306,8 +319,7 @@ def _build(job: dict):
 
     torch.manual_seed(job["seed"])
     if job.get("fn"):                   # --full of pkg.module:fn: the function's own model
-        model = _call(job["fn"])
-        _no_dropout(model.config)
+        model = _dropout_off(_call(job["fn"]))
     elif job.get("folder"):             # --full of a folder with weights
         model = job["cls"].from_pretrained(job["folder"], config=job["config"])
     else:
@@ -576,9 +588,7 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
             cfg = small.config
             model = None        # rebuilt from the shrunk config on every rank
             folder = None
-        report.shrunk += [tuple(c) for c in _no_dropout(cfg)]
-        if model is not None:
-            _no_dropout(model.config)
+        report.shrunk += [tuple(c) for c in _no_dropout(cfg)]      # cfg is verify's own copy
         seq_split = pol.seq_split()
         seq = -(-max(seq_len, 2) // seq_split) * seq_split
         if batch_size is None:          # at least two rows per replica: one of them left-padded

@@ -97,6 +97,26 @@ def test_cli_verify_bad_layout_exits_2_with_the_valid_choices(capsys):
         main(["verify", "llama:tiny", "--world-size", "2", "--mode", "bogus"])
 
 
+def test_verify_a_function_and_a_folder_with_weights(tmp_path, monkeypatch):
+    """``pkg.module:fn`` (shrunk, and --full: the function's own model on every rank) and a
+    saved folder with --full (its weights read on every rank); a padded vocabulary (131)."""
+    from autoshard import verify
+
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.syspath_prepend(HERE)
+    r = verify("verify_plants:tiny_llama", world_size=2, mode="1d")
+    assert r.exit_code == 0, r.reason
+    assert ("vocab_size", 131, 65) in r.shrunk          # odd stays odd: still padded at tp 2
+    r = verify("verify_plants:tiny_llama", world_size=2, mode="1d", full=True)
+    assert r.exit_code == 0 and not [c for c in r.shrunk if c[0] == "vocab_size"], r.reason
+    import verify_plants
+
+    verify_plants.tiny_llama().save_pretrained(tmp_path / "m")
+    r = verify(str(tmp_path / "m"), world_size=2, mode="1d", full=True, dtype="bf16")
+    assert r.exit_code == 0, r.reason
+    assert r.checks["loss"][2] and r.dtype == "bf16"
+
+
 def test_plan_and_check_choose_the_smallest_batch(capsys):
     from autoshard.cli import main
 

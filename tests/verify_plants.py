@@ -8,3 +8,14 @@ def partial_through_nonlinear():
     from autoshard.policies import generic
 
     generic._partial_passes = lambda *args: True
+
+
+def tiny_llama():
+    """A model for ``verify("verify_plants:tiny_llama", ...)``: a function returning a model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(3)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=131, max_position_embeddings=64))

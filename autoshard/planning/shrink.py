@@ -140,6 +140,9 @@ def _first(config, names) -> tuple[str, int] | tuple[None, None]:
 
 
 def _set(new, key: str, value, changes: list, prefix: str) -> None:
+    prop = getattr(type(new), key, None)
+    if isinstance(prop, property) and prop.fset is None:      # derived from other fields (Falcon's head_dim)
+        return
     old = getattr(new, key)
     if value != old:
         setattr(new, key, value)

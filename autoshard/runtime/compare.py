@@ -52,7 +52,8 @@ class NodeDiff:
     ``|local − dense| − (atol + rtol·|dense|)`` (≤ 0 when within tolerance);
     ``status``: ``"ok"``, ``"mismatch"``, ``"partial"`` (a pending sum, compared where it is
     reduced), ``"index"`` (split integers: indices local to the rank's block, e.g. an
-    ``arange`` over the batch block, not comparable with the dense values), ``"shape"`` (the local shape is not the spec's block) or ``"missing"``
+    ``arange`` over the batch block, not comparable with the dense values), ``"uninitialised"``
+    (an ``empty_like``: memory not yet written), ``"shape"`` (the local shape is not the spec's block) or ``"missing"``
     (no dense value of that name)."""
 
     name: str
@@ -65,7 +66,7 @@ class NodeDiff:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("ok", "partial", "index", "missing")
+        return self.status in ("ok", "partial", "index", "uninitialised", "missing")
 
 
 def _op(n: fx.Node) -> str:
@@ -83,7 +84,10 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n):
         out = super().run_node(n)
         if n.op == "call_function":
-            self.values[n.name] = out.detach() if isinstance(out, torch.Tensor) else out
+            # a copy: a later in-place op (copy_ into a slice of new_zeros) would change a view
+            self.values[n.name] = out.detach().clone() if isinstance(out, torch.Tensor) else \
+                type(out)(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in out) \
+                if isinstance(out, (tuple, list)) else out
         return out
 
 
@@ -116,7 +120,10 @@ class _Comparer(fx.Interpreter):
         out = super().run_node(n)
         tag = n.meta.get(META)
         if tag is not None:
-            self._compare(n, out, tag)
+            if _op(n) in _UNINITIALISED:     # memory not yet written: nothing to compare
+                self.rows.append(NodeDiff(tag[0], _op(n), str(tag[1]), len(self.rows), "uninitialised"))
+            else:
+                self._compare(n, out, tag)
         return out
 
     def _compare(self, n, out, tag) -> None:
@@ -153,9 +160,11 @@ class _Comparer(fx.Interpreter):
             else:
                 g, w = got.detach().double(), block.double()
                 atol = self.atol.get(name, 1e-5) if isinstance(self.atol, dict) else self.atol
-                diff = (g - w).abs()
+                # equal values (equal infinities: log(0) of a relative position, a -inf mask) and
+                # NaN on both sides differ by nothing
+                same = (g == w) | (g.isnan() & w.isnan())
+                diff = torch.where(same, torch.zeros_like(g), (g - w).abs())
                 nan = g.isnan() != w.isnan()
-                diff = torch.where(g.isnan() & w.isnan(), torch.zeros_like(diff), diff)
                 if diff.numel():
                     worst = max(worst, float(diff.nan_to_num(float("inf")).max()))
                     ex = diff - (atol + self.rtol * w.abs())
@@ -183,7 +192,8 @@ def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, a
     return out, cmp.rows
 
 
-_RANK = {"shape": 5, "mismatch": 4, "ok": 3, "partial": 2, "index": 1, "missing": 0}
+_RANK = {"shape": 6, "mismatch": 5, "ok": 4, "partial": 3, "index": 2, "uninitialised": 1, "missing": 0}
+_UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided"}
 
 
 def merge(per_rank: list[list[NodeDiff]]) -> list[NodeDiff]:

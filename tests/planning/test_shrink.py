@@ -234,3 +234,17 @@ def test_the_shrunk_config_plans(name, layout, batch):
     shrunk = shrink(CONFIGS[name][0](), _policy(layout)).config
     p = autoshard.plan(shrunk, world_size=world, mode=mode, depth=depth, batch_size=batch, seq_len=8)
     assert p.mesh.world_size == world
+
+
+def test_a_derived_head_dim_is_left_to_its_config():
+    """Falcon's ``head_dim`` is a read-only property (hidden / heads): the shrink sets the
+    fields it derives from and leaves it alone."""
+    cfg = tf.FalconConfig(hidden_size=4544, num_attention_heads=71, num_hidden_layers=32,
+                                    vocab_size=65024, multi_query=True)
+    for mode, world, depth in (("1d", 4, None), ("2d", 4, None)):
+        pol = make_policy(mode, world, depth, 1)
+        small = shrink(cfg, pol)
+        assert small.config.head_dim == small.config.hidden_size // small.config.num_attention_heads
+        assert "head_dim" not in {k for k, _, _ in small.changes}
+        assert [(p.what, p.error) for p in check_dims(small.config, pol)] == \
+            [(p.what, p.error) for p in check_dims(cfg, pol)]
