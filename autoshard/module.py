@@ -559,9 +559,11 @@ class ShardedModule(nn.Module):
         if self.batch_split > 1 and isinstance(ids, torch.Tensor) and ids.shape[0] % self.batch_split:
             raise ConfigError(f"compare: batch size {ids.shape[0]} does not divide the batch split "
                               f"{self.batch_split}; use a multiple of {self.batch_split}")
+        from .passes.row_order import LOCAL_ROWS_NOTE
         from .runtime.groups import axes_label
 
         drop = ("dp",) if "dp" in self.mesh.axes else ()
+        local_rows = frozenset(n.name for n in g.plan.nodes if LOCAL_ROWS_NOTE in n.notes)
 
         def reduce(t, axes):        # a partial sum, summed over its axes (every rank reaches the same nodes)
             group = self.groups.get(axes_label(axes))
@@ -569,7 +571,7 @@ class ShardedModule(nn.Module):
 
         with torch.no_grad(), parallel_ops.dropout_active(self.training):
             _, rows = compare(g.gm, self.mesh, full, dense_values, rank=self.rank, atol=atol, rtol=rtol,
-                              drop_axes=drop, reduce=reduce)
+                              drop_axes=drop, reduce=reduce, local_rows=local_rows)
         return rows
 
     def compare(self, dense_model: nn.Module, batch: dict, *, atol: float = 1e-5, rtol: float = 1e-5):

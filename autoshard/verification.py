@@ -47,6 +47,7 @@ __all__ = ["verify", "VerifyReport", "run_rank", "resolve_target"]
 EXACT, MISMATCH, REFUSED = 0, 1, 2
 _FP32_TOL = 1e-5
 _LR = 0.1
+_BF16_EPS = 2.0 ** -7       # one bf16 rounding step, relative: a node's bf16 tolerance on top of its dense noise
 
 
 @dataclass
@@ -366,14 +367,13 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
         cap32 = prepare(capture_shared(copy.deepcopy(dense32), example_inputs=local), pol)
         with torch.no_grad():
             vals32 = compare.record(cap32.module, {**local, **cap32.constants})
-        node_tol = {k: 2 * float((v.double() - vals32[k].double()).abs().max()) + 1e-6
-                    for k, v in ref_vals.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+        node_tol = {k: 2 * _noise(v, vals32[k]) + 1e-6 for k, v in ref_vals.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
                     and isinstance(vals32.get(k), torch.Tensor) and vals32[k].shape == v.shape and v.numel()}
     sharded = autoshard.shard(model, mode=job["mode"], depth=job["depth"], dp=dp, example_inputs=local, captured=cap)
     plan = sharded.plan
     clock.lap("shard (plan, rewrite)")
     cmp_rows = sharded.compare_values(ref_vals, local, atol=_FP32_TOL if node_tol is None else node_tol,
-                                      rtol=_FP32_TOL if node_tol is None else 0.0)
+                                      rtol=_FP32_TOL if node_tol is None else _BF16_EPS)
     clock.lap("node comparison")
     with CommLedger() as fwd:
         out = sharded(**local)
@@ -436,6 +436,16 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
                            "plan": (len(plan.comms("bwd")), plan.comm_bytes_per_rank("bwd"))}},
         "split": {k: v for k, v in plan.parallel_fraction().items() if isinstance(v, float)} if rank == 0 else {},
     }
+
+
+def _noise(low: torch.Tensor, high: torch.Tensor) -> float:
+    """The largest ``|low − high|`` of a dense value in bf16 against fp32, equal values
+    (equal infinities: a -inf mask) and NaN on both sides counting 0; a NaN on one side
+    only counts as infinite (the dense bf16 run itself lost the value)."""
+    a, b = low.double(), high.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(float("inf"))
+    return float(d.max())
 
 
 class _Clock:

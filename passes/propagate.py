@@ -37,7 +37,7 @@ from autoshard.policies.linear_ops import linear_operands
 from autoshard.ir.spec import ShardSpec, replicated
 
 from .annotate import Annotation, annotate, param_names
-from .row_order import CONFLICT, RowFact, row_facts
+from .row_order import CONFLICT, LOCAL_ROWS_NOTE, RowFact, row_facts
 
 __all__ = ["propagate", "state_inputs"]
 
@@ -818,8 +818,21 @@ class _Engine:
                         post=tuple(choice.post), patches=tuple(choice.patches.items()), comms=tuple(comms),
                         global_shape=gshape, local_shape=lshape, weight=choice.weight,
                         param_bytes=self._param_bytes(node, ann, in_specs),
-                        notes=tuple(n for n in choice.notes if n) + self._whole_note(node, ann, in_specs, choice.notes),
+                        notes=tuple(n for n in choice.notes if n) + self._whole_note(node, ann, in_specs, choice.notes)
+                        + self._row_order_note(node),
                         fallback=choice.fallback)
+
+    def _row_order_note(self, node) -> tuple[str, ...]:
+        """A note where the batch split leaves this value's rows in a rank-local order (rows
+        sorted by expert on each rank's own tokens, :mod:`.row_order`), or makes its values
+        positions among the rank's rows: exact, but its local block is not a block of the
+        dense value (``autoshard verify`` compares it where the order is undone)."""
+        f = self.rows.get(node.name)
+        facts = f if isinstance(f, tuple) else (f,)
+        if not self.batch_axes or not any(isinstance(x, RowFact) and (x.order is not None or x.index_into is not None)
+                                          for x in facts):
+            return ()
+        return (LOCAL_ROWS_NOTE,)
 
     def _whole_note(self, node, ann, in_specs: dict, notes: tuple) -> tuple[str, ...]:
         """A note for a Linear or lookup whose weight the rule held whole over every

@@ -42,9 +42,11 @@ from autoshard.ir.grouped import grouped_linear
 
 aten = torch.ops.aten
 
-__all__ = ["CONFLICT", "RowFact", "row_facts"]
+__all__ = ["CONFLICT", "LOCAL_ROWS_NOTE", "RowFact", "row_facts"]
 
 CONFLICT = "<conflict>"
+# the plan note of a value whose rows are in a rank-local order (or index the rank's rows)
+LOCAL_ROWS_NOTE = "local rows: in a rank-local order (sorted on the rank's own tokens), not a block of the dense value"
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class NodeDiff:
     ``status``: ``"ok"``, ``"mismatch"``, ``"partial"`` (a pending sum, compared where it is
     reduced), ``"index"`` (split integers: indices local to the rank's block, e.g. an
     ``arange`` over the batch block, not comparable with the dense values), ``"uninitialised"``
-    (an ``empty_like``: memory not yet written), ``"shape"`` (the local shape is not the spec's block) or ``"missing"``
+    (an ``empty_like``: memory not yet written), ``"local rows"`` (rows in a rank-local order,
+    e.g. sorted by expert), ``"shape"`` (the local shape is not the spec's block) or ``"missing"``
     (no dense value of that name)."""
 
     name: str
@@ -66,7 +67,7 @@ class NodeDiff:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("ok", "partial", "index", "uninitialised", "missing")
+        return self.status in ("ok", "partial", "index", "local rows", "uninitialised", "missing")
 
 
 def _op(n: fx.Node) -> str:
@@ -110,8 +111,10 @@ def strip_axis(spec, axis: str):
 
 
 class _Comparer(fx.Interpreter):
-    def __init__(self, gm, mesh, dense: dict, rank: int, atol: float, rtol: float, drop: tuple, reduce):
+    def __init__(self, gm, mesh, dense: dict, rank: int, atol: float, rtol: float, drop: tuple, reduce,
+                 local_rows=frozenset()):
         super().__init__(gm)
+        self.local_rows = local_rows
         self.mesh, self.dense, self.rank, self.atol, self.rtol, self.drop = mesh, dense, rank, atol, rtol, drop
         self.reduce = reduce
         self.rows: list[NodeDiff] = []
@@ -122,6 +125,8 @@ class _Comparer(fx.Interpreter):
         if tag is not None:
             if _op(n) in _UNINITIALISED:     # memory not yet written: nothing to compare
                 self.rows.append(NodeDiff(tag[0], _op(n), str(tag[1]), len(self.rows), "uninitialised"))
+            elif tag[0] in self.local_rows:     # a rank-local row order: compared where it is undone
+                self.rows.append(NodeDiff(tag[0], _op(n), str(tag[1]), len(self.rows), "local rows"))
             else:
                 self._compare(n, out, tag)
         return out
@@ -178,21 +183,24 @@ class _Comparer(fx.Interpreter):
 
 
 def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, atol: "float | dict" = 1e-5,
-            rtol: float = 1e-5, drop_axes: tuple[str, ...] = (), reduce=None):
+            rtol: float = 1e-5, drop_axes: tuple[str, ...] = (), reduce=None, local_rows=frozenset()):
     """Run this rank's rewritten graph ``gm`` on ``inputs`` and compare each planned
     node with its block of ``dense`` (from :func:`record`). ``drop_axes``: mesh axes the
     dense values are not split over (``("dp",)`` when ``dense`` holds one replica's rows).
     ``atol`` may map node names to their own absolute tolerance (1e-5 for the others).
     ``reduce(local, axes)``: the sum of a partial value over the ranks of ``axes`` (a
     collective every rank reaches at the same node), or None to leave it ``partial``.
+    ``local_rows``: nodes whose rows the plan keeps in a rank-local order (rows sorted by
+    expert on each rank's tokens): not compared, status ``"local rows"``.
 
     Returns ``(what gm returns, [NodeDiff] in graph order)``."""
-    cmp = _Comparer(gm, mesh, dense, rank, atol, rtol, tuple(drop_axes), reduce)
+    cmp = _Comparer(gm, mesh, dense, rank, atol, rtol, tuple(drop_axes), reduce, frozenset(local_rows))
     out = cmp.run(*[inputs[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
     return out, cmp.rows
 
 
-_RANK = {"shape": 6, "mismatch": 5, "ok": 4, "partial": 3, "index": 2, "uninitialised": 1, "missing": 0}
+_RANK = {"shape": 7, "mismatch": 6, "ok": 5, "partial": 4, "index": 3, "local rows": 2, "uninitialised": 1,
+         "missing": 0}
 _UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided"}
 
 
