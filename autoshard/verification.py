@@ -19,12 +19,15 @@ differs), 2 refused (the node and the reason, found by planning before any proce
 starts, or by a rank). Nothing waits forever: the ranks' process group and the whole
 run have timeouts, and a failed rank stops the others.
 
-Example::
+Example (the first call starts 8 ranks, about 20 s; the second is refused before any)::
 
-    >>> from autoshard import verify                                  # doctest: +SKIP
+    >>> from autoshard import verify
     >>> r = verify("llama:7b", world_size=8, mode="2.5d", depth=2)   # doctest: +SKIP
     >>> r.exit_code, r.verdict                                       # doctest: +SKIP
     (0, 'exact')
+    >>> r = verify("llama:tiny", world_size=6, mode="2d")
+    >>> r.exit_code, r.verdict, r.reason.split(":")[0]
+    (2, 'refused', 'ConfigError')
 """
 
 from __future__ import annotations

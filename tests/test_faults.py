@@ -87,6 +87,7 @@ def _signal_rank1_when_stalled(procs, root, sig, settle_s: float = 0.0):
                 p.kill()
 
 
+@pytest.mark.slow
 def test_killed_rank_errors_others_then_resume(tmp_path):
     """2 ranks, 1d. Steps 1-4 train and save step_0002, step_0004; in step 5 rank 1
     stops after its forward and is SIGKILLed; rank 0, waiting in the backward
