@@ -548,9 +548,11 @@ class ShardedModule(nn.Module):
                        rtol: float = 1e-5) -> list:
         """Run this rank's graph for ``batch`` (this replica's rows) node by node and compare
         each planned node with its block of ``dense_values`` (the dense graph's node values on
-        the same rows, :func:`autoshard.runtime.compare.record`). Collective: every rank calls
-        it (a partial sum is summed over its axes to be compared). ``atol`` may map node names to their own tolerance. Returns this
-        rank's :class:`~autoshard.runtime.compare.NodeDiff` rows in graph order."""
+        the global batch, every replica's rows: a loss is the global mean on every rank;
+        :func:`autoshard.runtime.compare.record`). Collective: every rank calls it (a partial
+        sum is summed over its axes to be compared). ``atol`` may map node names to their own
+        tolerance. Returns this rank's :class:`~autoshard.runtime.compare.NodeDiff` rows in
+        graph order."""
         from .runtime.compare import compare
 
         kwargs = _on_device({k: v for k, v in batch.items() if v is not None}, self.device)
@@ -562,7 +564,6 @@ class ShardedModule(nn.Module):
         from .passes.row_order import LOCAL_ROWS_NOTE
         from .runtime.groups import axes_label
 
-        drop = ("dp",) if "dp" in self.mesh.axes else ()
         local_rows = frozenset(n.name for n in g.plan.nodes if LOCAL_ROWS_NOTE in n.notes)
 
         def reduce(t, axes):        # a partial sum, summed over its axes (every rank reaches the same nodes)
@@ -571,13 +572,14 @@ class ShardedModule(nn.Module):
 
         with torch.no_grad(), parallel_ops.dropout_active(self.training):
             _, rows = compare(g.gm, self.mesh, full, dense_values, rank=self.rank, atol=atol, rtol=rtol,
-                              drop_axes=drop, reduce=reduce, local_rows=local_rows)
+                              reduce=reduce, local_rows=local_rows)
         return rows
 
     def compare(self, dense_model: nn.Module, batch: dict, *, atol: float = 1e-5, rtol: float = 1e-5):
         """Debugging aid for a running job: each planned node's output against the dense
-        model's on a real batch, merged over every rank (collective: every rank calls it,
-        each with its replica's ``batch``; ``dense_model`` has the weights the sharded one
+        model's on a real batch, merged over every rank (collective: every rank calls it with
+        the same global ``batch``, every dp replica's rows; each runs its replica's rows
+        through its graph; ``dense_model`` has the weights the sharded one
         was made from, e.g. the model before :func:`autoshard.shard`). Run both models with
         dropout off (``.eval()``, or the module in eval mode) for an exact comparison.
 
@@ -601,8 +603,15 @@ class ShardedModule(nn.Module):
         dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
         with torch.no_grad():
             values = record(prepared.module, {**_on_device(kwargs, dev), **prepared.constants})
+        local = kwargs
+        if "dp" in self.mesh.axes:      # this replica's rows of the global batch
+            ids = kwargs.get("input_ids")
+            per = ids.shape[0] // self.mesh.size("dp")
+            lo = self.coords["dp"] * per
+            local = {k: v[lo:lo + per] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == ids.shape[0]
+                     else v for k, v in kwargs.items()}
         rows = self.compare_values({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                                    for k, v in values.items()}, kwargs, atol=atol, rtol=rtol)
+                                    for k, v in values.items()}, local, atol=atol, rtol=rtol)
         every = [None] * dist.get_world_size() if dist.is_initialized() else [rows]
         if dist.is_initialized():
             dist.all_gather_object(every, rows)

@@ -363,13 +363,13 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
     clock.lap("capture (shared)")
     prepared = prepare(cap, pol)
     with torch.no_grad():
-        ref_vals = compare.record(prepared.module, {**local, **prepared.constants})
+        ref_vals = compare.record(prepared.module, {**inputs, **prepared.constants})     # every replica's rows
     clock.lap("dense node values")
     node_tol = None
     if job["dtype"] == "bf16":      # a node's tolerance: twice the dense bf16 run's own error against fp32
         cap32 = prepare(capture_shared(copy.deepcopy(dense32), example_inputs=local), pol)
         with torch.no_grad():
-            vals32 = compare.record(cap32.module, {**local, **cap32.constants})
+            vals32 = compare.record(cap32.module, {**inputs, **cap32.constants})
         node_tol = {k: 2 * _noise(v, vals32[k]) + 1e-6 for k, v in ref_vals.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
                     and isinstance(vals32.get(k), torch.Tensor) and vals32[k].shape == v.shape and v.numel()}
     sharded = autoshard.shard(model, mode=job["mode"], depth=job["depth"], dp=dp, example_inputs=local, captured=cap)

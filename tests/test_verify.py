@@ -98,6 +98,19 @@ def test_cli_verify_bad_layout_exits_2_with_the_valid_choices(capsys):
 
 
 @pytest.mark.extended
+@pytest.mark.parametrize("model,world,mode", [("llama:tiny", 4, "1d"), ("gpt2:small", 8, "2d")])
+def test_verify_with_data_parallel_replicas(model, world, mode, capsys):
+    """dp=2 outside the TP mesh: every replica's rows against the dense model on the global
+    batch (the loss is the global mean on every rank)."""
+    from autoshard.cli import main
+
+    rc = main(["verify", model, "--world-size", str(world), "--mode", mode, "--dp", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0, text[-3000:]
+    assert "× dp2" in text and "EXACT (exit 0)" in text
+
+
+@pytest.mark.extended
 def test_verify_a_function_and_a_folder_with_weights(tmp_path, monkeypatch):
     """``pkg.module:fn`` (shrunk, and --full: the function's own model on every rank) and a
     saved folder with --full (its weights read on every rank); a padded vocabulary (131)."""

@@ -12,8 +12,8 @@ Values the plan leaves as partial sums (a row-parallel product before its
 reduction) are summed over their axes first where the caller gives a ``reduce``
 (:meth:`ShardedModule.compare` does: a collective of its own), else marked
 ``partial`` and compared where the graph reduces them. With data-parallel replicas each rank compares
-against the dense graph run on its own replica's rows (the spec's ``dp`` axis is
-dropped), so a replica-local loss is compared with the loss of those rows.
+against the dense graph run on the global batch (every replica's rows; the spec's
+``dp`` axis picks the replica's block), as the plan's global shapes are.
 
     >>> import torch
     >>> from torch import fx
