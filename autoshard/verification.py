@@ -218,7 +218,7 @@ def _free_port() -> int:
 
 
 def _describe(e: BaseException) -> dict:
-    from .ir.errors import ShardingError
+    from .ir.errors import CaptureError, ShardingError
     from .runtime.selfcheck import PlanCheckError
 
     node = getattr(e, "node", None)
@@ -226,7 +226,7 @@ def _describe(e: BaseException) -> dict:
     node_line = next((x.strip() for x in lines if x.strip().startswith("node:")), "")
     if isinstance(e, PlanCheckError):
         kind = "mismatch"
-    elif isinstance(e, (ShardingError, ConfigError)) or type(e).__name__ in ("CaptureError",):
+    elif isinstance(e, (ShardingError, ConfigError, CaptureError)):
         kind = "refused"
     else:
         kind = "crash"
@@ -397,7 +397,7 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
             tol = float((_FP32_TOL + _FP32_TOL * ref.abs()).max()) if ref.numel() else _FP32_TOL
             ok = bool(torch.allclose(got, ref, atol=_FP32_TOL, rtol=_FP32_TOL))
         else:
-            tol = 2 * float((ref - ref_hi.detach().double()).abs().max()) + 1e-6
+            tol = 2 * _noise(ref, ref_hi) + 1e-6
             ok = err <= tol
         prev = checks.get(what)
         checks[what] = (max(err, prev[0]) if prev else err, tol, ok and (prev[2] if prev else True))
@@ -445,10 +445,9 @@ def _noise(low: torch.Tensor, high: torch.Tensor) -> float:
     """The largest ``|low − high|`` of a dense value in bf16 against fp32, equal values
     (equal infinities: a -inf mask) and NaN on both sides counting 0; a NaN on one side
     only counts as infinite (the dense bf16 run itself lost the value)."""
-    a, b = low.double(), high.double()
-    same = (a == b) | (a.isnan() & b.isnan())
-    d = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(float("inf"))
-    return float(d.max())
+    from .runtime.compare import abs_diff
+
+    return float(abs_diff(low, high).nan_to_num(float("inf")).max())
 
 
 class _Clock:
@@ -553,8 +552,8 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
             refused when ``world_size`` copies would not fit in this machine's memory.
         batch_size: the global batch (default: the smallest that splits, said in the report).
         seq_len: tokens per row (rounded up to what the mode's sequence split needs).
-        setup: ``"pkg.module:fn"`` called on every rank before anything else (e.g. to
-            register a rule).
+        setup: ``"pkg.module:fn"`` called on every rank before anything else, and in this
+            process before it plans (e.g. to register a rule; what it changes here stays).
         timeout: seconds for the whole run of the ranks.
         progress: ``progress(ranks done, world_size)``, called as ranks finish.
 

@@ -39,9 +39,9 @@ import torch
 from torch import fx
 
 from ..ir.spec import ShardSpec
-from .selfcheck import META
+from .selfcheck import META, op_name
 
-__all__ = ["NodeDiff", "Comparison", "record", "compare", "strip_axis", "merge"]
+__all__ = ["NodeDiff", "Comparison", "record", "compare", "abs_diff", "merge"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,12 @@ class NodeDiff:
         return self.status in ("ok", "partial", "index", "local rows", "uninitialised", "missing")
 
 
-def _op(n: fx.Node) -> str:
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
+def abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a − b|`` in float64, where equal values (equal infinities: log(0) of a relative
+    position, a -inf mask) and NaN on both sides differ by nothing; NaN where only one side is."""
+    a, b = a.detach().double(), b.detach().double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, torch.zeros_like(a), (a - b).abs())
 
 
 class _Recorder(fx.Interpreter):
@@ -100,33 +101,21 @@ def record(gm: fx.GraphModule, inputs: dict) -> dict:
     return rec.values
 
 
-def strip_axis(spec, axis: str):
-    """``spec`` with mesh ``axis`` dropped from every dim (a tuple of specs alike)."""
-    if isinstance(spec, tuple):
-        return tuple(strip_axis(s, axis) for s in spec)
-    if not isinstance(spec, ShardSpec) or axis not in spec.axes + spec.partial:
-        return spec
-    return ShardSpec(dims=tuple(tuple(a for a in d if a != axis) for d in spec.dims),
-                     partial=tuple(a for a in spec.partial if a != axis), segments=spec.segments)
-
-
 class _Comparer(fx.Interpreter):
-    def __init__(self, gm, mesh, dense: dict, rank: int, atol: float, rtol: float, drop: tuple, reduce,
-                 local_rows=frozenset()):
+    def __init__(self, gm, mesh, dense: dict, rank: int, atol: float, rtol: float, reduce, local_rows=frozenset()):
         super().__init__(gm)
-        self.local_rows = local_rows
-        self.mesh, self.dense, self.rank, self.atol, self.rtol, self.drop = mesh, dense, rank, atol, rtol, drop
-        self.reduce = reduce
+        self.mesh, self.dense, self.rank, self.atol, self.rtol = mesh, dense, rank, atol, rtol
+        self.reduce, self.local_rows = reduce, local_rows
         self.rows: list[NodeDiff] = []
 
     def run_node(self, n):
         out = super().run_node(n)
         tag = n.meta.get(META)
         if tag is not None:
-            if _op(n) in _UNINITIALISED:     # memory not yet written: nothing to compare
-                self.rows.append(NodeDiff(tag[0], _op(n), str(tag[1]), len(self.rows), "uninitialised"))
+            if op_name(n) in _UNINITIALISED:     # memory not yet written: nothing to compare
+                self.rows.append(NodeDiff(tag[0], op_name(n), str(tag[1]), len(self.rows), "uninitialised"))
             elif tag[0] in self.local_rows:     # a rank-local row order: compared where it is undone
-                self.rows.append(NodeDiff(tag[0], _op(n), str(tag[1]), len(self.rows), "local rows"))
+                self.rows.append(NodeDiff(tag[0], op_name(n), str(tag[1]), len(self.rows), "local rows"))
             else:
                 self._compare(n, out, tag)
         return out
@@ -134,8 +123,6 @@ class _Comparer(fx.Interpreter):
     def _compare(self, n, out, tag) -> None:
         name, specs, _ = tag
         ref = self.dense.get(name)
-        for a in self.drop:
-            specs = strip_axis(specs, a)
         pairs = list(zip(out, ref if isinstance(ref, (tuple, list)) else [None] * len(out), specs)) \
             if isinstance(specs, tuple) and isinstance(out, (tuple, list)) else [(out, ref, specs)]
         worst, excess, status = 0.0, float("-inf"), "ok" if ref is not None else "missing"
@@ -165,10 +152,7 @@ class _Comparer(fx.Interpreter):
             else:
                 g, w = got.detach().double(), block.double()
                 atol = self.atol.get(name, 1e-5) if isinstance(self.atol, dict) else self.atol
-                # equal values (equal infinities: log(0) of a relative position, a -inf mask) and
-                # NaN on both sides differ by nothing
-                same = (g == w) | (g.isnan() & w.isnan())
-                diff = torch.where(same, torch.zeros_like(g), (g - w).abs())
+                diff = abs_diff(g, w)
                 nan = g.isnan() != w.isnan()
                 if diff.numel():
                     worst = max(worst, float(diff.nan_to_num(float("inf")).max()))
@@ -177,16 +161,15 @@ class _Comparer(fx.Interpreter):
                     excess = max(excess, float(ex.max()))
             if status == "ok" and excess > 0:
                 status = "mismatch"
-        self.rows.append(NodeDiff(name, _op(n), str(specs if not isinstance(specs, tuple) else
+        self.rows.append(NodeDiff(name, op_name(n), str(specs if not isinstance(specs, tuple) else
                                                        ", ".join(map(str, specs))),
                                   len(self.rows), status, worst, excess))
 
 
 def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, atol: "float | dict" = 1e-5,
-            rtol: float = 1e-5, drop_axes: tuple[str, ...] = (), reduce=None, local_rows=frozenset()):
+            rtol: float = 1e-5, reduce=None, local_rows=frozenset()):
     """Run this rank's rewritten graph ``gm`` on ``inputs`` and compare each planned
-    node with its block of ``dense`` (from :func:`record`). ``drop_axes``: mesh axes the
-    dense values are not split over (``("dp",)`` when ``dense`` holds one replica's rows).
+    node with its block of ``dense`` (from :func:`record`, on the global batch).
     ``atol`` may map node names to their own absolute tolerance (1e-5 for the others).
     ``reduce(local, axes)``: the sum of a partial value over the ranks of ``axes`` (a
     collective every rank reaches at the same node), or None to leave it ``partial``.
@@ -194,7 +177,7 @@ def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, a
     expert on each rank's tokens): not compared, status ``"local rows"``.
 
     Returns ``(what gm returns, [NodeDiff] in graph order)``."""
-    cmp = _Comparer(gm, mesh, dense, rank, atol, rtol, tuple(drop_axes), reduce, frozenset(local_rows))
+    cmp = _Comparer(gm, mesh, dense, rank, atol, rtol, reduce, frozenset(local_rows))
     out = cmp.run(*[inputs[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
     return out, cmp.rows
 

@@ -38,7 +38,7 @@ from torch import fx
 from ..ir.errors import ShardingError
 from ..ir.spec import ShardSpec
 
-__all__ = ["PlanCheckError", "expected_local_shape", "run_checked", "shape_of"]
+__all__ = ["META", "PlanCheckError", "expected_local_shape", "op_name", "run_checked", "shape_of"]
 
 META = "autoshard_check"        # node.meta key the rewrite sets: (plan node name, out spec, capture value)
 
@@ -111,14 +111,15 @@ class _Checker(fx.Interpreter):
                 want = expected_local_shape(v, s, self.mesh, self.sizes)
                 if want is not None and isinstance(o, torch.Tensor) and tuple(o.shape) != want:
                     raise PlanCheckError(
-                        f"planner bug: node {name} ({_op(n)}) gives a local tensor of shape {tuple(o.shape)} "
+                        f"planner bug: node {name} ({op_name(n)}) gives a local tensor of shape {tuple(o.shape)} "
                         f"where its plan spec {s} promises {want}; the rule that chose this layout is wrong "
                         f"(please report it with this message). The check runs on the first call of each "
                         f"graph (every call under debug=True)", node=n)
         return out
 
 
-def _op(n) -> str:
+def op_name(n) -> str:
+    """A node's op as plan tables name it: ``add`` for ``aten.add.Tensor``, else the target's name."""
     t = n.target
     if isinstance(t, torch._ops.OpOverload):
         return t._schema.name.split("::")[-1]
