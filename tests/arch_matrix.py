@@ -90,6 +90,28 @@ class Cell:
         return [f[0] for f in self.fallbacks]
 
 
+def reported(arch: str, mode: str, text: str | None = None) -> Cell:
+    """The cell as the committed docs/support.md reports it: status, fallback node names
+    and a refusal's reason, read back from the table row and the cell's section (what
+    `make test`'s cells are run against without planning all 84; the slow
+    test_support_md_is_generated_from_the_matrix checks the file against the plans)."""
+    import re
+
+    if text is None:
+        with open(SUPPORT_MD) as f:
+            text = f.read()
+    i = 1 + [m for m, _, _ in MODES].index(mode)
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{arch}` ("))
+    verdict = row.split(" | ")[i + 1]
+    m = re.search(rf"^### {re.escape(arch)}, {re.escape(mode)}\n(.*?)(?=^### |\Z)", text, re.S | re.M)
+    section = m.group(1) if m else ""
+    if "**refused**" in verdict:
+        reason = next(ln[len("- refused: "):] for ln in section.splitlines() if ln.startswith("- refused: "))
+        return Cell(status="refused", reason=reason)
+    fallbacks = [(n, op, "") for n, op in re.findall(r"^- fallback `([^`]+)` \(([^)]*)\)", section, re.M)]
+    return Cell(status="fallbacks" if fallbacks else "pass", fallbacks=fallbacks)
+
+
 def classify(plan) -> Cell:
     fb = [(n.name, n.op, next((x for x in n.notes if x.startswith("fallback")), "")) for n in plan.fallbacks]
     rep = [n.module or n.name for n in plan.nodes if n.kind == "linear" and n.weight == "replicated"]

@@ -171,8 +171,9 @@ ROUND_TRIPS = [
 ]
 
 
-# slow: the 4-rank llama (its own pool) and the gpt2 2.5d@8 one (96 s of a loaded `make test`)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c[2] == 4 or c[1] == "2.5d" else [])
+# slow, all three: the 4-rank llama (its own pool), the gpt2 2.5d@8 one (96 s of a loaded
+# `make test`) and the padded gpt2-v130 3d@8 one (83 s); `make test-extended` runs them
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow])
                                   for c in ROUND_TRIPS],
                          ids=[f"{c[0]}-{c[1]}x{c[2]}-to-{c[4]}x{c[5]}" for c in ROUND_TRIPS])
 def test_checkpoint_round_trip(tmp_path, case):

@@ -95,7 +95,9 @@ def _dense_cache_bytes(model, batch: int, max_len: int) -> int:
 
 
 # the 8-rank cells, 2.5d@8 (q=2, d=2) and 3d@8 (slow: 170 s on a loaded machine), run under `make test-extended`
-CASES = [("1d", 2, None), pytest.param(("1d", 4, None), marks=pytest.mark.slow), ("2d", 4, None),
+# greedy 1d@2 is slow (58 s of a loaded `make test`): 2d@4 greedy and 1d@2 sampling stay
+CASES = [pytest.param(("1d", 2, None), marks=pytest.mark.slow), pytest.param(("1d", 4, None), marks=pytest.mark.slow),
+         ("2d", 4, None),
          pytest.param(("2.5d", 8, 2), marks=pytest.mark.extended),
          pytest.param(("3d", 8, None), marks=pytest.mark.slow)]
 
