@@ -14,7 +14,7 @@ from .ir.errors import AutoshardWarning, ConfigError, ShardingError
 from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .adapters import unwrap
-from .ir.signature import Recipe, pad_blocker
+from .ir.signature import Recipe, batch_of, main_input, pad_blocker, seq_input, seq_of
 from .ir.plan import ShardingPlan
 from .launch.capture_share import capture_for_plan, capture_shared
 from .launch import launch_cache
@@ -250,27 +250,30 @@ def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example
     if search_with is not None:     # deterministic: every rank picks the same candidate
         from .planning.search import search
 
-        ids = cap.example_inputs["input_ids"]
-        pol = search(cap, world_size=world, batch_size=int(ids.shape[0]) * search_with["dp"],
-                     seq_len=int(ids.shape[1]), **search_with).best.candidate.policy()
+        ex = cap.example_inputs
+        pol = search(cap, world_size=world, batch_size=batch_of(ex) * search_with["dp"],
+                     seq_len=seq_of(ex) or 1, **search_with).best.candidate.policy()
         _report_auto(model, pol, example_inputs, world)
     cap = prepare(cap, pol)     # the vocabulary padded to the split: plan and rewrite the same module
-    ids = cap.example_inputs["input_ids"]
+    ex = cap.example_inputs
+    main, seq = main_input(ex), seq_input(ex)
     blocker = pad_blocker(cap.module, cap.batch_symbol)
     split, label = pol.batch_split()
-    b = int(ids.shape[0])
+    b, s = batch_of(ex), seq_of(ex)
     if b % split and blocker is not None:
         raise_problems(check_batch(b, split, f"{label}; padding the batch would not be exact: {blocker}",
-                                   source="example_inputs['input_ids']"), f"autoshard.shard(mode={pol.name!r})")
-    raise_problems(check_seq(int(ids.shape[1]), pol.seq_split(), source="example_inputs['input_ids']"),
-                   f"autoshard.shard(mode={pol.name!r})")
+                                   source=f"example_inputs[{main!r}]"), f"autoshard.shard(mode={pol.name!r})")
+    if s is not None:
+        raise_problems(check_seq(s, pol.seq_split(), source=f"example_inputs[{seq!r}]"),
+                       f"autoshard.shard(mode={pol.name!r})")
+    s = s or 1              # no token sequence (an image or audio model): nothing scales with it
     b += -b % split         # an example batch that does not divide plans as its padded size
     # each dp replica holds its own rows: the plan reasons on the global batch
-    p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=int(ids.shape[1]),
+    p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=s,
                       gather_outputs=gather_logits, dropout=dropout, frozen=_frozen(model))
     groups = _setup_groups(p, rank, world)
     gm = rewrite(cap.module, p, rank=rank, groups=groups)
-    facts = LaunchFacts.of_capture(cap, gm, mode=pol.name, batch_size=b * pol.dp, seq_len=int(ids.shape[1]))
+    facts = LaunchFacts.of_capture(cap, gm, mode=pol.name, batch_size=b * pol.dp, seq_len=s)
     return Launched(gm=gm, plan=p, policy=pol, groups=groups, facts=facts)
 
 

@@ -14,7 +14,7 @@ from .ir.errors import ConfigError
 from .ir.plan import ShardingPlan
 from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
-from .ir.signature import InputSignature, Recipe, SignatureGraph, pad_rows, trim_rows
+from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
 from .planning.validate import Problem as _P
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
@@ -66,8 +66,9 @@ class ShardedModule(nn.Module):
         """
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
-        first = SignatureGraph(gm, plan, tuple(input_names), dict(constants), InputSignature.of(example_inputs),
-                       frozenset(batch_inputs), pad_blocker)
+        first = SignatureGraph(gm, plan, tuple(input_names), dict(constants),
+                               InputSignature.of(example_inputs, static_batch=not batch_inputs),
+                               frozenset(batch_inputs), pad_blocker)
         object.__setattr__(self, "_graphs", [first])
         self._recipe = recipe
         self._adopt(gm, model_tensors)
@@ -304,9 +305,8 @@ class ShardedModule(nn.Module):
                               "sharded.generate(...), which keeps a sharded static cache")
         self._check_inputs(kwargs)
         g, full = self._graph_for(kwargs)
-        ids = full.get("input_ids")
         split = self.batch_split
-        b = padded = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else 0
+        b = padded = batch_of(full) or 0
         if split > 1 and b % split:
             if g.pad_blocker is not None:
                 raise ConfigError(f"batch size {b} is not divisible by the batch split {split} "
@@ -464,6 +464,12 @@ class ShardedModule(nn.Module):
                               f"{g.signature.describe()}, and this module cannot capture another graph (it was "
                               f"not sharded from a Hugging Face model with a config); pass example_inputs with "
                               f"these inputs to shard()")
+        static = next((g for g in self._graphs if g.static_batch is not None), None)
+        if static is not None and batch_of(kwargs) != static.static_batch:
+            raise ConfigError(f"batch size {batch_of(kwargs)}: this module's graph was captured for a batch of "
+                              f"{static.static_batch} only ({static.signature.describe()}): torch.export "
+                              f"made the batch static because the model reads it as a Python int; call it with "
+                              f"that batch size, or shard with example_inputs of the batch size you will use")
         g = capture_graph(self, kwargs)
         self._graphs.append(g)
         full = g.accepts(kwargs)
@@ -478,6 +484,10 @@ class ShardedModule(nn.Module):
 
         ids = full.get("input_ids")
         if not isinstance(ids, torch.Tensor):
+            problems = check_example_inputs(full) if main_input(full) is not None else []
+            if problems:
+                from .planning.validate import raise_problems
+                raise_problems(problems, "ShardedModule call")
             return
         problems = [p for p in check_example_inputs(full) if "capture needs" not in p.message]
         if ids.dim() == 2:
@@ -557,9 +567,9 @@ class ShardedModule(nn.Module):
 
         kwargs = _on_device({k: v for k, v in batch.items() if v is not None}, self.device)
         g, full = self._graph_for(kwargs)
-        ids = full.get("input_ids")
-        if self.batch_split > 1 and isinstance(ids, torch.Tensor) and ids.shape[0] % self.batch_split:
-            raise ConfigError(f"compare: batch size {ids.shape[0]} does not divide the batch split "
+        b = batch_of(full) or 0
+        if self.batch_split > 1 and b % self.batch_split:
+            raise ConfigError(f"compare: batch size {b} does not divide the batch split "
                               f"{self.batch_split}; use a multiple of {self.batch_split}")
         from .passes.row_order import LOCAL_ROWS_NOTE
         from .runtime.groups import axes_label
@@ -605,10 +615,10 @@ class ShardedModule(nn.Module):
             values = record(prepared.module, {**_on_device(kwargs, dev), **prepared.constants})
         local = kwargs
         if "dp" in self.mesh.axes:      # this replica's rows of the global batch
-            ids = kwargs.get("input_ids")
-            per = ids.shape[0] // self.mesh.size("dp")
+            b = batch_of(kwargs)
+            per = b // self.mesh.size("dp")
             lo = self.coords["dp"] * per
-            local = {k: v[lo:lo + per] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == ids.shape[0]
+            local = {k: v[lo:lo + per] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b
                      else v for k, v in kwargs.items()}
         rows = self.compare_values({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                                     for k, v in values.items()}, local, atol=atol, rtol=rtol)

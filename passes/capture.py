@@ -20,7 +20,7 @@ import torch
 from torch.export import Dim
 
 from autoshard.ir.errors import CaptureError, ConfigError
-from autoshard.ir.signature import pad_rows
+from autoshard.ir.signature import MAIN_INPUTS, batch_of, main_input, pad_rows, seq_input, seq_of
 
 __all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols", "unlift"]
 
@@ -46,29 +46,71 @@ class Captured:
 
 
 def _max_positions(config) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 2:
-            return v
+    for c in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions"):
+            v = getattr(c, key, None) if c is not None else None
+            if isinstance(v, int) and v > 2:
+                return v
     return 4096
 
 
-def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labels: bool = True) -> dict:
-    """``input_ids`` / ``attention_mask`` / ``labels`` that the model's forward accepts.
+def _sub(config, name: str):
+    """``config.<name>_config`` where a multi-modal config nests one, else ``config``."""
+    sub = getattr(config, f"{name}_config", None)
+    return sub if sub is not None else config
 
-    Sequence classification heads (a config with ``num_labels`` and a forward whose
-    output has no vocabulary) get ``[batch]`` labels, other models token labels."""
+
+def _classifies(model) -> bool:
+    """A classification head: one label per sample (``[batch]`` labels)."""
+    name = type(model).__name__
+    return name.endswith("Classification") and not name.endswith("TokenClassification")
+
+
+def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labels: bool = True) -> dict:
+    """The inputs the model's forward is led by, made from its config: token ids
+    (``input_ids``, ``attention_mask``), images (``pixel_values``), log-mel features
+    (``input_features``), raw audio (``input_values``), and ``labels`` of the kind its
+    head takes.
+
+    Classification heads get ``[batch]`` labels; models with a token head get
+    ``[batch, seq]`` token labels (an encoder-decoder shifts them into its decoder's
+    inputs); a model that takes images and text (a contrastive dual encoder) gets
+    ``return_loss=True``.
+
+    >>> from transformers import ViTConfig, ViTForImageClassification
+    >>> m = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    ...                                          intermediate_size=64, image_size=8, patch_size=4))
+    >>> {k: tuple(v.shape) for k, v in default_example_inputs(m).items()}
+    {'pixel_values': (2, 3, 8, 8), 'labels': (2,)}"""
     config = model.config
     params = inspect.signature(model.forward).parameters
-    vocab = int(getattr(config, "vocab_size", 100) or 100)
     g = torch.Generator().manual_seed(0)
+    out: dict = {}
+    text = _sub(config, "text")
+    vocab = int(getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 100)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-    out: dict = {"input_ids": ids}
-    if "attention_mask" in params:
-        out["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
-    if labels and "labels" in params:
-        if type(model).__name__.endswith("ForSequenceClassification"):
-            out["labels"] = torch.randint(0, max(int(config.num_labels), 1), (batch_size,), generator=g)
+    if "input_ids" in params:
+        out["input_ids"] = ids
+        if "attention_mask" in params:
+            out["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if "pixel_values" in params:
+        vis = _sub(config, "vision")
+        size = getattr(vis, "image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        out["pixel_values"] = torch.randn(batch_size, int(getattr(vis, "num_channels", 3)), *size, generator=g)
+    if "input_features" in params:      # log-mel frames: the encoder's positions × its conv stride (2)
+        frames = 2 * int(getattr(config, "max_source_positions", 1500))
+        out["input_features"] = torch.randn(batch_size, int(getattr(config, "num_mel_bins", 80)), frames, generator=g)
+    if "input_values" in params and not out:
+        out["input_values"] = torch.randn(batch_size, 16 * seq_len, generator=g)
+    if not out:
+        raise ConfigError(f"{type(model).__name__}.forward takes none of the inputs autoshard can make "
+                          f"(input_ids, pixel_values, input_features, input_values): pass example_inputs")
+    if "return_loss" in params and "input_ids" in out and "pixel_values" in out:
+        out["return_loss"] = True
+    elif labels and "labels" in params:
+        if _classifies(model):
+            out["labels"] = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (batch_size,), generator=g)
         else:
             out["labels"] = ids.clone()
     return out
@@ -83,15 +125,22 @@ def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
             + "\n  ".join(keep))
 
 
-def _dynamic(kwargs: dict, b: int, s: int, min_seq: int, max_seq: int) -> dict:
-    """One batch and one sequence ``Dim`` shared by every ``[batch, seq, ...]`` input."""
+# inputs whose dim 1 is never the token sequence (channels, mel bins)
+_NOT_TOKENS = frozenset({"pixel_values", "input_features", "input_values"})
+
+
+def _dynamic(kwargs: dict, b: int | None, s: int | None, min_seq: int, max_seq: int) -> dict:
+    """One batch ``Dim`` shared by every input whose dim 0 is the batch, and one
+    sequence ``Dim`` by every ``[batch, seq, ...]`` one (``s`` None: no sequence;
+    ``b`` None: the batch static)."""
     batch = Dim("batch", min=1, max=1 << 16)
     seq = Dim("seq", min=min_seq, max=max_seq)
     dynamic: dict = {}
     for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, s):
-            dynamic[k] = {0: batch, 1: seq}
-        elif isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == b:
+        if isinstance(v, torch.Tensor) and s is not None and v.dim() >= 2 and v.shape[1] == s \
+                and k not in _NOT_TOKENS and (b is None or v.shape[0] == b):
+            dynamic[k] = {0: batch, 1: seq} if b is not None else {1: seq}
+        elif isinstance(v, torch.Tensor) and b is not None and v.dim() >= 1 and v.shape[0] == b:
             dynamic[k] = {0: batch}
         else:
             dynamic[k] = None
@@ -122,15 +171,15 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     constants = {}
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
-    if "input_ids" not in kwargs:
-        raise ConfigError(f"example_inputs must contain 'input_ids', got {sorted(kwargs)}")
-    ids = kwargs["input_ids"]
-    b, s = ids.shape[:2]
+    if main_input(kwargs) is None:
+        raise ConfigError(f"example_inputs must contain a main input (one of {', '.join(MAIN_INPUTS)}), "
+                          f"got {sorted(kwargs)}")
+    b, s = batch_of(kwargs), seq_of(kwargs)
     if b < 2 or b == s:     # export specialises a batch of 1 and merges equal sizes: capture with more rows
         grow = max(b, 2) + (max(b, 2) == s)
         kwargs = pad_rows(kwargs, b, grow, [k for k, v in kwargs.items()
                                             if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b])
-        ids, b = kwargs["input_ids"], grow
+        b = grow
     for k, v in kwargs.items():
         if not isinstance(v, torch.Tensor):
             constants[k] = v
@@ -140,13 +189,20 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     # right (a slice of seq - 1: seq >= 3), and some attention code compares seq with
     # the model's maximum (GPT-Neo's local attention: seq != max_positions).
     lo, hi = 2, _max_positions(model.config)
-    for _ in range(3):
+    static_batch = False
+    for _ in range(4):
         try:
-            ep = torch.export.export(model, (), kwargs, dynamic_shapes=_dynamic(kwargs, b, s, lo, hi), strict=False)
+            ep = torch.export.export(model, (), kwargs, strict=False,
+                                     dynamic_shapes=_dynamic(kwargs, None if static_batch else b, s, lo, hi))
             break
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
             msg = str(e)
-            if "Constraints violated (seq)" in msg:
+            if "Constraints violated (batch)" in msg and not static_batch:
+                # the model reads its batch as a Python int (CLIP's contrastive loss takes
+                # len(logits)): a graph for this batch size only, whose batch no mode may split
+                static_batch = True
+                continue
+            if s is not None and "Constraints violated (seq)" in msg:
                 excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
                 if hi in excluded and hi - 1 >= max(lo, s):
                     hi -= 1
@@ -158,7 +214,7 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     else:
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm, guards = unlift(ep)
-    bsym, ssym = input_symbols(gm)
+    bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
                     seq_range=(lo, hi), guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
@@ -189,11 +245,17 @@ def unlift(ep) -> tuple:
     return gm, (seen[-1] if seen else ())
 
 
-def input_symbols(gm: torch.fx.GraphModule) -> tuple:
-    """The sympy symbols of ``input_ids``' batch and sequence dims in an exported graph
-    (None for a static dim)."""
-    val = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids").meta["val"]
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else None for d in val.shape[:2])
+def input_symbols(gm: torch.fx.GraphModule, main: str = "input_ids", seq: str | None = "input_ids") -> tuple:
+    """The sympy symbols of the batch dim of input ``main`` and the sequence dim of input
+    ``seq`` in an exported graph (None for a static dim or no such input)."""
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"}
+
+    def sym(name, i):
+        v = vals.get(name) if name else None
+        d = v.shape[i] if isinstance(v, torch.Tensor) and v.dim() > i else None
+        return d.node.expr if isinstance(d, torch.SymInt) else None
+
+    return sym(main, 0), sym(seq, 1)
 
 
 def copy_sharing(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

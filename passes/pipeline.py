@@ -10,7 +10,9 @@ plan; the rewrite is per rank (:func:`autoshard.passes.rewrite.rewrite`).
 
 from __future__ import annotations
 
+from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import ShardingPlan
+from autoshard.ir.signature import main_input
 from autoshard.policies.base import Policy
 
 from .capture import Captured
@@ -42,7 +44,25 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
     node saves for backward (:func:`~autoshard.passes.trace.trace`). ``pinned``: parameter
     layouts fixed beforehand, ``frozen``: the names of the parameters with ``requires_grad=False``
     in the model (default: those of ``captured.module``; :func:`~autoshard.passes.propagate.propagate`)."""
+    _check_batch_dynamic(captured, policy)
     captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
                   dropout=dropout, pinned=pinned, frozen=frozen)
     return trace(p, captured.module)
+
+
+def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:
+    """A graph whose batch torch.export had to make static (the model reads the batch
+    size as a Python int: CLIP's contrastive loss takes ``len(logits)``) is planned only
+    where nothing splits the batch: its rows would be cut without the plan knowing them
+    as rows (a silent wrong gradient), and a loss comparing every sample with every
+    other would turn block-local."""
+    axes = "·".join(f"{a}[{policy.mesh.size(a)}]" for a in policy.batch_axes)
+    if captured.batch_symbol is not None or not axes:
+        return
+    name = main_input(captured.example_inputs)
+    node = next((n for n in captured.module.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    raise ShardingError(f"{captured.model_name}'s graph has a static batch: torch.export specialised it because the "
+                        f"model reads the batch size as a Python int (e.g. len(logits) in a contrastive loss), so "
+                        f"its rows cannot be split over {axes} ({policy.name}). Valid here: mode='1d' or '1d-sp' with dp=1, which "
+                        f"keep the batch whole", node=node)

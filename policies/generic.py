@@ -882,6 +882,26 @@ def layer_norm(ctx: RuleContext) -> Choice:
                       grad_complete=frozenset({(0,)}), notes=(f"statistics reduced over {','.join(axes)}",))
 
 
+def convolution(ctx: RuleContext) -> Choice:
+    """``conv1d`` / ``conv2d`` / ``conv3d`` / ``convolution`` (a vision patch embedding, an
+    audio front end): each sample is convolved on its own, so the batch split stays
+    (re-laid as the batch's) and the output keeps it; channels and positions are whole,
+    the weight and bias whole (their gradients summed over the batch axes, as any whole
+    parameter's)."""
+    node = ctx.node
+    x = node.args[0]
+    rows = _batch_rows(ctx, x, ctx.spec(x))
+    lead = rows.dims[0] if rows else ()
+    inputs = {}
+    for path, a in _tensor_args(ctx):
+        nd = ctx.spec(a).ndim
+        inputs[path] = ShardSpec(dims=(lead,) + ((),) * (nd - 1)) if path == (0,) else replicated(nd)
+    out = ShardSpec(dims=(lead,) + ((),) * (len(ctx.pshape(node)) - 1))
+    return Choice(out=out, inputs=inputs,
+                  notes=("convolution: sample by sample" + (f", rows over {','.join(lead)}" if lead else "")
+                         + "; weight whole",))
+
+
 def cross_entropy(ctx: RuleContext) -> Choice:
     """``cross_entropy_loss`` (mean or sum, ``ignore_index``): the
     :class:`~autoshard.ir.kernels.CrossEntropy` kernel, vocab-parallel when the logits
@@ -989,6 +1009,9 @@ RULES = {
     aten.baddbmm.default: baddbmm,
     aten.scaled_dot_product_attention.default: sdpa,
     aten.layer_norm.default: layer_norm,
+    aten.conv1d.default: convolution, aten.conv2d.default: convolution, aten.conv3d.default: convolution,
+    aten.conv1d.padding: convolution, aten.conv2d.padding: convolution, aten.conv3d.padding: convolution,
+    aten.convolution.default: convolution,
     aten.cross_entropy_loss.default: cross_entropy,
     aten.arange.default: creation, aten.arange.start: creation, aten.arange.start_step: creation,
     aten.full.default: creation, aten.zeros.default: creation, aten.ones.default: creation,

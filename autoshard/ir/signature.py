@@ -33,9 +33,52 @@ from torch import fx
 
 import torch
 
-__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "pad_rows", "trim_rows", "pad_blocker", "batch_inputs"]
+__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "MAIN_INPUTS", "SEQ_INPUTS", "main_input",
+           "seq_input", "batch_of", "seq_of", "pad_rows", "trim_rows", "pad_blocker", "batch_inputs"]
 
 IGNORE_INDEX = -100     # the label value Hugging Face losses (and torch's cross-entropy) ignore
+
+# The inputs a Hugging Face model's call is led by, per modality: text ids, embeddings,
+# images, log-mel features (Whisper), raw audio. The first one present is the *main
+# input*: its dim 0 is the batch every other batched input shares.
+MAIN_INPUTS = ("input_ids", "inputs_embeds", "pixel_values", "input_features", "input_values",
+               "decoder_input_ids")
+# The token inputs whose dim 1 is the dynamic sequence, in the order one is looked for
+# (a vision model has none; Whisper's decoder tokens come as ``labels`` or ``decoder_input_ids``).
+SEQ_INPUTS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
+
+
+def main_input(kwargs: Mapping[str, Any]) -> str | None:
+    """The name of the call's main input (see :data:`MAIN_INPUTS`), or None.
+
+    >>> main_input({"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.zeros(2)})
+    'pixel_values'"""
+    return next((k for k in MAIN_INPUTS if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].dim() >= 1), None)
+
+
+def seq_input(kwargs: Mapping[str, Any]) -> str | None:
+    """The input whose dim 1 is the sequence (see :data:`SEQ_INPUTS`): a ``[batch, seq]``
+    (or ``[batch, seq, hidden]`` embeddings) tensor with the main input's batch; None for a
+    call with no token sequence (an image or audio classifier)."""
+    b = batch_of(kwargs)
+    for k in SEQ_INPUTS:
+        v = kwargs.get(k)
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == b and \
+                (k == "inputs_embeds" or v.dim() == 2) and (k != "labels" or not v.is_floating_point()):
+            return k
+    return None
+
+
+def batch_of(kwargs: Mapping[str, Any]) -> int | None:
+    """The call's batch size: dim 0 of its main input (None without one)."""
+    k = main_input(kwargs)
+    return int(kwargs[k].shape[0]) if k is not None else None
+
+
+def seq_of(kwargs: Mapping[str, Any]) -> int | None:
+    """The call's sequence length: dim 1 of :func:`seq_input` (None without one)."""
+    k = seq_input(kwargs)
+    return int(kwargs[k].shape[1]) if k is not None else None
 
 
 def _dims(t: torch.Tensor, b: int | None, s: int | None) -> tuple:
@@ -56,11 +99,10 @@ class InputSignature:
     constants: tuple = ()
 
     @classmethod
-    def of(cls, kwargs: Mapping[str, Any]) -> "InputSignature":
-        ids = kwargs.get("input_ids")
-        b = s = None
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-            b, s = int(ids.shape[0]), int(ids.shape[1])
+    def of(cls, kwargs: Mapping[str, Any], *, static_batch: bool = False) -> "InputSignature":
+        """``static_batch``: the batch size is part of the signature (a graph export had
+        to specialise to it, see :mod:`autoshard.passes.capture`), not the ``b`` of any size."""
+        b, s = None if static_batch else batch_of(kwargs), seq_of(kwargs)
         tensors, constants = [], []
         for k in sorted(kwargs):
             v = kwargs[k]
@@ -110,6 +152,16 @@ class SignatureGraph:
     batch_inputs: frozenset
     pad_blocker: str | None
 
+    @property
+    def static_batch(self) -> int | None:
+        """The one batch size this graph runs, where export made its batch static (no
+        input has the dynamic batch); None for a graph of any batch size."""
+        if self.batch_inputs:
+            return None
+        dims = {name: d for name, _, d in self.signature.tensors}
+        main = next((k for k in MAIN_INPUTS if k in dims and dims[k]), None)
+        return dims[main][0] if main is not None else None
+
     def accepts(self, kwargs: dict) -> dict | None:
         """The full keyword arguments of this graph for ``kwargs``, or None if the
         call's signature is another one."""
@@ -128,7 +180,7 @@ class SignatureGraph:
                 full[name] = torch.ones_like(kwargs["input_ids"])
             else:
                 return None
-        return full if InputSignature.of(full) == self.signature else None
+        return full if InputSignature.of(full, static_batch=not self.batch_inputs) == self.signature else None
 
 
 def batch_inputs(gm: torch.fx.GraphModule, batch_symbol) -> frozenset[str]:

@@ -39,6 +39,7 @@ from torch import fx
 
 from ..ir.errors import CaptureError
 from . import cache_dir
+from ..ir.signature import main_input, seq_input
 from ..passes.capture import Captured, capture, input_symbols
 
 __all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_key", "forget_loaded"]
@@ -268,9 +269,9 @@ def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
             mod._parameters[attr] = own[name]
         else:
             mod._buffers[attr] = own[name]
-    sym = input_symbols(gm)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     example = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in f["example_inputs"].items()}
+    sym = input_symbols(gm, main_input(example), seq_input(example))
     return Captured(program=ep, module=gm, model_name=f["model_name"], input_names=tuple(f["input_names"]),
                     constants=f["constants"], batch_symbol=sym[0], seq_symbol=sym[1], example_inputs=example,
                     training=f["training"], config=getattr(model, "config", None), seq_range=tuple(f["seq_range"]),

@@ -112,5 +112,7 @@ def capture_graph(module, kwargs: dict):
 
         checkpoint_blocks(gm)
     logger.info("captured a graph for inputs %s in %.1f s", sig, time.perf_counter() - t0)
-    return SignatureGraph(gm, p, cap.input_names, dict(cap.constants), InputSignature.of(cap.example_inputs),
-                  batch_inputs(cap.module, cap.batch_symbol), pad_blocker(cap.module, cap.batch_symbol))
+    rows = batch_inputs(cap.module, cap.batch_symbol)
+    return SignatureGraph(gm, p, cap.input_names, dict(cap.constants),
+                          InputSignature.of(cap.example_inputs, static_batch=not rows), rows,
+                          pad_blocker(cap.module, cap.batch_symbol))

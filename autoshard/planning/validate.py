@@ -204,16 +204,32 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
 
 
 def check_example_inputs(example_inputs, *, config=None, batch_split: int = 1, batch_label: str = "") -> list[Problem]:
-    """``input_ids`` is a 2-D integer [batch, seq] tensor; the other tensors agree
-    with it; seq fits the positions; the batch splits over the batch axes."""
+    """The inputs lead with a main input (``input_ids``, ``pixel_values``,
+    ``input_features``, ...; :data:`~autoshard.ir.signature.MAIN_INPUTS`); token ids
+    are a 2-D integer [batch, seq] tensor; the other tensors agree with the batch
+    (and the sequence); seq fits the positions; the batch splits over the batch axes."""
+    from autoshard.ir.signature import MAIN_INPUTS, main_input
+
     if example_inputs is None:
         return []
     if not isinstance(example_inputs, Mapping):
         return [Problem("example_inputs", f"must be a dict of Hugging Face keyword arguments, "
                         f"got {type(example_inputs).__name__}")]
+    main = main_input(example_inputs)
+    if main is None:
+        return [Problem("example_inputs", f"must contain a main input tensor (one of {', '.join(MAIN_INPUTS)}), "
+                        f"got keys {sorted(example_inputs)}")]
     ids = example_inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor):
-        return [Problem("example_inputs", f"must contain an 'input_ids' tensor, got keys {sorted(example_inputs)}")]
+    if not isinstance(ids, torch.Tensor):       # images, audio, embeddings: the batch is the main input's dim 0
+        lead = example_inputs[main]
+        b = int(lead.shape[0])
+        out = [Problem(k, f"shape {list(v.shape)} does not match {main} {list(lead.shape)} (expected [{b}, ...])")
+               for k, v in example_inputs.items()
+               if isinstance(v, torch.Tensor) and k != main and v.dim() >= 1 and v.shape[0] != b]
+        if lead.dim() < 2:
+            out.append(Problem(main, f"must have a batch dim, got shape {list(lead.shape)}; "
+                                     f"add it with {main}.unsqueeze(0)"))
+        return out + check_batch(b, batch_split, batch_label, source=f"example_inputs[{main!r}]")
     out = []
     if ids.dim() != 2:
         return [Problem("input_ids", f"must be [batch, seq], got shape {list(ids.shape)}"

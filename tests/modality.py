@@ -1,0 +1,94 @@
+"""Models led by other inputs than token ids (tests/test_modality.py): tiny configs of
+vision, speech and image-text architectures, their own inputs, and the sharded-vs-dense
+check run on every rank of a pool."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+# name -> (model class, config class, config kwargs); tiny: hidden 32-64, 2 layers
+FAMILIES = {
+    "vit": ("ViTForImageClassification", "ViTConfig",
+            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0)),
+    "whisper": ("WhisperForConditionalGeneration", "WhisperConfig",
+                dict(vocab_size=96, num_mel_bins=8, encoder_layers=2, decoder_layers=2, d_model=64,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, decoder_start_token_id=1, dropout=0.0, suppress_tokens=None,
+                     begin_suppress_tokens=None)),
+    "clip": ("CLIPModel", "CLIPConfig",
+             dict(text_config=dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=32, bos_token_id=0,
+                                   eos_token_id=2, pad_token_id=1),
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=16, patch_size=4),
+                  projection_dim=32)),
+}
+
+
+def build(name: str, seed: int = 0):
+    import transformers
+
+    cls, cfg_cls, kw = FAMILIES[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    return getattr(transformers, cls)(cfg).train()
+
+
+def inputs(name: str, model, b: int = 4, seed: int = 1) -> dict:
+    """The batch a user would bring: the model's own kind of inputs, ``b`` samples."""
+    from autoshard.passes.capture import default_example_inputs
+
+    torch.manual_seed(seed)
+    return default_example_inputs(model, batch_size=b, seq_len=8)
+
+
+def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
+    """``shard(model)`` with no example inputs, then the model's own batch: loss, logits
+    and every local gradient against the dense model's (atol = rtol = 1e-5)."""
+    import autoshard
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dense = build(name)
+    model = copy.deepcopy(dense)
+    sharded = autoshard.shard(model, mode=mode, depth=depth)
+    batch = inputs(name, dense, b=sharded.plan.batch_size)     # the batch the plan counts bytes for
+    out_d = dense(**batch)
+    out_d.loss.backward()
+    with CommLedger() as led:
+        out = sharded(**batch)
+        out.loss.backward()
+    plan = sharded.plan
+    failures = []
+
+    def cmp(what, got, ref):
+        try:
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        except AssertionError as e:
+            failures.append(f"{what}: {str(e).splitlines()[0]} {str(e).splitlines()[2:4]}")
+
+    for k, ref in out_d.items():        # the loss, the logits, and every other tensor the model returns
+        if isinstance(ref, torch.Tensor):
+            cmp(k, out[k], ref)
+    dparams = dict(dense.named_parameters(remove_duplicate=False))
+    sparams = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in plan.params:
+        got = sparams[pp.name].grad
+        if not pp.trainable:            # frozen in the model (Whisper's sinusoidal encoder positions)
+            if got is not None or dparams[pp.name].requires_grad:
+                failures.append(f"{pp.name}: frozen in the plan, a gradient here or trainable in the model")
+            continue
+        if got is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    return {"failures": failures, "fallbacks": [n.name for n in plan.fallbacks],
+            "ledger": (led.count(), led.bytes_per_rank()), "plan": (len(plan.comms()), plan.comm_bytes_per_rank()),
+            "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
+            "plan_param_bytes": plan.param_bytes_per_rank,
+            "dense_param_bytes": sum(p.numel() * p.element_size() for p in dense.parameters())}

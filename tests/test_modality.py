@@ -1,0 +1,132 @@
+"""Models led by other inputs than token ids (issue: any modality). A ViT image
+classifier (conv patch embedding, CLS token, classifier head) and Whisper (conv front
+end over log-mel frames, encoder-decoder, frozen sinusoidal positions) are sharded with
+``shard(model)`` and no example inputs, then called with their own kind of batch:
+loss, logits, every returned tensor and every local gradient within atol = rtol = 1e-5
+of the dense model's, parameter bytes and the collective ledger equal to the plan
+(tests/modality.py). In `make test`: ViT 1d@2 and 2d@4, Whisper 1d@2; the 8-rank
+cells and Whisper 2d are slow (`make test-extended`).
+
+CLIP (a dual encoder: every image against every text of the batch) reads its batch
+as a Python int (``len(logits)`` in its contrastive loss), so export makes the batch
+static: 1d is exact at that batch size, a call with another batch size is refused,
+and the batch-split modes refuse at plan time naming the input (a block-local
+contrastive loss would be a silent wrong answer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import modality
+from dist_pool import get_pool
+
+MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
+FAST = {("vit", "1d"), ("vit", "2d"), ("whisper", "1d"), ("clip", "1d")}
+CELLS = [(n, m) for n in ("vit", "whisper") for m in MODES] + [("clip", "1d")]
+
+
+@pytest.mark.parametrize("name,mode", [pytest.param(n, m, id=f"{n}-{m}",
+                                                    marks=() if (n, m) in FAST else pytest.mark.slow)
+                                       for n, m in CELLS])
+def test_family_equals_dense(name, mode):
+    world, depth = MODES[mode]
+    res = get_pool(world, timeout=600).run(modality.check, name, mode, depth)
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["fallbacks"] == [], r["fallbacks"]
+        assert r["ledger"] == r["plan"], f"rank {rank}: ledger {r['ledger']} vs plan {r['plan']}"
+        assert r["param_bytes"] == r["plan_param_bytes"], f"rank {rank}"
+    # split, not replicated: per rank well under the dense bytes (the conv front end stays whole)
+    assert res[0]["param_bytes"] < 0.6 * res[0]["dense_param_bytes"], res[0]
+
+
+def test_default_inputs_follow_the_model():
+    """What ``shard(model)`` captures with comes from the model's forward and config."""
+    from autoshard.passes.capture import default_example_inputs
+
+    shapes = {}
+    for name in ("vit", "whisper"):
+        ex = default_example_inputs(modality.build(name), batch_size=3, seq_len=5)
+        shapes[name] = {k: (tuple(v.shape), str(v.dtype)) for k, v in ex.items()}
+    assert shapes["vit"] == {"pixel_values": ((3, 3, 16, 16), "torch.float32"), "labels": ((3,), "torch.int64")}
+    assert shapes["whisper"] == {"input_features": ((3, 8, 32), "torch.float32"), "labels": ((3, 5), "torch.int64")}
+
+
+def test_capture_makes_the_batch_dynamic_and_no_sequence_from_channels():
+    """A ViT graph has a dynamic batch and no sequence symbol; Whisper's mel bins (dim 1
+    of ``input_features``, 8 = the example's sequence length here) stay static while its
+    decoder's tokens get the sequence symbol."""
+    from autoshard.passes.capture import capture
+
+    vit = capture(modality.build("vit"))
+    assert vit.batch_symbol is not None and vit.seq_symbol is None
+    w = capture(modality.build("whisper"), seq_len=8)
+    shape = next(n for n in w.module.graph.nodes if n.name == "input_features").meta["val"].shape
+    assert isinstance(shape[0], torch.SymInt) and shape[1:] == (8, 32)
+    labels = next(n for n in w.module.graph.nodes if n.name == "labels").meta["val"].shape
+    assert labels[1].node.expr == w.seq_symbol
+
+
+def test_example_inputs_of_any_modality_are_checked():
+    from autoshard.planning.validate import check_example_inputs
+
+    ok = {"pixel_values": torch.zeros(4, 3, 16, 16), "labels": torch.zeros(4, dtype=torch.long)}
+    assert check_example_inputs(ok) == []
+    bad = check_example_inputs({"pixel_values": torch.zeros(4, 3, 16, 16), "labels": torch.zeros(3)})
+    assert [str(p) for p in bad] == ["labels: shape [3] does not match pixel_values [4, 3, 16, 16] (expected [4, ...])"]
+    none = check_example_inputs({"labels": torch.zeros(3)})
+    assert "input_ids, inputs_embeds, pixel_values, input_features, input_values" in str(none[0])
+    split = check_example_inputs(ok | {"labels": torch.zeros(4)}, batch_split=3, batch_label="row·col")
+    assert split and "example_inputs['pixel_values']" in str(split[0])
+
+
+def _odd_batch(rank, world):
+    """A batch of 3 images at 2d@4 (batch split 2): padded to 4 and cut back, exact."""
+    import copy
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = modality.build("vit")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="2d")
+    batch = modality.inputs("vit", dense, b=3)
+    out, ref = sharded(**batch), dense(**batch)
+    return (out.logits - ref.logits).abs().max().item(), (out.loss - ref.loss).abs().item(), tuple(out.logits.shape)
+
+
+def test_an_odd_batch_of_images_is_padded_exactly():
+    for logits_err, loss_err, shape in get_pool(4, timeout=600).run(_odd_batch):
+        assert shape == (3, 10) and logits_err < 1e-5 and loss_err < 1e-5
+
+
+def _clip_other_batch(rank, world):
+    import copy
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = modality.build("clip")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d")
+    try:
+        sharded(**modality.inputs("clip", dense, b=3))
+    except autoshard.ConfigError as e:
+        return str(e)
+    return "did not refuse"
+
+
+def test_a_static_batch_runs_its_own_size_only():
+    for msg in get_pool(2, timeout=600).run(_clip_other_batch):
+        assert msg.startswith("batch size 3: this module's graph was captured for a batch of 2 only"), msg
+
+
+@pytest.mark.parametrize("mode,world", [("2d", 4), ("3d", 8)])
+def test_a_static_batch_is_refused_where_the_batch_is_split(mode, world):
+    import autoshard
+
+    with pytest.raises(autoshard.ShardingError) as e:
+        autoshard.plan(modality.build("clip"), world_size=world, mode=mode, batch_size=world // 2 * 2)
+    assert "graph has a static batch" in str(e.value) and "node: %input_ids" in str(e.value), str(e.value)
+    assert "Valid here: mode='1d' or '1d-sp' with dp=1" in str(e.value)
+    with pytest.raises(autoshard.ShardingError):
+        autoshard.plan(modality.build("clip"), world_size=4, mode="1d", dp=2, batch_size=4)
