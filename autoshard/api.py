@@ -394,6 +394,9 @@ def _input_limits(config, seq_range: tuple | None = None) -> dict:
                 out[key] = (n, v)
                 break
     hi = seq_range[1] if seq_range is not None else None
+    if seq_range is not None and seq_range[0] == seq_range[1]:    # a static sequence: one graph per length
+        out["static_seq"] = seq_range[0]
+        return out
     if hi is not None and hi < out.get("max_positions", ("", hi + 1))[1]:      # capture had to exclude longer ones
         out["max_positions"] = (f"captured range (torch.export proved the graph for seq <= {hi})", hi)
     return out

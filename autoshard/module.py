@@ -66,9 +66,10 @@ class ShardedModule(nn.Module):
         """
         super().__init__()
         object.__setattr__(self, "_gm", gm)          # not registered: its children are ours (HF names)
+        static_seq = (limits or {}).get("static_seq") is not None
         first = SignatureGraph(gm, plan, tuple(input_names), dict(constants),
-                               InputSignature.of(example_inputs, static_batch=not batch_inputs),
-                               frozenset(batch_inputs), pad_blocker)
+                               InputSignature.of(example_inputs, static_batch=not batch_inputs, static_seq=static_seq),
+                               frozenset(batch_inputs), pad_blocker, static_seq)
         object.__setattr__(self, "_graphs", [first])
         self._recipe = recipe
         self._adopt(gm, model_tensors)

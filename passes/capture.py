@@ -39,7 +39,8 @@ class Captured:
     example_inputs: dict
     training: bool
     config: Any = None              # the model's Hugging Face config (None for a plain module)
-    seq_range: tuple = (2, 4096)    # sequence lengths the graph was proven for (calls outside are refused)
+    seq_range: tuple = (2, 4096)    # sequence lengths the graph was proven for (calls outside are refused;
+                                    # lo == hi: a static sequence, one graph per length)
     padding: tuple = ()             # passes.pad.Padding records: the vocabulary padded in ``module``
     guards: tuple = ()              # (code, input paths) export's _guards_fn was built from (see unlift)
     stamped: bool = False           # layers copied from a shallower export (passes.stamp)
@@ -188,19 +189,26 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     # known to add narrow it, each retried once: encoder-decoders shift the labels
     # right (a slice of seq - 1: seq >= 3), and some attention code compares seq with
     # the model's maximum (GPT-Neo's local attention: seq != max_positions).
+    # A model that reads a size as a Python int (CLIP's contrastive loss takes
+    # len(logits); Mamba's scan loops over the sequence) makes export specialise it:
+    # that dim is then captured static, a graph for this size only (no mode may split
+    # a static batch: passes/pipeline.py; a module captures one graph per static
+    # sequence length it is called with).
     lo, hi = 2, _max_positions(model.config)
-    static_batch = False
-    for _ in range(4):
+    static_batch = static_seq = False
+    for _ in range(5):
         try:
-            ep = torch.export.export(model, (), kwargs, strict=False,
-                                     dynamic_shapes=_dynamic(kwargs, None if static_batch else b, s, lo, hi))
+            ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=_dynamic(
+                kwargs, None if static_batch else b, None if static_seq else s, lo, hi))
             break
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
             msg = str(e)
-            if "Constraints violated (batch)" in msg and not static_batch:
-                # the model reads its batch as a Python int (CLIP's contrastive loss takes
-                # len(logits)): a graph for this batch size only, whose batch no mode may split
+            constant = "specialized it to be a constant" in msg
+            if "Constraints violated (batch)" in msg and constant and not static_batch:
                 static_batch = True
+                continue
+            if s is not None and "Constraints violated (seq)" in msg and constant and not static_seq:
+                static_seq = True
                 continue
             if s is not None and "Constraints violated (seq)" in msg:
                 excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
@@ -215,6 +223,8 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm, guards = unlift(ep)
     bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
+    if static_seq:
+        lo = hi = s
     return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
                     seq_range=(lo, hi), guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,

@@ -269,8 +269,20 @@ class _Ctx:
                 continue
             if ann and ann.kind in ("linear", "loss"):
                 continue
+            t = u.target
+            if t in _SPLITS:        # pieces along another dim keep the split (rotary halves: chunk over head_dim)
+                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+                rank = len(_shape(src) or ())
+                nd = d if d is not None and rank and isinstance(dim, int) and dim % rank != d else None
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if t == operator.getitem and getattr(src, "target", None) in _SPLITS | {aten.max.dim, aten.min.dim}:
+                stack.extend((w, u, d) for w in u.users)      # one piece (or the values / indices) of it
+                continue
             if ann and ann.kind in ("norm", "reduction"):
                 nd = _reduced_keeps(u, src, d)
+                if nd is None and _is_statistic(u, src, d):
+                    continue        # a norm's statistic over the split dim: a partial sum, all-reduced where used
                 if nd is None:
                     return _stop(u, f"a {ann.kind} over the split dim" if d is not None
                                  else f"a {ann.kind} after an op that loses track of the split dim")
@@ -280,7 +292,18 @@ class _Ctx:
                 return _stop(u, "a lookup that reads it as indices")
             t = u.target
             if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-                nd = None if t in _CONTRACTS else _broadcast_dim(u, src, d)
+                nd = _contract_dim(u, src, d) if t in _CONTRACTS else _broadcast_dim(u, src, d)
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if t == aten.type_as.default:       # a cast (Gemma-3's norms): the split passes; a dtype donor's does not
+                if u.args[0] is src:
+                    stack.extend((w, u, d) for w in u.users)
+                continue
+            if t in (aten.max.dim, aten.min.dim):       # a search along another dim: both outputs keep the split
+                nd = _reduced_keeps(u, src, d)
+                if nd is None:
+                    return _stop(u, "a search over the split dim" if d is not None
+                                 else "a search after an op that loses track of the split dim")
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             if t in (aten.index_copy_.default, aten.index_copy.default):     # rows written into a cache:
@@ -317,6 +340,18 @@ def _aten_name(node) -> str:
     return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
+
+
+def _contract_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the matmul ``u`` when it is one of
+    its batch dims (attention's heads through ``QKᵀ`` and ``PV``); None otherwise."""
+    a = _shape(src)
+    if d is None or a is None or u.target not in (aten.matmul.default, aten.bmm.default) or d >= len(a) - 2:
+        return None
+    return _broadcast_dim(u, src, d)
+
+
 def _broadcast_dim(u, src, d):
     """The split dim ``d`` of ``src`` in the output of the pointwise ``u`` (broadcasting
     prepends dims); None where unknown."""
@@ -337,6 +372,11 @@ def _view_dim(u, src, d):
     if u.target == aten.transpose.int:
         i, j = (x % len(a) for x in u.args[1:3])
         return j if d == i else i if d == j else d
+    if u.target == aten.unsqueeze.default:          # a new size-1 dim (repeat_kv's [:, :, None])
+        p = u.args[1] % len(b)
+        return d if d < p else d + 1
+    if u.target == aten.expand.default:             # broadcast to more (or new leading) dims
+        return d + len(b) - len(a) if b[d + len(b) - len(a)] == a[d] else None
     if u.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
     if a[:d] != b[:d]:
@@ -354,6 +394,12 @@ def _reduced_keeps(u, src, d):
     """Where the split dim ``d`` of ``src`` is in the output of the norm / reduction ``u``
     when ``u`` does not reduce over it; None when it does (or when unknown)."""
     a, b = _shape(src), _shape(u)
+    if d is not None and a is not None and u.target in (aten.max.dim, aten.min.dim) and u.args[0] is src:
+        dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", -1)    # values and indices (a tuple)
+        if not isinstance(dim, int) or dim % len(a) == d:
+            return None
+        keep = u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False)
+        return d if keep or dim % len(a) > d else d - 1
     if d is None or a is None or b is None or not u.args or u.args[0] is not src:
         return None
     if u.target in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction):
@@ -368,6 +414,22 @@ def _reduced_keeps(u, src, d):
     if u.target == aten.layer_norm.default:
         return d if d < len(a) - len(u.args[1]) else None
     return None
+
+
+def _is_statistic(u, src, d) -> bool:
+    """``u`` is a mean or sum over exactly the split dim ``d`` of ``src``, kept as a
+    size-1 dim: an RMSNorm's mean square over features split across ranks (OLMo-2's
+    q/k norms over the whole projection). Its value is a partial sum the first op not
+    linear in it all-reduces (``[..., 1]`` per token), and the normalised features keep
+    their split: a distributed norm with no gather of the features."""
+    a = _shape(src)
+    if d is None or a is None or not u.args or u.args[0] is not src:
+        return False
+    if u.target not in (aten.mean.dim, aten.sum.dim_IntList):
+        return False
+    dims = u.args[1] if len(u.args) > 1 else None
+    keep = u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False)
+    return isinstance(dims, (list, tuple)) and {x % len(a) for x in dims} == {d} and bool(keep)
 
 
 _PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,

@@ -613,6 +613,20 @@ def topk(ctx: RuleContext) -> Choice:
     return Choice(out=(req, req), inputs={(0,): req})
 
 
+def max_dim(ctx: RuleContext) -> Choice:
+    """``max.dim`` / ``min.dim`` (values and indices along one dim: attention with sinks
+    subtracts the scores' max over the keys): the dim searched must be whole; values
+    and indices keep the other splits (the dim dropped unless ``keepdim``)."""
+    node = ctx.node
+    s = ctx.spec(node.args[0])
+    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)) % max(s.ndim, 1)
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    req = _need_unsplit(s, [d]).with_partial(())
+    out = req if keep else ShardSpec(dims=tuple(x for i, x in enumerate(req.dims) if i != d),
+                                     segments=tuple(x for i, x in enumerate(req.segments) if i != d))
+    return Choice(out=(out, out), inputs={(0,): req})
+
+
 def histc(ctx: RuleContext) -> Choice:
     """Counts of split rows are the rank's counts: a partial sum (over the batch axes)
     of the dense counts."""
@@ -995,6 +1009,7 @@ RULES = {
     aten.index.Tensor: index_tensor, aten.gather.default: gather_op,
     aten.cumsum.default: cumsum, aten.diff.default: dimwise,
     aten.sort.default: sort, aten.sort.stable: sort, aten.topk.default: topk, aten.histc.default: histc,
+    aten.max.dim: max_dim, aten.min.dim: max_dim,
     aten.index_put_.default: index_put, aten.index_put.default: index_put,
     aten.index_copy_.default: index_copy, aten.index_copy.default: index_copy,
     aten.empty_like.default: like, aten.zeros_like.default: like, aten.ones_like.default: like,

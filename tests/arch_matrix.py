@@ -43,7 +43,7 @@ IN_MOE = {("mixtral", m) for m, _, _ in MODES}
 
 # cells run by the default selection; the rest are @pytest.mark.slow (8-rank runs
 # cost 20-60 s each on a 2-core box).
-EIGHT_RANK_DEFAULT = {("bloom", "2.5d"), ("phi3", "3d"), ("gpt_neox", "3d"), ("falcon", "2.5d")}
+EIGHT_RANK_DEFAULT = {("bloom", "2.5d"), ("phi3", "3d"), ("falcon", "2.5d")}
 
 # The verdict every cell must keep: these have fallbacks, these are refused (the
 # error names the node), every other cell passes. A change here is a regression or
@@ -181,6 +181,29 @@ def collect(archs=None) -> dict:
     return out
 
 
+def collect_modality() -> dict:
+    """``{(family, mode): Cell}`` of the models led by images or audio
+    (tests/modality.py), planned as ``shard(model)`` plans them: captured from the
+    model's own inputs (a batch of 4), no example inputs."""
+    import modality
+    from autoshard.ir.errors import AutoshardError
+    from autoshard.passes.capture import capture, default_example_inputs
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    out = {}
+    for name in modality.FAMILIES:
+        model = modality.build_meta(name)
+        cap = capture(model, example_inputs=default_example_inputs(model, batch_size=4, seq_len=8))
+        for mode, world, depth in MODES:
+            try:
+                out[name, mode] = classify(plan_captured(cap, make_policy(mode, world, depth, 1), batch_size=4,
+                                                         seq_len=8))
+            except AutoshardError as e:
+                out[name, mode] = refused(e)
+    return out
+
+
 def _cell_text(c: Cell) -> str:
     if c.status == "refused":
         return "**refused**"
@@ -194,7 +217,7 @@ def _cell_text(c: Cell) -> str:
     return txt + f" · ×{c.vs_ideal:.2f}, {c.params_split:.0%} / {c.flops_split:.0%}"
 
 
-def render(cells: dict) -> str:
+def render(cells: dict, modality_cells: dict | None = None) -> str:
     """The markdown report (deterministic: a function of the cells only)."""
     archs = list(dict.fromkeys(a for a, _ in cells))
     modes = [m for m, _, _ in MODES]
@@ -238,6 +261,23 @@ def render(cells: dict) -> str:
             row.append("—" if c is None else _cell_text(c) + (" ‡" if is_extended(a, m) else " †" if is_slow(a, m)
                                                               else ""))
         lines.append("| " + " | ".join(row) + " |")
+    if modality_cells:
+        import modality
+
+        lines += ["", "## Images, audio, image-text", "",
+                  "Models led by `pixel_values` or `input_features` (configs in `tests/modality.py`), planned as "
+                  "`shard(model)` plans them with no example inputs: the inputs come from the model's forward and "
+                  "config (a batch of 4). `tests/test_modality.py` runs ViT and Whisper in every mode (1d on 2 ranks, "
+                  "2d on 4, 2.5d and 3d on 8) and CLIP in 1d on gloo ranks against the dense model, starting "
+                  "from `shard(model)` (ViT 1d and 2d and CLIP 1d in `make test`, the rest slow), and checks the "
+                  "refusals.", "",
+                  "| model | patterns | " + " | ".join(f"{m} ({MESH[m]})" for m in modes) + " |",
+                  "|---|---|" + "---|" * len(modes)]
+        for name in dict.fromkeys(a for a, _ in modality_cells):
+            row = [f"`{name}` ({modality.FAMILIES[name][0]})", modality.PATTERNS[name]]
+            row += [_cell_text(modality_cells[name, m]) if (name, m) in modality_cells else "—" for m in modes]
+            lines.append("| " + " | ".join(row) + " |")
+        cells = {**cells, **modality_cells}
     details = [(a, m, c) for (a, m), c in cells.items()
                if c.status != "pass" or c.replicated or c.vs_ideal > IDEAL_SLACK]
     if details:
@@ -296,7 +336,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dump:
         return dump_plans(args.dump)
-    text = render(collect())
+    text = render(collect(), collect_modality())
     if args.check:
         cur = open(args.out).read() if os.path.exists(args.out) else ""
         print("up to date" if cur == text else f"{args.out} is stale")

@@ -30,6 +30,24 @@ FAMILIES = {
 }
 
 
+# what each family brings that a text model does not (docs/support.md's modality table)
+PATTERNS = {
+    "vit": "pixel_values, conv patch embedding, CLS token, classifier head ([batch] labels)",
+    "whisper": "log-mel input_features, conv1d front end, encoder-decoder, frozen sinusoidal positions",
+    "clip": "image-text dual encoder, contrastive loss over every image × text pair (a static batch)",
+}
+# the cells the batch-split modes refuse (a static batch; the rest pass)
+REFUSED = {("clip", m) for m in ("2d", "2.5d", "3d")}
+
+
+def build_meta(name: str):
+    import transformers
+
+    cls, cfg_cls, kw = FAMILIES[name]
+    with torch.device("meta"):
+        return getattr(transformers, cls)(getattr(transformers, cfg_cls)(**kw)).train()
+
+
 def build(name: str, seed: int = 0):
     import transformers
 

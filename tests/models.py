@@ -25,6 +25,14 @@ for _name in ("gpt2", "llama", "bert"):
     _cls, _cfg, _kw = TINY[_name]
     TINY[f"{_name}-v131"] = (_cls, _cfg, {**_kw, "vocab_size": 131})
 TINY["gpt2-v130"] = (TINY["gpt2"][0], TINY["gpt2"][1], {**TINY["gpt2"][2], "vocab_size": 130})   # 2 divides, 4 not
+# q/k RMSNorms over the whole projection, all heads at once (a distributed norm in 1d)
+TINY["olmo2"] = ("Olmo2ForCausalLM", "Olmo2Config", {**TINY["llama"][2], "num_key_value_heads": 4})
+# per-head q/k RMSNorms computed in float and cast back (type_as), sliding and global layers
+# attention sinks (a per-head parameter joined to the scores, then a max over the keys), experts with biases
+TINY["gptoss"] = ("GptOssForCausalLM", "GptOssConfig",
+                  {**TINY["llama"][2], "intermediate_size": 64, "head_dim": 16, "num_local_experts": 4,
+                   "num_experts_per_tok": 2, "sliding_window": 4})
+TINY["gemma3"] = ("Gemma3ForCausalLM", "Gemma3TextConfig", {**TINY["llama"][2], "head_dim": 16, "sliding_window": 4})
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

@@ -4,8 +4,8 @@ end over log-mel frames, encoder-decoder, frozen sinusoidal positions) are shard
 ``shard(model)`` and no example inputs, then called with their own kind of batch:
 loss, logits, every returned tensor and every local gradient within atol = rtol = 1e-5
 of the dense model's, parameter bytes and the collective ledger equal to the plan
-(tests/modality.py). In `make test`: ViT 1d@2 and 2d@4, Whisper 1d@2; the 8-rank
-cells and Whisper 2d are slow (`make test-extended`).
+(tests/modality.py). In `make test`: ViT 1d@2 and 2d@4; the 8-rank cells and
+Whisper's are slow (`make test-extended`).
 
 CLIP (a dual encoder: every image against every text of the batch) reads its batch
 as a Python int (``len(logits)`` in its contrastive loss), so export makes the batch
@@ -22,7 +22,7 @@ import modality
 from dist_pool import get_pool
 
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
-FAST = {("vit", "1d"), ("vit", "2d"), ("whisper", "1d"), ("clip", "1d")}
+FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d")}
 CELLS = [(n, m) for n in ("vit", "whisper") for m in MODES] + [("clip", "1d")]
 
 
@@ -130,3 +130,49 @@ def test_a_static_batch_is_refused_where_the_batch_is_split(mode, world):
     assert "Valid here: mode='1d' or '1d-sp' with dp=1" in str(e.value)
     with pytest.raises(autoshard.ShardingError):
         autoshard.plan(modality.build("clip"), world_size=4, mode="1d", dp=2, batch_size=4)
+
+
+def _mamba():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.MambaConfig(vocab_size=96, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+                                   conv_kernel=4, use_cache=False)
+    return transformers.MambaForCausalLM(cfg).train()
+
+
+def test_a_state_space_model_is_captured_and_refused_at_plan_time_naming_the_node():
+    """Mamba's scan loops over the sequence in Python, so export makes the sequence
+    static (one graph per length, the batch still dynamic); planning then refuses it
+    naming the node and the reason (a ShardingError, not a capture error about the
+    sequence)."""
+    import autoshard
+    from autoshard.passes.capture import capture
+
+    cap = capture(_mamba(), seq_len=8)
+    assert cap.seq_range == (8, 8) and cap.seq_symbol is None and cap.batch_symbol is not None
+    with pytest.raises(autoshard.ShardingError) as e:
+        autoshard.plan(_mamba(), world_size=2, mode="1d", batch_size=4, seq_len=8)
+    assert "\n  node: %" in str(e.value) and "module: backbone.layers.0.mixer" in str(e.value), str(e.value)
+
+
+def test_a_static_sequence_is_part_of_the_signature():
+    from autoshard.ir.signature import InputSignature
+
+    ids = {"input_ids": torch.zeros(4, 8, dtype=torch.long)}
+    assert InputSignature.of(ids).describe() == "input_ids[b,s]:int64"
+    assert InputSignature.of(ids, static_seq=True).describe() == "input_ids[b,8]:int64"
+    assert InputSignature.of(ids, static_batch=True).describe() == "input_ids[4,s]:int64"
+
+
+def test_the_support_report_lists_every_family():
+    """docs/support.md's modality table (regenerated with the architecture matrix; the slow
+    test_support_md_is_generated_from_the_matrix compares it with the plans) has each
+    family in each mode: pass, or refused where the batch is static."""
+    import arch_matrix as M
+
+    for name in modality.FAMILIES:
+        for mode in MODES:
+            want = "refused" if (name, mode) in modality.REFUSED else "pass"
+            assert M.reported(name, mode).status == want, (name, mode)
+    assert "static batch" in M.reported("clip", "2d").reason

@@ -53,6 +53,7 @@ def test_cli_verify_llama_1d_is_exact(tmp_path, capsys):
     assert rep["split"]["params_split"] > 0.9
 
 
+@pytest.mark.slow      # 27 s of `make test`; test_cli_verify_llama_1d_is_exact keeps verify's path there
 def test_cli_verify_names_the_node_a_planted_rule_breaks(tmp_path, capsys, monkeypatch):
     """A rule that lets a partial sum through nonlinear ops (rsqrt of a distributed
     RMSNorm's partial mean): shapes stay right, so only the values can tell."""

@@ -99,10 +99,11 @@ class InputSignature:
     constants: tuple = ()
 
     @classmethod
-    def of(cls, kwargs: Mapping[str, Any], *, static_batch: bool = False) -> "InputSignature":
-        """``static_batch``: the batch size is part of the signature (a graph export had
-        to specialise to it, see :mod:`autoshard.passes.capture`), not the ``b`` of any size."""
-        b, s = None if static_batch else batch_of(kwargs), seq_of(kwargs)
+    def of(cls, kwargs: Mapping[str, Any], *, static_batch: bool = False, static_seq: bool = False) -> "InputSignature":
+        """``static_batch`` / ``static_seq``: the batch size / sequence length is part of
+        the signature (export had to specialise the graph to it, see
+        :mod:`autoshard.passes.capture`), not the ``b`` / ``s`` of any size."""
+        b, s = None if static_batch else batch_of(kwargs), None if static_seq else seq_of(kwargs)
         tensors, constants = [], []
         for k in sorted(kwargs):
             v = kwargs[k]
@@ -151,6 +152,7 @@ class SignatureGraph:
     signature: InputSignature
     batch_inputs: frozenset
     pad_blocker: str | None
+    static_seq: bool = False    # export made the sequence static: this graph runs one length
 
     @property
     def static_batch(self) -> int | None:
@@ -180,7 +182,8 @@ class SignatureGraph:
                 full[name] = torch.ones_like(kwargs["input_ids"])
             else:
                 return None
-        return full if InputSignature.of(full, static_batch=not self.batch_inputs) == self.signature else None
+        sig = InputSignature.of(full, static_batch=not self.batch_inputs, static_seq=self.static_seq)
+        return full if sig == self.signature else None
 
 
 def batch_inputs(gm: torch.fx.GraphModule, batch_symbol) -> frozenset[str]:

@@ -33,7 +33,7 @@ from ..ir.log import logger
 from .capture_share import capture_shared
 from ..passes.pipeline import plan_captured, prepare
 from ..passes.rewrite import rewrite
-from ..ir.signature import InputSignature, SignatureGraph, batch_inputs, pad_blocker
+from ..ir.signature import InputSignature, SignatureGraph, batch_inputs, pad_blocker, seq_of
 
 __all__ = ["capture_graph", "meta_example", "rewrite_bound"]
 
@@ -89,7 +89,10 @@ def capture_graph(module, kwargs: dict):
     built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype, adapt=r.adapt)
     built.model.train(r.training)
     lim = module.limits.get("max_positions")
-    example = meta_example(kwargs, max_seq=lim[1] if lim else None)
+    seq = seq_of(kwargs) if module.limits.get("static_seq") is not None else None
+    # a model whose sequence is static in its graphs is captured at the call's length
+    example = meta_example(kwargs, max_seq=lim[1] if lim else None,
+                           **({"seq": seq, "batch": 3 if seq == 2 else 2} if seq else {}))
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
     cap = prepare(cap, r.policy)
     p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,
@@ -113,6 +116,7 @@ def capture_graph(module, kwargs: dict):
         checkpoint_blocks(gm)
     logger.info("captured a graph for inputs %s in %.1f s", sig, time.perf_counter() - t0)
     rows = batch_inputs(cap.module, cap.batch_symbol)
+    static_seq = cap.seq_range[0] == cap.seq_range[1]
     return SignatureGraph(gm, p, cap.input_names, dict(cap.constants),
-                          InputSignature.of(cap.example_inputs, static_batch=not rows), rows,
-                          pad_blocker(cap.module, cap.batch_symbol))
+                          InputSignature.of(cap.example_inputs, static_batch=not rows, static_seq=static_seq), rows,
+                          pad_blocker(cap.module, cap.batch_symbol), static_seq)

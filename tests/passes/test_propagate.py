@@ -266,3 +266,54 @@ def test_per_head_norms_keep_qkv_split(mode):
     dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in models.build("qwen3").parameters()}.values())
     assert res[0]["param_bytes"] <= 1.15 * dense / 4, (res[0]["param_bytes"], dense / 4)
     assert res[0]["fallbacks"] == []
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3"])
+def test_qk_norms_split_in_1d(arch):
+    """OLMo-2's q/k RMSNorms over the whole projection (every head at once): in 1d the
+    mean square over the split features is a partial sum all-reduced per token.
+    Gemma-3's per-head norms compute in float and cast back (``type_as``), which the
+    split now passes. q/k/o stay column/row-parallel, and the run equals dense (logits,
+    loss, every local gradient, ledger = plan) at <= 0.55 of the dense parameter bytes
+    per rank."""
+    import models
+    from dist_pool import get_pool
+
+    res = get_pool(2).run(models.check, arch, "1d")
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], f"rank {rank}: {r['failures'][:5]}"
+        assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
+        assert r["fallbacks"] == []
+    dense = sum(p.numel() * p.element_size() for p in models.build(arch).parameters())
+    assert res[0]["param_bytes"] <= 0.55 * dense, (res[0]["param_bytes"], dense)
+
+
+def test_attention_sinks_keep_the_heads_split():
+    """gpt-oss joins a per-head sink parameter to the scores and subtracts their max over
+    the keys (``max.dim``) in eager attention: the look-ahead follows the head split
+    through the rotary halves (``chunk``), repeat_kv (``unsqueeze``, ``expand``),
+    ``QKᵀ`` and the max, so q/k/v/o split in 1d (its experts stay whole: the
+    interleaved gate/up and the bias lookup are not split yet; the sinks, one value per
+    head, stay whole and each rank reads its heads') and the run equals dense."""
+    import warnings
+
+    import transformers
+
+    import autoshard
+    import models
+    from dist_pool import get_pool
+
+    cls, cfg_cls, kw = models.TINY["gptoss"]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg.architectures = [cls]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoshard.plan(cfg, world_size=2, mode="1d", seq_len=8)
+    whole = [n.module for n in plan.nodes if n.kind == "linear" and n.weight == "replicated"]
+    assert not [m for m in whole if ".self_attn." in m], whole
+    q = next(n for n in plan.nodes if n.module == "model.layers.0.self_attn.q_proj")
+    assert q.weight != "replicated"
+    res = get_pool(2).run(models.check, "gptoss", "1d")
+    for rank, r in enumerate(res):
+        assert r["failures"] == [], f"rank {rank}: {r['failures'][:5]}"
+        assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
