@@ -110,3 +110,38 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
             "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
             "plan_param_bytes": plan.param_bytes_per_rank,
             "dense_param_bytes": sum(p.numel() * p.element_size() for p in dense.parameters())}
+
+
+def static_seq_llama():
+    """A tiny Llama whose forward reads the sequence length as a Python int (``len`` of a
+    row, as Mamba's scan loop does): export makes the sequence static, one graph per length."""
+    import transformers
+
+    class StaticSeqLlama(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, **kw):
+            n = len(input_ids[0])                  # a Python int: export specialises the sequence
+            return super().forward(input_ids=input_ids[:, :n], attention_mask=attention_mask, labels=labels,
+                                   use_cache=use_cache, **kw)
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    return StaticSeqLlama(cfg).train()
+
+
+def check_static_seq(rank: int, world: int) -> dict:
+    """``shard()`` a model whose graph has a static sequence, call it at two lengths: each
+    length gets its graph, both equal dense."""
+    import autoshard
+
+    torch.set_num_threads(1)
+    dense = static_seq_llama()
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d")
+    out = {}
+    for s in (8, 6, 8):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.randint(0, 128, (2, s), generator=g)
+        got, ref = sharded(input_ids=ids, labels=ids), dense(input_ids=ids, labels=ids)
+        out[s] = ((got.logits - ref.logits).abs().max().item(), (got.loss - ref.loss).abs().item())
+    out["signatures"] = [g.signature.describe() for g in sharded._graphs]
+    return out

@@ -176,3 +176,14 @@ def test_the_support_report_lists_every_family():
             want = "refused" if (name, mode) in modality.REFUSED else "pass"
             assert M.reported(name, mode).status == want, (name, mode)
     assert "static batch" in M.reported("clip", "2d").reason
+
+
+def test_a_static_sequence_gets_one_graph_per_length():
+    """A model that reads its sequence length as a Python int is captured with a static
+    sequence; a call at another length captures that length's graph (the batch stays
+    dynamic), and each equals dense."""
+    r = get_pool(2, timeout=600).run(modality.check_static_seq)[0]
+    for s in (8, 6):
+        assert r[s][0] < 1e-5 and r[s][1] < 1e-5, r
+    assert ["input_ids[b,8]:int64" in r["signatures"][0], "input_ids[b,6]:int64" in r["signatures"][1]] == [True] * 2
+    assert len(r["signatures"]) == 2, r       # the second call at 8 reuses the first graph
