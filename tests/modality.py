@@ -69,6 +69,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
     """``shard(model)`` with no example inputs, then the model's own batch: loss, logits
     and every local gradient against the dense model's (atol = rtol = 1e-5)."""
     import autoshard
+    import models
     from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
@@ -83,12 +84,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
         out.loss.backward()
     plan = sharded.plan
     failures = []
-
-    def cmp(what, got, ref):
-        try:
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        except AssertionError as e:
-            failures.append(f"{what}: {str(e).splitlines()[0]} {str(e).splitlines()[2:4]}")
+    cmp = models.comparer(failures)
 
     for k, ref in out_d.items():        # the loss, the logits, and every other tensor the model returns
         if isinstance(ref, torch.Tensor):

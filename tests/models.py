@@ -63,6 +63,18 @@ def batch(name: str, b: int = 4, s: int = 8, seed: int = 1) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def comparer(failures: list, *, detail: bool = True):
+    """``cmp(what, got, ref)``: ``got`` against ``ref`` within atol = rtol = 1e-5, a
+    mismatch appended to ``failures`` (with torch's worst-element lines if ``detail``)."""
+    def cmp(what, got, ref):
+        try:
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        except AssertionError as e:
+            lines = str(e).splitlines()
+            failures.append(f"{what}: {lines[0]} {lines[2:4]}" if detail else f"{what}: {lines[0]}")
+    return cmp
+
+
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
           dp: int = 1, share_capture: bool = False) -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
@@ -95,13 +107,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
         out.loss.backward()
     plan = sharded.plan
     failures = []
-    tol = dict(atol=1e-5, rtol=1e-5)
-
-    def cmp(what, got, ref):
-        try:
-            torch.testing.assert_close(got, ref, **tol)
-        except AssertionError as e:
-            failures.append(f"{what}: {str(e).splitlines()[0]} {str(e).splitlines()[2:4]}")
+    cmp = comparer(failures)
 
     cmp("loss", out.loss, out_d.loss)
     cmp("logits", out.logits, ref_logits)
@@ -213,12 +219,7 @@ def check_trainable(rank: int, world: int, dense, model, inputs: dict, *, mode: 
     with CommLedger() as bwd:
         out.loss.backward()
     failures = []
-
-    def cmp(what, got, ref):
-        try:
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        except AssertionError as e:
-            failures.append(f"{what}: {str(e).splitlines()[0]}")
+    cmp = comparer(failures, detail=False)
 
     cmp("loss", out.loss, out_d.loss)
     cmp("logits", out.logits, ref_logits)
