@@ -53,6 +53,7 @@ def test_default_inputs_follow_the_model():
     assert shapes["whisper"] == {"input_features": ((3, 8, 32), "torch.float32"), "labels": ((3, 5), "torch.int64")}
 
 
+@pytest.mark.slow      # two real exports (15 s); the family tests run the same captures
 def test_capture_makes_the_batch_dynamic_and_no_sequence_from_channels():
     """A ViT graph has a dynamic batch and no sequence symbol; Whisper's mel bins (dim 1
     of ``input_features``, 8 = the example's sequence length here) stay static while its
@@ -141,6 +142,7 @@ def _mamba():
     return transformers.MambaForCausalLM(cfg).train()
 
 
+@pytest.mark.slow      # 13 s of `make test`
 def test_a_state_space_model_is_captured_and_refused_at_plan_time_naming_the_node():
     """Mamba's scan loops over the sequence in Python, so export makes the sequence
     static (one graph per length, the batch still dynamic); planning then refuses it

@@ -178,7 +178,7 @@ def _new_signatures(rank, world, mode):
     return {"failures": failures, "signatures": sharded.signatures, "shared": shared}
 
 
-@pytest.mark.parametrize("mode", ["1d", "2d"])
+@pytest.mark.parametrize("mode", [pytest.param("1d", marks=pytest.mark.slow), "2d"])     # 1d: 19 s, slow
 def test_new_input_signatures_are_captured_on_first_use(mode):
     res = get_pool(4).run(_new_signatures, mode)
     assert all(r["failures"] == [] for r in res), res[0]["failures"][:5]

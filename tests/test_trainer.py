@@ -86,7 +86,7 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize("mode,world", [("1d", 2), ("2d", 4)])
+@pytest.mark.parametrize("mode,world", [("1d", 2), pytest.param("2d", 4, marks=pytest.mark.slow)])
 def test_trainer_steps_equal_the_own_loop_and_dense(mode, world, tmp_path):
     import transformers
 

@@ -135,6 +135,7 @@ def test_verify_a_function_and_a_folder_with_weights(tmp_path, monkeypatch):
     assert r.checks["loss"][2] and r.dtype == "bf16"
 
 
+@pytest.mark.slow      # 21 s of `make test`
 def test_plan_and_check_choose_the_smallest_batch(capsys):
     from autoshard.cli import main
 

@@ -49,7 +49,7 @@ def _zero_run(rank, world, name, dp, stage, mode, steps):
             "node_dp": sum(1 for n in sharded.plan.nodes for c in n.comms if "dp" in c.axes)}
 
 
-@pytest.mark.parametrize("case", [("llama", "1d", 4, 1), ("gpt2", "1d", 4, 2),
+@pytest.mark.parametrize("case", [pytest.param(("llama", "1d", 4, 1), marks=pytest.mark.slow), ("gpt2", "1d", 4, 2),
                                   pytest.param(("llama", "2d", 8, 2), marks=pytest.mark.slow)],
                          ids=lambda c: f"{c[0]}-{c[1]}-dp2-zero{c[3]}")
 def test_zero_equals_dense(case):
