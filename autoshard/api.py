@@ -383,6 +383,15 @@ def _warn_placement(mesh, world: int) -> None:
              f"dp (or 2.5d depth) across nodes", AutoshardWarning, stacklevel=3)
 
 
+def _plans_at(cap, pol, batch_size: int, seq_len: int, dropout: str) -> bool:
+    """Whether ``cap`` plans at ``seq_len`` (a failure at a longer one then blames the length)."""
+    try:
+        plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+    except ShardingError:
+        return False
+    return True
+
+
 def _input_limits(config, seq_range: tuple | None = None) -> dict:
     """What a call's inputs are checked against: vocabulary and positions (the lower of
     the model's maximum and the longest sequence the capture was proven for, ``seq_range``)."""
@@ -462,7 +471,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
     except ShardingError as e:
         name, most = _input_limits(getattr(model, "config", None)).get("max_positions", ("", seq_len))
-        if seq_len > most:        # a learned-position table shorter than the planned sequence
+        if seq_len > most and _plans_at(cap, pol, batch_size, most, dropout):
+            # a learned-position table shorter than the planned sequence: the model plans at its maximum
             raise ConfigError(f"autoshard.plan: seq_len={seq_len} is longer than the model's {name}={most}; "
                               f"plan with seq_len <= {most} (planning failed at: {str(e).splitlines()[0]})") from e
         raise

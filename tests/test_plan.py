@@ -196,3 +196,23 @@ def test_a_batch_that_does_not_split_is_refused():
     with pytest.raises(ConfigError, match=r"batch size 3 of batch_size is not divisible by the batch split 2 "
                                           r"\(dp\[2\]\)"):
         autoshard.plan(cfg, world_size=4, mode="1d", dp=2, batch_size=3, seq_len=8)
+
+
+@pytest.mark.slow      # a gpt-oss plan (20 s)
+def test_a_refusal_past_the_maximum_positions_keeps_its_own_reason():
+    """``plan()`` at a sequence longer than the model's positions blames the length only when
+    the model plans at its maximum; gpt-oss's 2d refusal (its rank-local routing) is its own."""
+    import warnings
+
+    import transformers
+
+    import autoshard
+    import models
+
+    cls, cfg_cls, kw = models.TINY["gptoss"]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg.architectures = [cls]
+    with warnings.catch_warnings(), pytest.raises(autoshard.ShardingError) as e:
+        warnings.simplefilter("ignore")
+        autoshard.plan(cfg, world_size=4, mode="2d", seq_len=128, batch_size=4)
+    assert "rank-local order" in str(e.value) and "max_position_embeddings" not in str(e.value)
