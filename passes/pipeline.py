@@ -64,5 +64,5 @@ def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:
     node = next((n for n in captured.module.graph.nodes if n.op == "placeholder" and n.name == name), None)
     raise ShardingError(f"{captured.model_name}'s graph has a static batch: torch.export specialised it because the "
                         f"model reads the batch size as a Python int (e.g. len(logits) in a contrastive loss), so "
-                        f"its rows cannot be split over {axes} ({policy.name}). Valid here: mode='1d' or '1d-sp' with dp=1, which "
-                        f"keep the batch whole", node=node)
+                        f"its rows cannot be split over {axes} ({policy.name}). Valid here: mode='1d' or '1d-sp' "
+                        f"with dp=1, which keep the batch whole", node=node)

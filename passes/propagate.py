@@ -290,7 +290,6 @@ class _Ctx:
                 continue
             if ann and ann.kind == "embedding":
                 return _stop(u, "a lookup that reads it as indices")
-            t = u.target
             if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
                 nd = _contract_dim(u, src, d) if t in _CONTRACTS else _broadcast_dim(u, src, d)
                 stack.extend((w, u, nd) for w in u.users)

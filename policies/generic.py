@@ -360,6 +360,12 @@ def _need_unsplit(s: ShardSpec, dims) -> ShardSpec:
     return out
 
 
+def _without_dim(s: ShardSpec, d: int) -> ShardSpec:
+    """``s`` with dim ``d`` removed (an op that drops it: ``select``, ``max.dim``)."""
+    return ShardSpec(dims=s.dims[:d] + s.dims[d + 1:], segments=s.segments[:d] + s.segments[d + 1:],
+                     partial=s.partial)
+
+
 def dimwise(ctx, dim_arg: int = 1, default_dim: int = -1) -> Choice:
     """An op along one dim (``softmax``, ``diff``, ``cumsum``): that dim must be whole
     and no partial sum may pass; other splits are kept. ``dim_arg`` is the position
@@ -417,8 +423,7 @@ def select(ctx: RuleContext) -> Choice:
     s = ctx.spec(x)
     d = ctx.node.args[1] % s.ndim
     req = _need_unsplit(s, [d])
-    return Choice(out=ShardSpec(dims=req.dims[:d] + req.dims[d + 1:], segments=req.segments[:d] + req.segments[d + 1:],
-                                partial=req.partial), inputs={(0,): req})
+    return Choice(out=_without_dim(req, d), inputs={(0,): req})
 
 
 def split(ctx: RuleContext) -> Choice:
@@ -622,8 +627,7 @@ def max_dim(ctx: RuleContext) -> Choice:
     d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)) % max(s.ndim, 1)
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     req = _need_unsplit(s, [d]).with_partial(())
-    out = req if keep else ShardSpec(dims=tuple(x for i, x in enumerate(req.dims) if i != d),
-                                     segments=tuple(x for i, x in enumerate(req.segments) if i != d))
+    out = req if keep else _without_dim(req, d)
     return Choice(out=(out, out), inputs={(0,): req})
 
 

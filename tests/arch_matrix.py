@@ -159,13 +159,14 @@ def capture_arch(arch: str):
 def plan_cell(captured, mode: str):
     """The plan ``shard()`` makes (the whole pipeline: expert folding, padding,
     propagation and the meta trace that refuses an inconsistent plan)."""
+    from autoshard.ir.signature import batch_of, seq_of
     from autoshard.passes.pipeline import plan_captured
     from autoshard.policies import make_policy
 
     _, world, depth = next(m for m in MODES if m[0] == mode)
-    ids = captured.example_inputs["input_ids"]
-    return plan_captured(captured, make_policy(mode, world, depth, 1), batch_size=int(ids.shape[0]),
-                         seq_len=int(ids.shape[1]))
+    ex = captured.example_inputs
+    return plan_captured(captured, make_policy(mode, world, depth, 1), batch_size=batch_of(ex),
+                         seq_len=seq_of(ex) or 1)
 
 
 def collect(archs=None) -> dict:
@@ -180,11 +181,20 @@ def collect(archs=None) -> dict:
             for mode, _, _ in MODES:
                 out[arch, mode] = refused(e)
             continue
-        for mode, _, _ in MODES:
-            try:
-                out[arch, mode] = classify(plan_cell(cap, mode))
-            except AutoshardError as e:
-                out[arch, mode] = refused(e)
+        out.update(_cells_of(arch, cap))
+    return out
+
+
+def _cells_of(name: str, cap) -> dict:
+    """``{(name, mode): Cell}``: ``cap`` planned in every mode (a refusal is a cell too)."""
+    from autoshard.ir.errors import AutoshardError
+
+    out = {}
+    for mode, _, _ in MODES:
+        try:
+            out[name, mode] = classify(plan_cell(cap, mode))
+        except AutoshardError as e:
+            out[name, mode] = refused(e)
     return out
 
 
@@ -193,21 +203,13 @@ def collect_modality() -> dict:
     (tests/modality.py), planned as ``shard(model)`` plans them: captured from the
     model's own inputs (a batch of 4), no example inputs."""
     import modality
-    from autoshard.ir.errors import AutoshardError
     from autoshard.passes.capture import capture, default_example_inputs
-    from autoshard.passes.pipeline import plan_captured
-    from autoshard.policies import make_policy
 
     out = {}
     for name in modality.FAMILIES:
         model = modality.build_meta(name)
-        cap = capture(model, example_inputs=default_example_inputs(model, batch_size=4, seq_len=8))
-        for mode, world, depth in MODES:
-            try:
-                out[name, mode] = classify(plan_captured(cap, make_policy(mode, world, depth, 1), batch_size=4,
-                                                         seq_len=8))
-            except AutoshardError as e:
-                out[name, mode] = refused(e)
+        out.update(_cells_of(name, capture(model, example_inputs=default_example_inputs(model, batch_size=4,
+                                                                                         seq_len=8))))
     return out
 
 

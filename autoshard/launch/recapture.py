@@ -89,10 +89,11 @@ def capture_graph(module, kwargs: dict):
     built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype, adapt=r.adapt)
     built.model.train(r.training)
     lim = module.limits.get("max_positions")
-    seq = seq_of(kwargs) if module.limits.get("static_seq") is not None else None
-    # a model whose sequence is static in its graphs is captured at the call's length
-    example = meta_example(kwargs, max_seq=lim[1] if lim else None,
-                           **({"seq": seq, "batch": 3 if seq == 2 else 2} if seq else {}))
+    if module.limits.get("static_seq") is not None:     # static in its graphs: the call's exact length,
+        seq = seq_of(kwargs)                            # a batch of another size
+        example = meta_example(kwargs, seq=seq, batch=3 if seq == 2 else 2)
+    else:
+        example = meta_example(kwargs, max_seq=lim[1] if lim else None)
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
     cap = prepare(cap, r.policy)
     p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,
