@@ -9,6 +9,7 @@ real and meta weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -76,7 +77,9 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     Classification heads get ``[batch]`` labels; models with a token head get
     ``[batch, seq]`` token labels (an encoder-decoder shifts them into its decoder's
     inputs); a model that takes images and text (a contrastive dual encoder) gets
-    ``return_loss=True``.
+    ``return_loss=True``; one that merges image features into its tokens (LLaVA-like,
+    its config names an image token) gets each row opened by that image's placeholder
+    tokens, unlabelled.
 
     >>> from transformers import ViTConfig, ViTForImageClassification
     >>> m = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -90,10 +93,16 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     text = _sub(config, "text")
     vocab = int(getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 100)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    image_token, n_image = _image_placeholders(model, params)
+    if image_token is not None:
+        # a vision-language model: each row opens with its image's placeholder tokens, which
+        # the model replaces with the projected image features (no text token equals them)
+        ids = torch.where(ids == image_token, (image_token + 1) % vocab, ids)
+        ids = torch.cat([torch.full((batch_size, n_image), image_token, dtype=ids.dtype), ids], dim=1)
     if "input_ids" in params:
         out["input_ids"] = ids
         if "attention_mask" in params:
-            out["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+            out["attention_mask"] = torch.ones(*ids.shape, dtype=torch.long)
     if "pixel_values" in params:
         vis = _sub(config, "vision")
         size = getattr(vis, "image_size", 224)
@@ -114,7 +123,28 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
             out["labels"] = torch.randint(0, max(int(getattr(config, "num_labels", 2)), 1), (batch_size,), generator=g)
         else:
             out["labels"] = ids.clone()
+            if image_token is not None:
+                out["labels"][:, :n_image] = -100         # no loss on the image's placeholders
     return out
+
+
+def _image_placeholders(model, params) -> tuple[int | None, int]:
+    """A model that merges image features into its token sequence (LLaVA-like: it takes
+    ``input_ids`` and ``pixel_values`` and names an image token): that token and the
+    number of features one image becomes (``image_seq_length``, else one per patch)."""
+    config = model.config
+    token = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    if token is None or "input_ids" not in params or "pixel_values" not in params:
+        return None, 0
+    n = getattr(config, "image_seq_length", None)
+    if n is None:
+        vis = _sub(config, "vision")
+        size, patch = getattr(vis, "image_size", 224), getattr(vis, "patch_size", 14)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        n = (size // (patch[0] if isinstance(patch, (list, tuple)) else patch)) ** 2
+    return int(token), int(n)
 
 
 def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
@@ -124,6 +154,33 @@ def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
     keep = [ln for ln in lines if not ln.startswith(("The error above occurred", "For more information"))][:12]
     return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}: {type(e).__name__}: "
             + "\n  ".join(keep))
+
+
+@contextlib.contextmanager
+def _no_cache(model, params, kwargs):
+    """A model that hands ``use_cache`` to its decoder through ``**kwargs`` (LLaVA-like)
+    is captured with its text config's ``use_cache`` off (a cache object is not a graph
+    output), restored after."""
+    text = _sub(model.config, "text")
+    if "use_cache" in params or "use_cache" in kwargs or not getattr(text, "use_cache", False):
+        yield
+        return
+    text.use_cache = False
+    try:
+        yield
+    finally:
+        text.use_cache = True
+
+
+def _as_signature(dynamic: dict, params) -> dict:
+    """``dynamic`` keyed as torch.export matches it to ``forward``'s parameters: the
+    entries ``forward`` takes through ``**kwargs`` go under that parameter's name."""
+    var = next((k for k, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if var is None or all(k in params for k in dynamic):
+        return dynamic
+    out = {k: dynamic[k] for k in params if k in dynamic}      # in the signature's order
+    out[var] = {k: v for k, v in dynamic.items() if k not in params}
+    return out
 
 
 # inputs whose dim 1 is never the token sequence (channels, mel bins)
@@ -198,8 +255,9 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     static_batch = static_seq = False
     for _ in range(5):
         try:
-            ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=_dynamic(
-                kwargs, None if static_batch else b, None if static_seq else s, lo, hi))
+            with _no_cache(model, params, kwargs):
+                ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=_as_signature(_dynamic(
+                    kwargs, None if static_batch else b, None if static_seq else s, lo, hi), params))
             break
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
             msg = str(e)

@@ -53,7 +53,8 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
 
 def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:
     """A graph whose batch torch.export had to make static (the model reads the batch
-    size as a Python int: CLIP's contrastive loss takes ``len(logits)``) is planned only
+    size as a Python int: CLIP's contrastive loss takes ``len(logits)``, LLaVA lists its
+    image features per sample) is planned only
     where nothing splits the batch: its rows would be cut without the plan knowing them
     as rows (a silent wrong gradient), and a loss comparing every sample with every
     other would turn block-local."""
@@ -63,6 +64,7 @@ def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:
     name = main_input(captured.example_inputs)
     node = next((n for n in captured.module.graph.nodes if n.op == "placeholder" and n.name == name), None)
     raise ShardingError(f"{captured.model_name}'s graph has a static batch: torch.export specialised it because the "
-                        f"model reads the batch size as a Python int (e.g. len(logits) in a contrastive loss), so "
+                        f"model reads the batch size as a Python int (e.g. len(logits) in a contrastive loss, or "
+                        f"image features listed per sample), so "
                         f"its rows cannot be split over {axes} ({policy.name}). Valid here: mode='1d' or '1d-sp' "
                         f"with dp=1, which keep the batch whole", node=node)

@@ -489,7 +489,16 @@ class _Engine:
                            for t in (v if isinstance(v, (list, tuple)) else [v]))
             if floating and any(a.name in out for a in n.all_input_nodes):
                 out.add(n.name)
-        return out
+        return out & self._live()
+
+    def _live(self) -> set[str]:
+        """The nodes an output depends on: backward reaches no other (LLaVA's vision
+        tower computes a last layer whose output it never reads)."""
+        live: set[str] = set()
+        for n in reversed(self.gm.graph.nodes):
+            if n.op == "output" or any(u.name in live for u in n.users):
+                live.add(n.name)
+        return live
 
     # ------------------------------------------------------------------- run
     def run(self) -> ShardingPlan:

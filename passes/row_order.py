@@ -208,6 +208,20 @@ def _gather(rf: _RowFacts, node):
     return None
 
 
+def _lookup(rf: _RowFacts, node):
+    """``table[i]`` with ``i`` on the rows and ``table`` not (an embedding, gpt-oss's
+    per-expert bias looked up by the sorted expert ids): one output row per row of
+    ``i``, in ``i``'s order."""
+    if node.target != aten.index.Tensor:
+        return None
+    x, idx = node.args
+    taken = [d for d, i in enumerate(idx) if i is not None]
+    xs, i_sh = rf.shape(x), (rf.shape(idx[0]) if taken == [0] else None)
+    if xs and not rf.rows(xs) and i_sh and rf.rows(i_sh) and rf.fact(idx[0]).order != CONFLICT:
+        return RowFact(order=rf.fact(idx[0]).order)
+    return None
+
+
 def _scatter(rf: _RowFacts, node):
     """``y[i] = v`` with ``i`` a permutation covering ``y``'s rows: the inverse permutation
     (``v`` an arange) or ``v``'s rows un-permuted (``v`` in ``i``'s order)."""
@@ -269,7 +283,7 @@ def _any_op(rf: _RowFacts, node):
 
 
 #: the rules in the order they are tried; the first to answer settles a node
-_RULES = (_getitem, _order_free, _arange, _sort, _floor_div, _gather, _scatter, _any_op)
+_RULES = (_getitem, _order_free, _arange, _sort, _floor_div, _gather, _lookup, _scatter, _any_op)
 
 
 def _dim_arg(node):

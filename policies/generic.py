@@ -118,8 +118,13 @@ def inplace(ctx: RuleContext) -> Choice:
     node = ctx.node
     dst = node.args[0]
     s = ctx.spec(dst)
-    if s.partial:
-        raise ShardingError("an in-place write into a partial sum cannot be made exact", node=node)
+    if s.partial and _fresh(dst, node):
+        # a new tensor only this write reads (a bias added to a row-parallel product in
+        # place): sum it first, the write then goes into the summed copy
+        s = s.with_partial(())
+    elif s.partial:
+        raise ShardingError("an in-place write into a partial sum that other nodes also read cannot be made exact",
+                            node=node)
     out_shape = ctx.pshape(dst)
     n = len(out_shape)
     inputs = {(0,): s}
@@ -131,6 +136,19 @@ def inplace(ctx: RuleContext) -> Choice:
                                  segments=tuple(s.segments[d + off] if sh[d] == out_shape[d + off] else 1
                                                 for d in range(len(sh))))
     return Choice(out=s, inputs=inputs)
+
+
+def _fresh(dst, node: fx.Node) -> bool:
+    """Whether ``dst`` is a new tensor (an op's result, no view of another) that
+    ``node`` alone reads."""
+    if not isinstance(dst, fx.Node) or dst.op != "call_function" or list(dst.users) != [node]:
+        return False
+    t = dst.target
+    if t is operator.getitem:                    # an element of a multi-output op: fresh as the op's results
+        t = dst.args[0].target if isinstance(dst.args[0], fx.Node) else None
+    if isinstance(t, torch._ops.OpOverload):
+        return not any(r.alias_info is not None for r in t._schema.returns)
+    return callable(t)      # our own graph functions (grouped_linear) return new tensors
 
 
 def writes_first_arg(t) -> bool:
@@ -388,8 +406,9 @@ def softmax(ctx: RuleContext) -> Choice:
 
 def slice_(ctx: RuleContext) -> Choice:
     """A full slice keeps any split. On a split dim, a step-1 slice of whole
-    segments (a piece of a fused projection) keeps the split with local bounds;
-    any other slice of a split dim needs it whole."""
+    segments (a piece of a fused projection) keeps the split with local bounds, and
+    a strided slice ``[b::k]`` (``b < k``) keeps it where every rank's block is a
+    multiple of ``k`` long; any other slice of a split dim needs it whole."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     args = list(ctx.node.args) + [None] * 5
@@ -408,8 +427,13 @@ def slice_(ctx: RuleContext) -> Choice:
     e = size if end is None else (end + size if isinstance(end, int) and end < 0 else end)
     if isinstance(b, int) and isinstance(e, int):
         e = min(e, size)
+        c = ctx.mesh.size(axes)
+        if step > 1 and 0 <= b < step and e == size and seg % c == 0 and (seg // c) % step == 0:
+            # every rank's block (per segment) starts at a multiple of the step, so the local
+            # strided slice takes that block's share of the dense one: an interleaved pair
+            # (gpt-oss's gate_up[..., ::2] and [..., 1::2]) splits as its source does
+            return Choice(out=s, inputs={(0,): s}, notes=(f"every {step}th from {b}, per rank's block",))
         if step == 1 and m > 1 and b % seg == 0 and e % seg == 0 and e > b:
-            c = ctx.mesh.size(axes)
             out = s.with_dim(d, axes, (e - b) // seg)
             return Choice(out=out, inputs={(0,): s}, patches={(2,): b // c, (3,): e // c},
                           notes=(f"segments {b // seg}..{e // seg - 1} of {m}",))

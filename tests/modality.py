@@ -27,6 +27,13 @@ FAMILIES = {
                   vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, image_size=16, patch_size=4),
                   projection_dim=32)),
+    "llava": ("LlavaForConditionalGeneration", "LlavaConfig",
+              dict(vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4),
+                   text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                    max_position_embeddings=64),
+                   image_token_index=127, image_seq_length=16, vision_feature_layer=-2)),
 }
 
 
@@ -35,9 +42,11 @@ PATTERNS = {
     "vit": "pixel_values, conv patch embedding, CLS token, classifier head ([batch] labels)",
     "whisper": "log-mel input_features, conv1d front end, encoder-decoder, frozen sinusoidal positions",
     "clip": "image-text dual encoder, contrastive loss over every image × text pair (a static batch)",
+    "llava": "vision-language: CLIP vision tower, projector, image features scattered into a Llama's token "
+             "sequence (a static batch: the features are listed per image)",
 }
 # the cells the batch-split modes refuse (a static batch; the rest pass)
-REFUSED = {("clip", m) for m in ("2d", "2.5d", "3d")}
+REFUSED = {(n, m) for n in ("clip", "llava") for m in ("2d", "2.5d", "3d")}
 
 
 def build_meta(name: str):
@@ -96,6 +105,10 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
         if not pp.trainable:            # frozen in the model (Whisper's sinusoidal encoder positions)
             if got is not None or dparams[pp.name].requires_grad:
                 failures.append(f"{pp.name}: frozen in the plan, a gradient here or trainable in the model")
+            continue
+        if dparams[pp.name].grad is None:     # no output depends on it (LLaVA's unread last vision layer)
+            if got is not None:
+                failures.append(f"grad {pp.name}: dense has none")
             continue
         if got is None:
             failures.append(f"grad {pp.name}: missing")

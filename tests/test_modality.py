@@ -22,8 +22,8 @@ import modality
 from dist_pool import get_pool
 
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
-FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d")}
-CELLS = [(n, m) for n in ("vit", "whisper") for m in MODES] + [("clip", "1d")]
+FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d"), ("llava", "1d")}
+CELLS = [(n, m) for n in ("vit", "whisper") for m in MODES] + [("clip", "1d"), ("llava", "1d")]
 
 
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, id=f"{n}-{m}",
@@ -51,6 +51,12 @@ def test_default_inputs_follow_the_model():
         shapes[name] = {k: (tuple(v.shape), str(v.dtype)) for k, v in ex.items()}
     assert shapes["vit"] == {"pixel_values": ((3, 3, 16, 16), "torch.float32"), "labels": ((3,), "torch.int64")}
     assert shapes["whisper"] == {"input_features": ((3, 8, 32), "torch.float32"), "labels": ((3, 5), "torch.int64")}
+    # a vision-language model: 16 image placeholders (one per patch) open each row, without a label
+    ex = default_example_inputs(modality.build("llava"), batch_size=3, seq_len=5)
+    assert {k: tuple(v.shape) for k, v in ex.items()} == {"input_ids": (3, 21), "attention_mask": (3, 21),
+                                                          "pixel_values": (3, 3, 16, 16), "labels": (3, 21)}
+    assert (ex["input_ids"][:, :16] == 127).all() and (ex["input_ids"][:, 16:] != 127).all()
+    assert (ex["labels"][:, :16] == -100).all() and (ex["labels"][:, 16:] == ex["input_ids"][:, 16:]).all()
 
 
 @pytest.mark.slow      # two real exports (15 s); the family tests run the same captures

@@ -198,21 +198,12 @@ def test_a_batch_that_does_not_split_is_refused():
         autoshard.plan(cfg, world_size=4, mode="1d", dp=2, batch_size=3, seq_len=8)
 
 
-@pytest.mark.slow      # a gpt-oss plan (20 s)
+@pytest.mark.slow      # a CLIP capture and plans (15 s)
 def test_a_refusal_past_the_maximum_positions_keeps_its_own_reason():
     """``plan()`` at a sequence longer than the model's positions blames the length only when
-    the model plans at its maximum; gpt-oss's 2d refusal (its rank-local routing) is its own."""
-    import warnings
+    the model plans at its maximum; CLIP's 2d refusal (its static batch) is its own."""
+    import modality
 
-    import transformers
-
-    import autoshard
-    import models
-
-    cls, cfg_cls, kw = models.TINY["gptoss"]
-    cfg = getattr(transformers, cfg_cls)(**kw)
-    cfg.architectures = [cls]
-    with warnings.catch_warnings(), pytest.raises(autoshard.ShardingError) as e:
-        warnings.simplefilter("ignore")
-        autoshard.plan(cfg, world_size=4, mode="2d", seq_len=128, batch_size=4)
-    assert "rank-local order" in str(e.value) and "max_position_embeddings" not in str(e.value)
+    with pytest.raises(autoshard.ShardingError) as e:
+        autoshard.plan(modality.build_meta("clip"), world_size=4, mode="2d", seq_len=64, batch_size=4)
+    assert "static batch" in str(e.value) and "max_position_embeddings" not in str(e.value), str(e.value)

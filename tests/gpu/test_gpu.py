@@ -75,6 +75,42 @@ def test_equal_to_dense_on_nccl(name, mode, depth):
         assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
 
 
+def _family(rank, world, name):
+    """A model of another modality (tests/modality.py) or gpt-oss (its experts run
+    ``torch._grouped_mm`` on CUDA, transformers' CPU fallback here): ``shard(model)``
+    with no example inputs, then its own batch on the GPU."""
+    import autoshard
+    import modality
+
+    torch.manual_seed(0)
+    dense = modality.build(name) if name in modality.FAMILIES else models.build(name)
+    batch = modality.inputs(name, dense, b=2) if name in modality.FAMILIES else models.batch(name)
+    dense.cuda()
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    sharded = autoshard.shard(copy.deepcopy(dense).cpu(), mode="1d")
+    out_d, out_s = dense(**inputs), sharded(**inputs)
+    out_d.loss.backward()
+    out_s.loss.backward()
+    grads = {n: p.grad for n, p in dense.named_parameters()}
+    worst = 0.0
+    for pp in sharded.plan.params:
+        p = dict(sharded.named_parameters()).get(pp.name)
+        if p is None or p.grad is None or grads.get(pp.name) is None:
+            continue
+        worst = max(worst, (p.grad - pp.spec.local(pp.pad(grads[pp.name]), sharded.mesh, rank)).abs().max().item())
+    key = "logits" if "logits" in out_d else "logits_per_image"
+    return {"device": str(sharded.device), "off_device": _local_device_only(sharded),
+            "out": (out_s[key] - out_d[key]).abs().max().item(),
+            "loss": abs(out_s.loss.item() - out_d.loss.item()), "grad": worst}
+
+
+@pytest.mark.parametrize("name", ["vit", "whisper", "llava", "gptoss"])
+def test_other_modalities_and_experts_on_nccl(name):
+    for rank, r in enumerate(run_on_gpus(_family, name)):
+        assert r["device"] == f"cuda:{rank}" and r["off_device"] == [], r
+        assert r["out"] <= 1e-5 and r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
+
+
 def _generate(rank, world):
     import autoshard
 
