@@ -66,8 +66,8 @@ def _linear_weight(node: fx.Node, params: set[str]) -> str | None:
         w = node.args[1]
     elif node.target == aten.addmm.default:
         w = node.args[2]
-    else:
-        w = node.args[1] if _is_param(node.args[1], params) else node.args[0]
+    else:       # mm / matmul: x @ W only; W @ x (Mamba's dt_proj.weight @ x) is a plain matmul
+        w = node.args[1]
     return w.target if _is_param(w, params) else None
 
 

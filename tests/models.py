@@ -33,6 +33,15 @@ TINY["gptoss"] = ("GptOssForCausalLM", "GptOssConfig",
                   {**TINY["llama"][2], "intermediate_size": 64, "head_dim": 16, "num_local_experts": 4,
                    "num_experts_per_tok": 2, "sliding_window": 4})
 TINY["gemma3"] = ("Gemma3ForCausalLM", "Gemma3TextConfig", {**TINY["llama"][2], "head_dim": 16, "sliding_window": 4})
+# state-space models: Mamba's selective scan (a Python loop over the sequence: a static sequence),
+# and Jamba's hybrid of scan layers, attention layers and experts
+TINY["mamba"] = ("MambaForCausalLM", "MambaConfig", dict(vocab_size=128, hidden_size=64, state_size=8,
+                                                         num_hidden_layers=2, expand=2, conv_kernel=4, use_cache=False))
+TINY["jamba"] = ("JambaForCausalLM", "JambaConfig",
+                 dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                      expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                      mamba_d_conv=4, mamba_expand=2, use_cache=False))
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
