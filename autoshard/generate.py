@@ -154,11 +154,29 @@ def step_class(cls: type, *, encoder_decoder: bool = False) -> type:
 
 def encoder_class(cls: type) -> type:
     """``cls`` whose forward runs its encoder alone: ``(input_ids, attention_mask) ->
-    last_hidden_state`` (an encoder-decoder's first generation step)."""
+    last_hidden_state`` (an encoder-decoder's first generation step), or
+    ``(input_features) -> last_hidden_state`` for a model led by log-mel frames (Whisper:
+    ``main_input_name``)."""
     def forward(self, input_ids, attention_mask):
         return self.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    def forward_features(self, input_features):
+        return self.get_encoder()(input_features=input_features).last_hidden_state
+
+    features = getattr(cls, "main_input_name", "input_ids") == "input_features"
+    return type(cls.__name__, (cls,), {"forward": forward_features if features else forward,
+                                       "__module__": cls.__module__})
+
+
+def encoder_example(config, model_class: type) -> dict:
+    """Example inputs of :func:`encoder_class`'s graph (on meta): token ids and their
+    mask, or log-mel frames (``2 · max_source_positions`` of them, as the encoder's
+    positions require)."""
+    if getattr(model_class, "main_input_name", "input_ids") == "input_features":
+        frames = 2 * int(getattr(config, "max_source_positions", 1500))
+        return {"input_features": torch.zeros(2, int(getattr(config, "num_mel_bins", 80)), frames, device="meta")}
+    return {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
+            "attention_mask": torch.zeros(2, 8, dtype=torch.long, device="meta")}
 
 
 def cache_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -381,8 +399,7 @@ class Generator:
         key = ("encoder", 0)
         if key not in self.graphs:
             r = self._recipe()
-            ex = {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
-                  "attention_mask": torch.zeros(2, 8, dtype=torch.long, device="meta")}
+            ex = encoder_example(r.config, r.model_class)
             self.graphs[key] = self._capture("encoder", encoder_class(r.model_class), lambda model: ex, None, batch, 8)
         return self.graphs[key]
 
@@ -473,7 +490,8 @@ def _lm_class(module, gen: Generator, cache, encoder) -> type:
     from transformers import GenerationMixin
 
     class ShardedLM(GenerationMixin, nn.Module):
-        main_input_name = "input_ids"
+        main_input_name = getattr(module.recipe.model_class, "main_input_name", "input_ids") \
+            if module.recipe is not None else "input_ids"
         base_model_prefix = "model"         # no base model: transformers' getattr(self, prefix, None) finds none
         _is_stateful = False
         _supports_cache_class = True
@@ -512,7 +530,8 @@ def _lm_class(module, gen: Generator, cache, encoder) -> type:
             return encoder
 
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                    decoder_input_ids=None, encoder_outputs=None, **kwargs):
+                    decoder_input_ids=None, encoder_outputs=None, input_features=None, **kwargs):
+            # input_features: read by the encoder graph (get_encoder) before the first step
             c = past_key_values if past_key_values is not None else cache
             return _lm_step(gen, c, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             decoder_input_ids=decoder_input_ids, encoder_outputs=encoder_outputs)
@@ -573,8 +592,11 @@ def _encoder_class() -> type:
             super().__init__()
             self.gen = gen
 
-        def forward(self, input_ids=None, attention_mask=None, return_dict=None, output_attentions=None,
-                    output_hidden_states=None):
+        def forward(self, input_ids=None, attention_mask=None, input_features=None, return_dict=None,
+                    output_attentions=None, output_hidden_states=None):
+            if input_features is not None:          # log-mel frames (Whisper): no mask
+                gm, _ = self.gen.encoder(input_features.shape[0])
+                return BaseModelOutput(last_hidden_state=gm(input_features=input_features))
             gm, _ = self.gen.encoder(input_ids.shape[0])
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)

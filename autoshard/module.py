@@ -327,8 +327,8 @@ class ShardedModule(nn.Module):
         return trim_rows(out, b, padded) if padded != b else out
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 max_len: int | None = None, **kwargs):
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                 max_len: int | None = None, input_features: torch.Tensor | None = None, **kwargs):
         """Hugging Face ``generate`` on this sharded causal LM, with a static KV cache that
         is itself sharded as the plan shards attention (:mod:`autoshard.generate`).
 
@@ -341,12 +341,23 @@ class ShardedModule(nn.Module):
         default generator, which must be in the same state on every rank (seed it alike:
         checked). Call on every rank with the same inputs.
 
+        A speech encoder-decoder (Whisper) takes ``input_features`` (log-mel frames) in
+        place of ``input_ids`` and decodes from its ``decoder_start_token_id``, as
+        transformers' ``GenerationMixin.generate`` does (the start token leads each
+        output; Whisper's own ``generate`` extras, timestamps and language detection,
+        are not run).
+
         Example (under ``torchrun``)::
 
             out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32)
         """
         from .generate import LEN_QUANTUM, sharded_lm
 
+        if input_features is not None:
+            return self._generate_from_features(input_features.to(self.device), max_len=max_len, **kwargs)
+        if input_ids is None:
+            raise ConfigError("generate() takes input_ids [batch, prompt length] (or input_features for a speech "
+                              "encoder-decoder)")
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
@@ -379,6 +390,31 @@ class ShardedModule(nn.Module):
         # rows beyond the batch: copies of the last prompt, cut from every output
         rows = pad_rows({"input_ids": input_ids, "attention_mask": attention_mask}, b, padded,
                         ("input_ids", "attention_mask"))
+        lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
+        out = lm.generate(**rows, past_key_values=cache, **kwargs)
+        return out if padded == b else trim_rows(out, b, padded)
+
+    def _generate_from_features(self, features: torch.Tensor, *, max_len: int | None, **kwargs):
+        """:meth:`generate` of an encoder-decoder led by log-mel frames ``[batch, mel, frames]``."""
+        from .generate import LEN_QUANTUM, is_encoder_decoder, sharded_lm
+
+        if not is_encoder_decoder(self.config) or features.dim() != 3:
+            raise ConfigError(f"generate(input_features=...) takes an encoder-decoder's log-mel frames [batch, mel "
+                              f"bins, frames]; got shape {list(features.shape)} for {type(self).__name__} "
+                              f"(encoder-decoder: {is_encoder_decoder(self.config)})")
+        b = features.shape[0]
+        gc = kwargs.get("generation_config") or self.generation_config
+        need = 1 + int(kwargs.get("max_new_tokens") or gc.max_new_tokens or max(int(gc.max_length or 20) - 1, 1))
+        max_len = max_len or -(-need // LEN_QUANTUM) * LEN_QUANTUM
+        lim = self._limits.get("max_positions")
+        if lim and max_len > lim[1]:
+            max_len = max(need, lim[1])
+        if need > max_len:
+            raise ConfigError(f"generate(): the start token + {need - 1} new tokens need {need} cache positions, "
+                              f"max_len={max_len}")
+        split = self.batch_split
+        padded = b + (-b % split)
+        rows = pad_rows({"input_features": features}, b, padded, ("input_features",))
         lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
         out = lm.generate(**rows, past_key_values=cache, **kwargs)
         return out if padded == b else trim_rows(out, b, padded)

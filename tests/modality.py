@@ -154,3 +154,22 @@ def check_static_seq(rank: int, world: int) -> dict:
         out[s] = ((got.logits - ref.logits).abs().max().item(), (got.loss - ref.loss).abs().item())
     out["signatures"] = [g.signature.describe() for g in sharded._graphs]
     return out
+
+
+def generate_whisper(rank: int, world: int, mode: str) -> dict:
+    """``sharded.generate(input_features=...)`` of a Whisper sharded with no example inputs,
+    against transformers' ``GenerationMixin.generate`` of the dense model (greedy, 8 new
+    tokens, the step scores returned): tokens and the worst score difference."""
+    import autoshard
+    from transformers import GenerationMixin
+
+    torch.set_num_threads(1)
+    dense = build("whisper").eval()
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode)
+    features = inputs("whisper", dense, b=3, seed=5)["input_features"]     # the same batch on every rank
+    kw = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = GenerationMixin.generate(dense, input_features=features, **kw)
+    got = sharded.generate(input_features=features, **kw)
+    return {"tokens": got.sequences.tolist(), "ref_tokens": ref.sequences.tolist(),
+            "scores": max((a - b).abs().max().item() for a, b in zip(ref.scores, got.scores)),
+            "steps": len(got.scores), "captures": sharded._generator.captures}

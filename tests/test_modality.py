@@ -45,6 +45,17 @@ def test_family_equals_dense(name, mode):
     assert res[0]["param_bytes"] < 0.6 * res[0]["dense_param_bytes"], res[0]
 
 
+@pytest.mark.parametrize("mode,world", [("1d", 2), pytest.param("2d", 4, marks=pytest.mark.slow)])
+def test_whisper_generates_as_dense(mode, world):
+    """A speech encoder-decoder generates from its log-mel frames: the encoder graph reads
+    ``input_features``, the decoder steps run on the sharded cache; tokens equal dense
+    ``GenerationMixin.generate`` and every step's scores are within 1e-5."""
+    for rank, r in enumerate(get_pool(world, timeout=600).run(modality.generate_whisper, mode)):
+        assert r["tokens"] == r["ref_tokens"], f"rank {rank}"
+        assert r["steps"] == 8 and r["scores"] <= 1e-5, r
+        assert r["captures"] <= 3, r      # the encoder, the prefill and the decode step, once each
+
+
 def test_default_inputs_follow_the_model():
     """What ``shard(model)`` captures with comes from the model's forward and config."""
     from autoshard.passes.capture import default_example_inputs
