@@ -354,16 +354,18 @@ class ShardedModule(nn.Module):
         from .generate import LEN_QUANTUM, sharded_lm
 
         if input_features is not None:
-            return self._generate_from_features(input_features.to(self.device), max_len=max_len, **kwargs)
-        if input_ids is None:
-            raise ConfigError("generate() takes input_ids [batch, prompt length] (or input_features for a speech "
-                              "encoder-decoder)")
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-        if input_ids.dim() != 2:
-            raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape {list(input_ids.shape)}")
-        b, p = input_ids.shape
+            rows, p = self._feature_rows(input_features.to(self.device)), 1      # decoding from the start token
+        else:
+            if input_ids is None:
+                raise ConfigError("generate() takes input_ids [batch, prompt length] (or input_features for a "
+                                  "speech encoder-decoder)")
+            input_ids = input_ids.to(self.device)
+            if input_ids.dim() != 2:
+                raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape "
+                                  f"{list(input_ids.shape)}")
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
+            rows, p = {"input_ids": input_ids, "attention_mask": mask}, input_ids.shape[1]
+        b = next(iter(rows.values())).shape[0]
         gc = kwargs.get("generation_config") or self.generation_config
         new = kwargs.get("max_new_tokens") or gc.max_new_tokens or max(int(gc.max_length or 20) - p, 1)
         need = p + int(new)
@@ -375,8 +377,6 @@ class ShardedModule(nn.Module):
         if need > max_len:
             raise ConfigError(f"generate(): prompt {p} + {new} new tokens need {need} cache positions, "
                               f"max_len={max_len}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         sample = kwargs.get("do_sample")
         if sample is None:
             sample = getattr(gc, "do_sample", False)
@@ -388,36 +388,21 @@ class ShardedModule(nn.Module):
         split = self.batch_split
         padded = b + (-b % split)
         # rows beyond the batch: copies of the last prompt, cut from every output
-        rows = pad_rows({"input_ids": input_ids, "attention_mask": attention_mask}, b, padded,
-                        ("input_ids", "attention_mask"))
+        rows = pad_rows(rows, b, padded, tuple(rows))
         lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
         out = lm.generate(**rows, past_key_values=cache, **kwargs)
         return out if padded == b else trim_rows(out, b, padded)
 
-    def _generate_from_features(self, features: torch.Tensor, *, max_len: int | None, **kwargs):
-        """:meth:`generate` of an encoder-decoder led by log-mel frames ``[batch, mel, frames]``."""
-        from .generate import LEN_QUANTUM, is_encoder_decoder, sharded_lm
+    def _feature_rows(self, features: torch.Tensor) -> dict:
+        """:meth:`generate`'s inputs for an encoder-decoder led by log-mel frames
+        ``[batch, mel bins, frames]`` (Whisper)."""
+        from .generate import is_encoder_decoder
 
         if not is_encoder_decoder(self.config) or features.dim() != 3:
             raise ConfigError(f"generate(input_features=...) takes an encoder-decoder's log-mel frames [batch, mel "
                               f"bins, frames]; got shape {list(features.shape)} for {type(self).__name__} "
                               f"(encoder-decoder: {is_encoder_decoder(self.config)})")
-        b = features.shape[0]
-        gc = kwargs.get("generation_config") or self.generation_config
-        need = 1 + int(kwargs.get("max_new_tokens") or gc.max_new_tokens or max(int(gc.max_length or 20) - 1, 1))
-        max_len = max_len or -(-need // LEN_QUANTUM) * LEN_QUANTUM
-        lim = self._limits.get("max_positions")
-        if lim and max_len > lim[1]:
-            max_len = max(need, lim[1])
-        if need > max_len:
-            raise ConfigError(f"generate(): the start token + {need - 1} new tokens need {need} cache positions, "
-                              f"max_len={max_len}")
-        split = self.batch_split
-        padded = b + (-b % split)
-        rows = pad_rows({"input_features": features}, b, padded, ("input_features",))
-        lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
-        out = lm.generate(**rows, past_key_values=cache, **kwargs)
-        return out if padded == b else trim_rows(out, b, padded)
+        return {"input_features": features}
 
     def generation_plan(self, step: str = "decode", max_len: int | None = None) -> ShardingPlan:
         """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
