@@ -466,3 +466,107 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
             times[name].append(time.perf_counter() - t0)
             calls[name] = led.count()
     return {"times": times, "calls": calls, "losses": losses}
+
+
+#: ATen ops counted as matmul compute in a step's breakdown (self time)
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
+                        "aten::_scaled_dot_product_flash_attention_for_cpu",
+                        "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})
+
+
+def step_breakdown(prof, step_s: float, opt_s: float) -> dict:
+    """One profiled step split by job (seconds): matmul compute (the ops of
+    :data:`MATMUL_OPS`, attention's fused kernel included), other compute (every other
+    ATen op outside the collectives and the optimizer: norms, rotary, residuals, loss,
+    copies), collectives (wall time of autoshard's collective ops, waits included),
+    optimizer (``opt.step``, timed around it), and the rest of the step's wall time:
+    framework overhead (Python, dispatch, autograd bookkeeping, custom-op glue)."""
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+
+    def inside(e, pred) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if pred(p):
+                return True
+            p = p.cpu_parent
+        return False
+
+    def is_comm(e):
+        return e.name.startswith("autoshard::")
+
+    def is_opt(e):
+        return e.name.startswith("Optimizer.step")
+
+    out = {"matmul": 0.0, "other_compute": 0.0, "collectives": 0.0}
+    for e in events:
+        if is_comm(e) and not inside(e, is_comm):
+            out["collectives"] += e.cpu_time_total / 1e6
+        elif e.name.startswith("aten::") and not inside(e, lambda p: is_comm(p) or is_opt(p)):
+            out["matmul" if e.name in MATMUL_OPS else "other_compute"] += e.self_cpu_time_total / 1e6
+    out["optimizer"] = opt_s
+    out["overhead"] = max(step_s - sum(out.values()), 0.0)
+    out["step"] = step_s
+    return out
+
+
+def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int,
+               modes: list) -> dict:
+    """TP efficiency on this pool: the dense model on one thread (rank 0; the others
+    wait) and each mode of ``modes`` on every rank, one thread each, timed step by step
+    alternately (forward + backward + AdamW); then one profiled step of each for the
+    breakdown (:func:`step_breakdown`)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import warnings
+
+    import autoshard
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    runs = {"dense": _tiny_llama(cfg_kw)} if rank == 0 else {}
+    errors = {}
+    for mode in modes:
+        try:
+            runs[mode] = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, example_inputs=inputs)
+        except autoshard.AutoshardError as e:        # raised alike on every rank, before any collective
+            errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in runs.items()}
+
+    def one(name):
+        m, opt = runs[name], opts[name]
+        opt.zero_grad(set_to_none=True)
+        loss = m(**inputs).loss
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        return loss, time.perf_counter() - t0
+
+    names = ["dense"] + [m for m in modes if m not in errors]
+    times = {n: [] for n in names}
+    losses = {}
+    for i in range(warmup + steps):          # alternate, so drift in host load hits every run alike
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name in runs:
+                loss, _ = one(name)
+                losses[name] = float(loss.detach())
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    breakdown = {}
+    for name in names:
+        dist.barrier()
+        if name not in runs:
+            dist.barrier()
+            continue
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            _, opt_s = one(name)
+            step_s = time.perf_counter() - t0
+        dist.barrier()
+        breakdown[name] = step_breakdown(prof, step_s, opt_s)
+    return {"times": times, "losses": losses, "breakdown": breakdown, "errors": errors}
