@@ -172,8 +172,8 @@ def _no_cache(model, params, kwargs):
         text.use_cache = True
 
 
-# tests set it to capture every graph with torch's guards deferred to run time, as the
-# retry above does for a guard an older torch cannot prove
+# True: every export defers torch's guards to run time, as the capture retry does for a
+# guard an older torch cannot prove (tests/passes/test_capture.py forces it on 2.13)
 _DEFER_GUARDS = False
 
 
