@@ -214,6 +214,34 @@ def collect_modality() -> dict:
     return out
 
 
+# decoders whose layers needed new rules to split (tests/models.py's configs), and what each brings
+RECENT = {
+    "olmo2": "q/k RMSNorm over the whole projection (a distributed norm in 1d)",
+    "gemma3": "per-head q/k norms in float cast back (type_as), sliding and global layers",
+    "gptoss": "attention sinks, experts with biases and an interleaved, clamped gate/up",
+    "mamba": "selective scan (a Python loop over the sequence: a static sequence), W @ x projections",
+    "jamba": "hybrid: scan layers, attention layers and experts",
+}
+
+
+def collect_recent() -> dict:
+    """``{(model, mode): Cell}`` of :data:`RECENT`, captured from the model on meta with the
+    test batch's shapes (4 × 8) and planned as the matrix plans its cells."""
+    import torch
+    import transformers
+
+    import models
+    from autoshard.passes.capture import capture
+
+    out = {}
+    for name in RECENT:
+        cls, cfg_cls, kw = models.TINY[name]
+        with torch.device("meta"):
+            model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**kw)).train()
+        out.update(_cells_of(name, capture(model, example_inputs=models.batch(name))))
+    return out
+
+
 def _cell_text(c: Cell) -> str:
     if c.status == "refused":
         return "**refused**"
@@ -227,7 +255,7 @@ def _cell_text(c: Cell) -> str:
     return txt + f" · ×{c.vs_ideal:.2f}, {c.params_split:.0%} / {c.flops_split:.0%}"
 
 
-def render(cells: dict, modality_cells: dict | None = None) -> str:
+def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict | None = None) -> str:
     """The markdown report (deterministic: a function of the cells only)."""
     archs = list(dict.fromkeys(a for a, _ in cells))
     modes = [m for m, _, _ in MODES]
@@ -288,6 +316,21 @@ def render(cells: dict, modality_cells: dict | None = None) -> str:
             row += [_cell_text(modality_cells[name, m]) if (name, m) in modality_cells else "—" for m in modes]
             lines.append("| " + " | ".join(row) + " |")
         cells = {**cells, **modality_cells}
+    if recent_cells:
+        import models
+
+        lines += ["", "## Recent decoders and state-space models", "",
+                  "Decoders whose layers needed rules of their own to split (configs in `tests/models.py`), planned "
+                  "from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo ranks: OLMo-2 and "
+                  "Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 (`tests/passes/test_propagate.py`), Mamba and Jamba "
+                  "at 1d@2 and 2d@4 (`tests/test_modality.py`).", "",
+                  "| model | patterns | " + " | ".join(f"{m} ({MESH[m]})" for m in modes) + " |",
+                  "|---|---|" + "---|" * len(modes)]
+        for name in dict.fromkeys(a for a, _ in recent_cells):
+            row = [f"`{name}` ({models.TINY[name][0]})", RECENT[name]]
+            row += [_cell_text(recent_cells[name, m]) if (name, m) in recent_cells else "—" for m in modes]
+            lines.append("| " + " | ".join(row) + " |")
+        cells = {**cells, **recent_cells}
     details = [(a, m, c) for (a, m), c in cells.items()
                if c.status != "pass" or c.replicated or c.vs_ideal > IDEAL_SLACK]
     if details:
@@ -346,7 +389,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dump:
         return dump_plans(args.dump)
-    text = render(collect(), collect_modality())
+    text = render(collect(), collect_modality(), collect_recent())
     if args.check:
         cur = open(args.out).read() if os.path.exists(args.out) else ""
         print("up to date" if cur == text else f"{args.out} is stale")

@@ -205,6 +205,12 @@ def test_the_support_report_lists_every_family():
             want = "refused" if (name, mode) in modality.REFUSED else "pass"
             assert M.reported(name, mode).status == want, (name, mode)
     assert "static batch" in M.reported("clip", "2d").reason
+    # the recent decoders and state-space models plan in every mode (Mamba's and Jamba's scans
+    # chunk and split their projections on whole tensors: fallbacks, exact)
+    for name in M.RECENT:
+        for mode in MODES:
+            want = "fallbacks" if name in ("mamba", "jamba") and mode != "1d" else "pass"
+            assert M.reported(name, mode).status == want, (name, mode)
 
 
 def test_a_static_sequence_gets_one_graph_per_length():
