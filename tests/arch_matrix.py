@@ -255,6 +255,20 @@ def _cell_text(c: Cell) -> str:
     return txt + f" · ×{c.vs_ideal:.2f}, {c.params_split:.0%} / {c.flops_split:.0%}"
 
 
+def _table(title: str, blurb: str, cells: dict, modes: list, describe) -> list[str]:
+    """The lines of a report table of ``cells``: a row per model, its class and patterns
+    from ``describe(name) -> (class name, patterns)``, a column per mode."""
+    lines = ["", f"## {title}", "", blurb, "",
+             "| model | patterns | " + " | ".join(f"{m} ({MESH[m]})" for m in modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
+    for name in dict.fromkeys(a for a, _ in cells):
+        cls, patterns = describe(name)
+        row = [f"`{name}` ({cls})", patterns]
+        row += [_cell_text(cells[name, m]) if (name, m) in cells else "—" for m in modes]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict | None = None) -> str:
     """The markdown report (deterministic: a function of the cells only)."""
     archs = list(dict.fromkeys(a for a, _ in cells))
@@ -302,34 +316,25 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
     if modality_cells:
         import modality
 
-        lines += ["", "## Images, audio, image-text", "",
-                  "Models led by `pixel_values` or `input_features` (configs in `tests/modality.py`), planned as "
-                  "`shard(model)` plans them with no example inputs: the inputs come from the model's forward and "
-                  "config (a batch of 4). `tests/test_modality.py` runs ViT and Whisper in every mode (1d on 2 ranks, "
-                  "2d on 4, 2.5d and 3d on 8) and CLIP in 1d on gloo ranks against the dense model, starting "
-                  "from `shard(model)` (ViT 1d and 2d and CLIP 1d in `make test`, the rest slow), and checks the "
-                  "refusals.", "",
-                  "| model | patterns | " + " | ".join(f"{m} ({MESH[m]})" for m in modes) + " |",
-                  "|---|---|" + "---|" * len(modes)]
-        for name in dict.fromkeys(a for a, _ in modality_cells):
-            row = [f"`{name}` ({modality.FAMILIES[name][0]})", modality.PATTERNS[name]]
-            row += [_cell_text(modality_cells[name, m]) if (name, m) in modality_cells else "—" for m in modes]
-            lines.append("| " + " | ".join(row) + " |")
+        lines += _table("Images, audio, image-text",
+                        "Models led by `pixel_values` or `input_features` (configs in `tests/modality.py`), planned as "
+                        "`shard(model)` plans them with no example inputs: the inputs come from the model's forward and "
+                        "config (a batch of 4). `tests/test_modality.py` runs ViT and Whisper in every mode (1d on 2 "
+                        "ranks, 2d on 4, 2.5d and 3d on 8) and CLIP in 1d on gloo ranks against the dense model, "
+                        "starting from `shard(model)` (ViT 1d and 2d and CLIP 1d in `make test`, the rest slow), and "
+                        "checks the refusals.",
+                        modality_cells, modes, lambda n: (modality.FAMILIES[n][0], modality.PATTERNS[n]))
         cells = {**cells, **modality_cells}
     if recent_cells:
         import models
 
-        lines += ["", "## Recent decoders and state-space models", "",
-                  "Decoders whose layers needed rules of their own to split (configs in `tests/models.py`), planned "
-                  "from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo ranks: OLMo-2 and "
-                  "Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 (`tests/passes/test_propagate.py`), Mamba and Jamba "
-                  "at 1d@2 and 2d@4 (`tests/test_modality.py`).", "",
-                  "| model | patterns | " + " | ".join(f"{m} ({MESH[m]})" for m in modes) + " |",
-                  "|---|---|" + "---|" * len(modes)]
-        for name in dict.fromkeys(a for a, _ in recent_cells):
-            row = [f"`{name}` ({models.TINY[name][0]})", RECENT[name]]
-            row += [_cell_text(recent_cells[name, m]) if (name, m) in recent_cells else "—" for m in modes]
-            lines.append("| " + " | ".join(row) + " |")
+        lines += _table("Recent decoders and state-space models",
+                        "Decoders whose layers needed rules of their own to split (configs in `tests/models.py`), "
+                        "planned from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo "
+                        "ranks: OLMo-2 and Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 "
+                        "(`tests/passes/test_propagate.py`), Mamba and Jamba at 1d@2 and 2d@4 "
+                        "(`tests/test_modality.py`).",
+                        recent_cells, modes, lambda n: (models.TINY[n][0], RECENT[n]))
         cells = {**cells, **recent_cells}
     details = [(a, m, c) for (a, m), c in cells.items()
                if c.status != "pass" or c.replicated or c.vs_ideal > IDEAL_SLACK]
