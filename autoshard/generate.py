@@ -45,7 +45,7 @@ from .launch.capture_share import capture_shared
 from .ir.errors import ConfigError
 from .io.hf_fill import meta_tensors
 from .ir.log import logger
-from .passes.capture import Captured, input_symbols, unlift
+from .passes.capture import Captured, input_symbols, log_mel_shape, unlift
 from .passes.pipeline import plan_captured, prepare
 from .ir.plan import ShardingPlan
 from .launch.recapture import rewrite_bound
@@ -163,18 +163,20 @@ def encoder_class(cls: type) -> type:
     def forward_features(self, input_features):
         return self.get_encoder()(input_features=input_features).last_hidden_state
 
-    features = getattr(cls, "main_input_name", "input_ids") == "input_features"
-    return type(cls.__name__, (cls,), {"forward": forward_features if features else forward,
-                                       "__module__": cls.__module__})
+    return type(cls.__name__, (cls,), {"forward": forward_features if _main_input(cls) == "input_features"
+                                       else forward, "__module__": cls.__module__})
+
+
+def _main_input(model_class: type) -> str:
+    """The input transformers' ``generate`` leads with (``main_input_name``)."""
+    return getattr(model_class, "main_input_name", "input_ids")
 
 
 def encoder_example(config, model_class: type) -> dict:
     """Example inputs of :func:`encoder_class`'s graph (on meta): token ids and their
-    mask, or log-mel frames (``2 · max_source_positions`` of them, as the encoder's
-    positions require)."""
-    if getattr(model_class, "main_input_name", "input_ids") == "input_features":
-        frames = 2 * int(getattr(config, "max_source_positions", 1500))
-        return {"input_features": torch.zeros(2, int(getattr(config, "num_mel_bins", 80)), frames, device="meta")}
+    mask, or log-mel frames (as many as the encoder's positions require)."""
+    if _main_input(model_class) == "input_features":
+        return {"input_features": torch.zeros(2, *log_mel_shape(config), device="meta")}
     return {"input_ids": torch.zeros(2, 8, dtype=torch.long, device="meta"),
             "attention_mask": torch.zeros(2, 8, dtype=torch.long, device="meta")}
 
@@ -490,8 +492,7 @@ def _lm_class(module, gen: Generator, cache, encoder) -> type:
     from transformers import GenerationMixin
 
     class ShardedLM(GenerationMixin, nn.Module):
-        main_input_name = getattr(module.recipe.model_class, "main_input_name", "input_ids") \
-            if module.recipe is not None else "input_ids"
+        main_input_name = _main_input(module.recipe.model_class) if module.recipe is not None else "input_ids"
         base_model_prefix = "model"         # no base model: transformers' getattr(self, prefix, None) finds none
         _is_stateful = False
         _supports_cache_class = True

@@ -60,10 +60,10 @@ def slowest_medians(per_rank: list[dict], key: str = "times") -> dict:
             for k, v in per_rank[0][key].items()}
 
 
-def add_llama_args(ap, *, batch: int) -> None:
+def add_llama_args(ap, *, batch: int, hidden: int = 256, layers: int = 2) -> None:
     """``--hidden``, ``--layers``, ``--batch`` of the benchmarks' tiny Llama (see :func:`llama_config`)."""
-    ap.add_argument("--hidden", type=int, default=256, help="hidden size (MLP 4x, 8 heads)")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=hidden, help="hidden size (MLP 4x, 8 heads)")
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--batch", type=int, default=batch)
 
 

@@ -38,15 +38,11 @@ def main(argv=None) -> int:
                     help="modes to time; a mode a world size cannot hold (2d on 2 ranks) is skipped")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=512, help="hidden size (MLP 4x, 8 heads)")
-    ap.add_argument("--layers", type=int, default=4)
+    _common.add_llama_args(ap, batch=8, hidden=512, layers=4)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args(argv)
-    cfg = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-               num_attention_heads=8, num_key_value_heads=8, vocab_size=args.vocab,
-               max_position_embeddings=max(256, args.seq))
+    cfg = {**_common.llama_config(args), "vocab_size": args.vocab, "max_position_embeddings": max(256, args.seq)}
     con = _common.console(200)
     con.print(f"Llama {cfg}; batch {args.batch} × seq {args.seq}; fp32; forward + backward + AdamW; "
               f"{args.steps} timed steps after {args.warmup} warm-up, alternating; 1 thread per rank")

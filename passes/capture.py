@@ -108,9 +108,8 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
         size = getattr(vis, "image_size", 224)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         out["pixel_values"] = torch.randn(batch_size, int(getattr(vis, "num_channels", 3)), *size, generator=g)
-    if "input_features" in params:      # log-mel frames: the encoder's positions × its conv stride (2)
-        frames = 2 * int(getattr(config, "max_source_positions", 1500))
-        out["input_features"] = torch.randn(batch_size, int(getattr(config, "num_mel_bins", 80)), frames, generator=g)
+    if "input_features" in params:
+        out["input_features"] = torch.randn(batch_size, *log_mel_shape(config), generator=g)
     if "input_values" in params and not out:
         out["input_values"] = torch.randn(batch_size, 16 * seq_len, generator=g)
     if not out:
@@ -126,6 +125,11 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
             if image_token is not None:
                 out["labels"][:, :n_image] = -100         # no loss on the image's placeholders
     return out
+
+
+def log_mel_shape(config) -> tuple[int, int]:
+    """``(mel bins, frames)`` of a speech encoder's input: its positions × its conv stride (2) frames."""
+    return int(getattr(config, "num_mel_bins", 80)), 2 * int(getattr(config, "max_source_positions", 1500))
 
 
 def _image_placeholders(model, params) -> tuple[int | None, int]:
