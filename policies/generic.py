@@ -86,7 +86,9 @@ def pointwise(ctx: RuleContext) -> Choice:
             off = n - len(sh)
             for d, axes in enumerate(s.dims):
                 j = d + off
-                if axes and not dims[j] and sh[d] == out_shape[j]:
+                taken = {x for dd in dims for x in dd}
+                # an axis already splitting another output dim stays there (the other input moves)
+                if axes and not dims[j] and sh[d] == out_shape[j] and not set(axes) & taken:
                     dims[j], segs[j] = axes, s.segments[d]
     used = {x for d in dims for x in d}
     partials = {tuple(ctx.spec(a).partial) for _, a in targs if ctx.spec(a).partial}
