@@ -16,6 +16,7 @@ from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
 from .planning.validate import Problem as _P
+from .io.gather import unique_params
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
 
@@ -31,11 +32,14 @@ class ShardedModule(nn.Module):
     as backward produces them.
 
     It answers as the model does: ``.config``, ``.generation_config``, ``.device``,
-    ``.dtype``. State: ``state_dict()`` is this rank's local slices (under HF names);
+    ``.dtype``. State: ``state_dict()`` gives DTensors under HF names (each mode's
+    layout as placements, :mod:`autoshard.io.dtensor`), as torch's
+    ``get_model_state_dict`` does; ``state_dict(local=True)`` this rank's local slices;
     ``full_state_dict()`` the dense tensors (collective); ``load_state_dict`` takes
-    either and slices a dense one through the plan::
+    any of the three and slices a dense one through the plan::
 
         sharded.load_state_dict(dense_model.state_dict())     # every rank, no collective
+        dcp.save(sharded.state_dict(), checkpoint_id="ckpt", planner=autoshard.io.dcp.SavePlanner())
     """
 
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
@@ -95,6 +99,7 @@ class ShardedModule(nn.Module):
         self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
+        self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self.set_grad_sync()
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
@@ -227,6 +232,7 @@ class ShardedModule(nn.Module):
             return self         # not materialised (sharded on meta without weights): nothing to move yet
         self.to(device)
         self._retarget(device)
+        self._device_mesh = None     # its device type follows the tensors'
         return self
 
     def __repr__(self) -> str:
@@ -235,18 +241,50 @@ class ShardedModule(nn.Module):
         return (f"ShardedModule({p.model}, mode={p.mode}, mesh={self.mesh}, rank={self.rank}, "
                 f"params={len(p.params)}, local_bytes={local:,})")
 
+    def state_dict(self, *args, local: bool = False, **kwargs):
+        """The module's tensors under their Hugging Face names: planned tensors as
+        DTensors on :attr:`device_mesh` (placements from the plan; a padded vocabulary at
+        its Hugging Face size), what torch's ``get_model_state_dict`` and DCP expect.
+        ``local=True``: this rank's local tensors (our own checkpoint format's view).
+        Outside a process group the local tensors (no mesh to place them on)."""
+        sd = super().state_dict(*args, **kwargs)
+        import torch.distributed as dist
+
+        if local or not dist.is_initialized() or args or kwargs.get("prefix"):
+            return sd
+        from .io.dtensor import dtensor_state_dict
+        return dtensor_state_dict(self, sd)
+
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.DeviceMesh`` over this module's mesh (axis names as the
+        plan's), on the plan's own process groups."""
+        if self._device_mesh is None:
+            from .io.dtensor import device_mesh
+            self._device_mesh = device_mesh(self)
+        return self._device_mesh
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load this rank's local state dict, or a full (dense) one, as DTensor / FSDP2 do.
+        """Load this rank's local state dict, a DTensor one, or a full (dense) one, as
+        DTensor / FSDP2 do.
 
         A tensor of a planned parameter with the global shape (where that differs
         from the local one) is sliced to this rank's block through the plan's spec
-        (:meth:`~autoshard.ir.spec.ShardSpec.local`); local tensors load as they are.
-        No collective: every rank slices its own part."""
+        (:meth:`~autoshard.ir.spec.ShardSpec.local`); local tensors load as they are;
+        DTensors laid out as the plan lays them give their local tensors (others are
+        gathered whole and sliced: collective). No collective otherwise: every rank
+        slices its own part."""
+        from torch.distributed.tensor import DTensor
+
+        from .io.dtensor import from_dtensor
+
         plans = {n: pp for pp in self.plan.params for n in (pp.name, *pp.aliases)}
         local = type(state_dict)() if isinstance(state_dict, dict) else {}
         for k, v in state_dict.items():
             pp = plans.get(k)
-            if pp is not None and isinstance(v, torch.Tensor):
+            if isinstance(v, DTensor):
+                v = from_dtensor(self, pp, v) if pp is not None else v.full_tensor()
+            elif pp is not None and isinstance(v, torch.Tensor):
                 gshape = tuple(pp.global_shape)
                 if tuple(v.shape) == pp.hf_shape and pp.pad_dim is not None:
                     v = pp.pad(v.detach())      # a dense tensor of a padded vocabulary
@@ -690,20 +728,6 @@ def _sync_hook(group: str):
     def hook(grad):
         return C.all_reduce(grad, group, "sum")
     return hook
-
-
-def unique_params(sharded):
-    """(ParamPlan, local parameter) once per tensor (tied aliases counted once)."""
-    params = dict(sharded.named_parameters(remove_duplicate=False))
-    seen = set()
-    for pp in sharded.plan.params:
-        if pp.is_buffer or pp.name not in params:
-            continue
-        p = params[pp.name]
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        yield pp, p
 
 
 def replicas(pp, mesh) -> int:

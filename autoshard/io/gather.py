@@ -29,7 +29,7 @@ from .safetensors_io import StreamWriter, write_atomic
 from ..ir.spec import ShardSpec
 
 __all__ = ["iter_full_state_dict", "full_state_dict", "save_pretrained", "write_folder", "parse_size",
-           "persistent_buffers"]
+           "persistent_buffers", "unique_params"]
 
 
 def _dist():
@@ -84,6 +84,20 @@ def _gather(sharded, local: torch.Tensor, spec: ShardSpec, shape, rank0_only: bo
         for r, blk in zip(order, lst):
             spec.place(out, blk, mesh, r)
     return out
+
+
+def unique_params(sharded):
+    """(ParamPlan, local parameter) once per tensor (tied aliases counted once)."""
+    params = dict(sharded.named_parameters(remove_duplicate=False))
+    seen = set()
+    for pp in sharded.plan.params:
+        if pp.is_buffer or pp.name not in params:
+            continue
+        p = params[pp.name]
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        yield pp, p
 
 
 def persistent_buffers(sharded) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,218 @@
+"""``torch.distributed.checkpoint`` (DCP) for sharded modules and their optimizers.
+
+DCP reshards by itself: a checkpoint stores each tensor's global shape and the
+rectangular chunks the ranks wrote, and a load reads whatever chunks overlap the
+blocks the loading ranks hold, in any mode and on any world size. Its default
+planners describe a rank's block of a DTensor as one rectangle; a fused q/k/v
+split per segment, or a 2d/3d block split out of mesh order, is several
+(``_StridedShard``, :mod:`autoshard.io.dtensor`), so :class:`SavePlanner` and
+:class:`LoadPlanner` write and read DTensors piece by piece
+(:func:`~autoshard.io.dtensor.local_pieces`) and leave everything else to DCP's
+defaults. Pass them to ``dcp.save`` / ``dcp.load``; :func:`save` and :func:`load`
+do so for a module and its optimizer::
+
+    import torch.distributed.checkpoint as dcp
+    from autoshard.io import dcp as adcp
+
+    adcp.save(sharded, "ckpt", optimizer=opt)            # every rank; any mode
+    adcp.load(other, "ckpt", optimizer=other_opt)        # another mode / world size
+    # or, by hand:
+    dcp.save({"model": sharded.state_dict()}, checkpoint_id="ckpt", planner=adcp.SavePlanner())
+
+The optimizer state is keyed by parameter name, as torch's ``get_optimizer_state_dict``
+keys it, with each per-parameter tensor laid out as its parameter (a DTensor), so it
+reshards with the model. A dense Hugging Face folder loads through DCP's own
+``HuggingFaceStorageReader``::
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    dcp.load(sharded.state_dict(), storage_reader=HuggingFaceStorageReader(folder), planner=adcp.LoadPlanner())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint import planner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from ..ir.errors import CheckpointError
+from .dtensor import from_dtensor, local_pieces, to_dtensor
+
+__all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict"]
+
+
+def _pieces(value) -> list[tuple[tuple, tuple, tuple]]:
+    """The non-empty pieces of a DTensor's global tensor this rank holds."""
+    dm = value.device_mesh
+    return [p for p in local_pieces(tuple(value.shape), value.placements, tuple(dm.mesh.shape), dm.get_coordinate())
+            if all(p[2])]
+
+
+def _piece(local: torch.Tensor, loff: tuple, size: tuple) -> torch.Tensor:
+    out = local
+    for d, (o, s) in enumerate(zip(loff, size)):
+        out = out.narrow(d, o, s)
+    return out
+
+
+class SavePlanner(default_planner.DefaultSavePlanner):
+    """DCP's default save planner; each DTensor is written as the rectangular pieces
+    this rank holds (one unless a strided shard makes several). Replicas of a piece
+    are written once (DCP's own de-duplication)."""
+
+    def create_local_plan(self):
+        plain = {k: v for k, v in self.state_dict.items() if not isinstance(v, DTensor)}
+        plan = default_planner.create_default_local_save_plan(plain, self.is_coordinator)
+        items = list(plan.items)
+        self._where: dict = {}
+        for fqn, v in self.state_dict.items():
+            if not isinstance(v, DTensor):
+                continue
+            props = md.TensorProperties.create_from_tensor(v.to_local())
+            for goff, loff, size in _pieces(v):
+                self._where[(fqn, goff)] = (loff, size)
+                items.append(planner.WriteItem(
+                    index=md.MetadataIndex(fqn, torch.Size(goff)), type=planner.WriteItemType.SHARD,
+                    tensor_data=planner.TensorWriteData(
+                        chunk=md.ChunkStorageMetadata(offsets=torch.Size(goff), sizes=torch.Size(size)),
+                        properties=props, size=v.size())))
+        plan = dataclasses.replace(plan, items=items)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
+    def lookup_object(self, index):
+        at = self._where.get((index.fqn, tuple(index.offset or ())))
+        if at is None:
+            return super().lookup_object(index)
+        local = self.state_dict[index.fqn].to_local()
+        piece = _piece(local, *at)
+        # a piece short of the whole local tensor is copied: a view would be written with all its storage
+        return piece if piece.numel() == local.numel() else piece.contiguous().clone()
+
+
+class LoadPlanner(default_planner.DefaultLoadPlanner):
+    """DCP's default load planner; each DTensor is read into the rectangular pieces
+    this rank holds, from whatever chunks of the checkpoint overlap them (any mode,
+    any world size saved it), in place."""
+
+    def create_local_plan(self):
+        plain = {k: v for k, v in self.state_dict.items() if not isinstance(v, DTensor)}
+        plan = default_planner.create_default_local_load_plan(plain, self.metadata, not self.allow_partial_load)
+        items = list(plan.items)
+        self._where: dict = {}
+        for fqn, v in self.state_dict.items():
+            if not isinstance(v, DTensor):
+                continue
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            if saved is None:
+                if self.allow_partial_load:
+                    continue
+                raise CheckpointError(f"{fqn}: not in the checkpoint (it holds "
+                                      f"{len(self.metadata.state_dict_metadata)} entries)")
+            if tuple(saved.size) != tuple(v.shape):
+                raise CheckpointError(f"{fqn}: the checkpoint's tensor is {list(saved.size)}, this module's "
+                                      f"{list(v.shape)} (another model or config?)")
+            chunks = []
+            for goff, loff, size in _pieces(v):
+                self._where[(fqn, goff)] = (loff, size)
+                chunks.append(md.ChunkStorageMetadata(offsets=torch.Size(goff), sizes=torch.Size(size)))
+            items += create_read_items_for_chunk_list(fqn, saved, chunks)
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index):
+        at = self._where.get((index.fqn, tuple(index.offset or ())))
+        if at is None:
+            return super().lookup_tensor(index)
+        return _piece(self.state_dict[index.fqn].to_local(), *at)
+
+
+# ------------------------------------------------------------------------------ optimizer state
+
+def _param_names(sharded) -> dict[int, object]:
+    """id(local parameter) -> its ParamPlan (tied aliases once, under the plan's name)."""
+    from .gather import unique_params
+
+    return {id(p): pp for pp, p in unique_params(sharded)}
+
+
+def optimizer_state_dict(sharded, optimizer) -> dict:
+    """``optimizer``'s state keyed by parameter name, as torch's ``get_optimizer_state_dict``
+    gives it: ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``,
+    with every tensor shaped as its parameter a DTensor laid out as that parameter (sharing
+    the optimizer's storage). No collective."""
+    names = _param_names(sharded)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in names for p in params):
+        raise CheckpointError("the optimizer holds tensors that are not this module's parameters")
+    raw = optimizer.state_dict()
+    state = {}
+    for i, p in enumerate(params):
+        pp = names[id(p)]
+        if i not in raw["state"]:
+            continue
+        state[pp.name] = {k: (to_dtensor(sharded, pp, v) if isinstance(v, torch.Tensor) and v.shape == p.shape
+                              and v.dim() else v) for k, v in raw["state"][i].items()}
+    groups, at = [], 0
+    for g in raw["param_groups"]:
+        n = len(g["params"])
+        groups.append({**g, "params": [names[id(p)].name for p in params[at:at + n]]})
+        at += n
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_dict(sharded, optimizer, osd: dict) -> None:
+    """Load what :func:`optimizer_state_dict` gives (from this mode or another: DTensors
+    laid out otherwise are gathered and sliced) into ``optimizer``."""
+    names = _param_names(sharded)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {names[id(p)].name: i for i, p in enumerate(params)}
+    plans = {pp.name: pp for pp in names.values()}
+    state = {}
+    for name, st in osd["state"].items():
+        if name not in index:
+            raise CheckpointError(f"optimizer state for {name!r}, which the optimizer does not hold")
+        state[index[name]] = {k: (from_dtensor(sharded, plans[name], v) if isinstance(v, DTensor) else v)
+                              for k, v in st.items()}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _init_state(optimizer) -> None:
+    """Give every parameter its optimizer state (zero gradients, one step at lr 0): a load
+    needs tensors to read into. torch's own helper where it has one."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            p.grad = None
+
+
+# ------------------------------------------------------------------------------ module + optimizer
+
+def save(sharded, path, *, optimizer=None) -> None:
+    """Save ``sharded`` (and ``optimizer``'s state) as a DCP checkpoint in ``path``.
+    Collective: call on every rank. Loads back in any mode and world size (:func:`load`)."""
+    state = {"model": sharded.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(sharded, optimizer)
+    dcp.save(state, checkpoint_id=str(path), planner=SavePlanner())
+
+
+def load(sharded, path, *, optimizer=None) -> None:
+    """Load a DCP checkpoint written by :func:`save` (any mode, any world size) into
+    ``sharded`` and ``optimizer``, in place. Collective: call on every rank."""
+    state = {"model": sharded.state_dict()}
+    if optimizer is not None:
+        _init_state(optimizer)
+        state["optim"] = optimizer_state_dict(sharded, optimizer)
+    dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner())
+    if optimizer is not None:
+        load_optimizer_state_dict(sharded, optimizer, state["optim"])
