@@ -119,7 +119,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
-          sequence_parallel: bool = False, device: "torch.device | str | None" = None) -> ShardedModule:
+          sequence_parallel: bool = False, device: "torch.device | str | None" = None,
+          fsdp: bool = False) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -172,6 +173,10 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     (or meta, with ``weights=``): only the slices reach the device, and every graph
     literal and constant follows them; calls move their inputs there.
 
+    ``fsdp=True`` (with ``dp > 1``) hands the module to torch's FSDP2 over the ``dp``
+    axis (:mod:`autoshard.runtime.fsdp`): each rank keeps ``1/dp`` of its TP block of
+    every parameter at rest (dense / (tp·dp) bytes); build the optimizer afterwards.
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -179,6 +184,9 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         out.loss.backward()
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.shard")
+    if fsdp and dp < 2:
+        raise ConfigError(f"fsdp=True shards the parameters over the data-parallel replicas: it needs dp >= 2, "
+                          f"got dp={dp}")
     if isinstance(model, (str, os.PathLike)):
         if weights is not None:
             raise ConfigError("shard(path) reads the weights from the folder: pass weights= only with a model")
@@ -186,7 +194,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
                         activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
-                        device=device)
+                        device=device, fsdp=fsdp)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
@@ -224,9 +232,13 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                                 gather_logits=gather_logits, dropout=dropout, rank=rank, world=world)
         if key is not None:
             launch_cache.store(key, launched.gm, launched.plan, launched.groups, launched.facts.to_dict())
-    return _finish(model, launched, rank=rank, weights=weights, debug=debug,
-                   activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
-                   dropout=dropout, adapters=adapters).place(device)
+    out = _finish(model, launched, rank=rank, weights=weights, debug=debug,
+                  activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                  dropout=dropout, adapters=adapters).place(device)
+    if fsdp:
+        from .runtime.fsdp import fully_shard_dp
+        fully_shard_dp(out)
+    return out
 
 
 def _relaunch(entry, model, pol, *, mode: str, example_inputs, rank: int, world: int) -> Launched:

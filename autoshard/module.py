@@ -127,6 +127,11 @@ class ShardedModule(nn.Module):
         for p, group in self._synced_params(exclude):
             self._hooks.append(p.register_hook(_sync_hook(group)))
 
+    def clear_grad_sync(self) -> None:
+        """Remove the gradient hooks (:meth:`set_grad_sync`): whoever takes the
+        parameters over syncs their gradients (FSDP2, :mod:`autoshard.runtime.fsdp`)."""
+        self._drop_grad_hooks()
+
     def _drop_grad_hooks(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -69,7 +69,10 @@ def grad_norm(sharded) -> torch.Tensor:
     for pp, p in unique_params(sharded):
         if p.grad is None:
             continue
-        total += p.grad.detach().double().pow(2).sum() / replicas(pp, sharded.mesh)
+        g, copies = _local_grad(p), replicas(pp, sharded.mesh)
+        if g is not p.grad:         # FSDP2: this rank's dp chunk of the TP block, held once over dp
+            copies //= sharded.mesh.dp
+        total += g.detach().double().pow(2).sum() / copies
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()
@@ -83,8 +86,14 @@ def clip_grad_norm_(sharded, max_norm: float) -> torch.Tensor:
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)     # on the device: no host sync
     for _, p in unique_params(sharded):
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            _local_grad(p).mul_(coef.to(p.grad.dtype))
     return norm.float()
+
+
+def _local_grad(p) -> torch.Tensor:
+    """``p.grad``, or its local tensor where FSDP2 made it a DTensor over ``dp``."""
+    g = p.grad
+    return g.to_local() if hasattr(g, "to_local") else g
 
 
 def local_rows(sharded, batch: dict) -> dict:
