@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "model on a mesh (1d / 2d / 2.5d / 3d or auto), or check that it can be sharded.",
         epilog="run `autoshard plan --help` or `autoshard check --help` for the options and examples")
     sub = ap.add_subparsers(dest="command", required=True,
-                            metavar="{plan,check,verify,diff,export,profile,cache}")
+                            metavar="{plan,check,verify,diff,export,convert,profile,cache}")
     pp = sub.add_parser("plan", formatter_class=_Help, help="print the plan table, summary and cost",
                         description="Plan MODEL_OR_CONFIG on WORLD_SIZE ranks and print the per-node plan table, "
                                     "a per-rank summary (parameter, gradient, optimizer and activation bytes, "
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(sub)
     _add_diff(sub)
     _add_export(sub)
+    _add_convert(sub)
     _add_profile(sub)
     _add_cache(sub)
     return ap
@@ -661,6 +662,39 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _add_convert(sub) -> None:
+    cp = sub.add_parser("convert", formatter_class=_Help, help="convert between our checkpoint format and DCP",
+                        description="Convert a checkpoint in one process, no torchrun. Our sharded format "
+                                    "(manifest.json + rank files, from save_checkpoint) becomes a "
+                                    "torch.distributed.checkpoint (DCP) folder that autoshard.io.dcp.load reads "
+                                    "in any mode and world size; a DCP folder (from autoshard.io.dcp.save) becomes "
+                                    "a dense Hugging Face folder, which from_pretrained loads in any mode and "
+                                    "save_checkpoint writes in our format. The source's kind is detected.",
+                        epilog="examples:\n  autoshard convert ckpt/step_000030 ckpt-dcp/     # ours -> DCP\n"
+                               "  autoshard convert ckpt-dcp/ my-model/              # DCP -> HF folder\n\n"
+                               "exit status: 0 written, 2 bad arguments or an unreadable checkpoint.")
+    cp.add_argument("source", metavar="SOURCE", help="our checkpoint folder, or a DCP folder (.metadata)")
+    cp.add_argument("out", metavar="OUT", help="the folder to write")
+
+
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from .io.dcp import checkpoint_to_dcp, dcp_to_folder
+    from .ir.errors import CheckpointError
+
+    src = Path(args.source)
+    if (src / ".metadata").exists():
+        out = dcp_to_folder(src, args.out, progress=sys.stderr.isatty())
+        print(f"wrote {out}: a dense Hugging Face folder ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    elif (src / "manifest.json").exists():
+        out = checkpoint_to_dcp(src, args.out)
+        print(f"wrote {out}: a DCP checkpoint (load it with autoshard.io.dcp.load in any mode)")
+    else:
+        raise CheckpointError(f"{src}: neither our checkpoint (manifest.json) nor a DCP one (.metadata)")
+    return 0
+
+
 def cmd_export(args) -> int:
     from .io.builder import resolve_class
     from .io.export import export_checkpoint
@@ -704,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_diff(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "convert":
+            return cmd_convert(args)
         if args.command == "profile":
             return cmd_profile(args)
         if args.command == "cache":

@@ -570,3 +570,67 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
         dist.barrier()
         breakdown[name] = step_breakdown(prof, step_s, opt_s)
     return {"times": times, "losses": losses, "breakdown": breakdown, "errors": errors}
+
+
+def zero_vs_fsdp(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int, s: int, steps: int,
+                 warmup: int) -> dict:
+    """Training-step time (forward + backward + AdamW, 1 micro-batch) and bytes per rank of
+    the same layout with its data-parallel memory handled four ways: plain AdamW
+    (every replica holds everything), ZeRO-1, ZeRO-2 (autoshard.training.zero) and FSDP2
+    over dp (``fsdp=True``). Bytes: parameters at rest, gradients after backward (what
+    the optimizer reads: ZeRO-2's chunks, FSDP's reduce-scattered shards) and the
+    optimizer state after a step. Same weights and batch; runs timed alternately."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.training import train as T
+    from autoshard.training.zero import optimizer_state_bytes
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    full = _batch(cfg_kw["vocab_size"], b, s)
+    tp = world // dp
+    rows = b // dp
+    inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
+    base = _tiny_llama(cfg_kw)
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    runs = {}
+    for name, zero, fsdp in (("plain AdamW", 0, False), ("ZeRO-1", 1, False), ("ZeRO-2", 2, False),
+                             ("FSDP2", 0, True)):
+        m = autoshard.shard(copy.deepcopy(base), mode=mode, dp=dp, example_inputs=inputs, fsdp=fsdp)
+        opt, _ = T.make_optimizer(m, lr=1e-4, steps=steps + warmup, zero=zero)
+        runs[name] = (m, opt)
+
+    def one(m, opt):
+        opt.zero_grad(set_to_none=True)
+        loss = m(**inputs).loss
+        loss.backward()
+        grads = sum(nbytes(p.grad) for p in m.parameters() if p.grad is not None)
+        grads += sum(nbytes(g) for g in getattr(opt, "_gshard", []) if g is not None)
+        opt.step()
+        return float(loss.detach()), grads
+
+    times: dict = {k: [] for k in runs}
+    out = {k: {} for k in runs}
+    for i in range(warmup + steps):
+        for name, (m, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, grads = one(m, opt)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            out[name] = {"loss": loss, "grad_bytes": grads}
+    for name, (m, opt) in runs.items():
+        out[name]["param_bytes"] = sum(nbytes(p) for p in m.parameters())
+        out[name]["optimizer_bytes"] = optimizer_state_bytes(opt)
+    dense = sum(p.numel() * p.element_size() for p in base.parameters())
+    return {"times": times, "bytes": out, "dense_param_bytes": dense}

@@ -26,6 +26,10 @@ reshards with the model. A dense Hugging Face folder loads through DCP's own
 
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     dcp.load(sharded.state_dict(), storage_reader=HuggingFaceStorageReader(folder), planner=adcp.LoadPlanner())
+
+Our own per-rank format converts both ways in one process (``autoshard convert``):
+:func:`checkpoint_to_dcp` (ours -> DCP) and :func:`dcp_to_folder` (DCP -> a dense Hugging
+Face folder, which loads in any mode and is saved in our format by ``save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from torch.distributed.tensor import DTensor
 from ..ir.errors import CheckpointError
 from .dtensor import from_dtensor, local_pieces, to_dtensor
 
-__all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict"]
+__all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict",
+           "checkpoint_to_dcp", "dcp_to_folder"]
 
 
 def _pieces(value) -> list[tuple[tuple, tuple, tuple]]:
@@ -204,6 +209,7 @@ def save(sharded, path, *, optimizer=None) -> None:
     if optimizer is not None:
         state["optim"] = optimizer_state_dict(sharded, optimizer)
     dcp.save(state, checkpoint_id=str(path), planner=SavePlanner())
+    _write_config(sharded, path)
 
 
 def load(sharded, path, *, optimizer=None) -> None:
@@ -216,3 +222,85 @@ def load(sharded, path, *, optimizer=None) -> None:
     dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner())
     if optimizer is not None:
         load_optimizer_state_dict(sharded, optimizer, state["optim"])
+
+
+# ------------------------------------------------------------------------------ converters
+
+def _write_config(sharded, path) -> None:
+    """``config.json`` next to the DCP files (rank 0), so the folder converts to a Hugging
+    Face one without the model at hand."""
+    import torch.distributed as dist
+
+    from .builder import with_architecture
+
+    config = getattr(sharded, "config", None)
+    if config is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        with_architecture(config, sharded.plan.model).save_pretrained(str(path))
+
+
+def checkpoint_to_dcp(src, out, *, verify: bool = True, progress: bool = False):
+    """Our sharded checkpoint (:meth:`~autoshard.module.ShardedModule.save_checkpoint`, any
+    mode and world size) as a DCP checkpoint :func:`load` reads at any mode and world size:
+    the model's tensors under ``model.<HF name>`` (tied aliases and persistent buffers
+    included, as ``state_dict()`` lists them), and ``config.json``. One process, no
+    process group; the dense model in memory (DCP writes one dict). The optimizer state
+    stays behind (our format keeps it per rank; resume from our format for it)."""
+    from pathlib import Path
+
+    from ..ir.mesh import Mesh
+    from ..ir.spec import replicated
+    from .builder import build_meta, load_config, resolve_class
+    from .sharded_format import Saved, checkpoint_class, read_manifest, verify_checkpoint
+
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise CheckpointError(f"no such directory: {src}")
+    man = read_manifest(src)
+    if verify:
+        verify_checkpoint(src, man)
+    saved = Saved(src, man)
+    one = Mesh(axes=("tp",), sizes=(1,))
+    model: dict = {}
+    for key, ent in man["tensors"].items():
+        if ent["kind"] != "param":
+            continue
+        full = saved.local(key, replicated(len(ent["global_shape"])), one, 0, dtype=getattr(torch, ent["dtype"]))
+        for n in (ent["param"], *ent["aliases"]):
+            model[n] = full
+    saved.files.close()
+    if (src / "config.json").exists():
+        config = load_config(src)
+        built = build_meta(config, model_class=resolve_class(config, checkpoint_class(man, None, config)))
+        model.update({n: b for n, b in built.buffers.items() if n in built.persistent and n not in model})
+        config.save_pretrained(str(out))
+    dcp.save({"model": model}, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+def dcp_to_folder(src, out, *, max_shard_size="5GB", progress: bool = False):
+    """A DCP checkpoint written by :func:`save` (or :func:`checkpoint_to_dcp`) as a dense
+    Hugging Face folder (safetensors + its ``config.json``): what ``from_pretrained``,
+    :func:`autoshard.shard` (a path) and :func:`autoshard.from_pretrained` load, in any
+    mode, and :meth:`~autoshard.module.ShardedModule.save_checkpoint` turns into our
+    format. One process, no process group; the dense model in memory."""
+    from pathlib import Path
+
+    from .builder import load_config
+    from .gather import write_folder
+
+    src, out = Path(src), Path(out)
+    if not (src / ".metadata").exists():
+        raise CheckpointError(f"{src}: not a DCP checkpoint (no .metadata)")
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}        # filled from the checkpoint's own metadata (what dcp_to_torch_save does)
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(src)),
+                     planner=default_planner._EmptyStateDictLoadPlanner(), no_dist=True)
+    model = state.get("model")
+    if not isinstance(model, dict) or not model:
+        raise CheckpointError(f"{src}: no 'model' entries (written by autoshard.io.dcp.save?); it holds "
+                              f"{sorted(state)}")
+    config = load_config(src) if (src / "config.json").exists() else None
+    entries = [(n, tuple(t.shape), t.dtype) for n, t in model.items()]
+    write_folder(out, entries, iter(model.items()), config, max_shard_size=max_shard_size, progress=progress)
+    return out

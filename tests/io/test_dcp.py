@@ -169,6 +169,16 @@ def test_dcp_saved_at_2d_loads_at_1d_and_3d(name):
             assert r["losses"] == pytest.approx(ref["losses"], abs=1e-5), (mode, rank, r["losses"], ref["losses"])
         for k, v in ref["after"].items():
             assert (got[0]["after"][k] - v).abs().max().item() <= 1e-4, (mode, k)
+    # DCP -> a dense Hugging Face folder (autoshard convert), which transformers loads
+    import transformers
+
+    from autoshard.cli import main
+
+    folder = tempfile.mkdtemp(prefix="dcp-hf-")
+    assert main(["convert", path, folder]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        assert (hf(**models.batch(name)).logits - ref["logits"]).abs().max().item() <= 1e-5
     # control: without the optimizer state the next steps go elsewhere
     fresh = get_pool(4, timeout=TIMEOUT).run(_load_other, name, "1d", path, False, ref["saved"])[0]
     assert fresh["not_exact"] == []
@@ -194,4 +204,33 @@ def test_a_hugging_face_folder_loads_through_dcps_own_reader(tmp_path):
     with torch.no_grad():
         want = dense(**models.batch("llama")).logits
     for rank, got in enumerate(get_pool(4, timeout=TIMEOUT).run(_from_hf_folder, "llama", "2d", str(tmp_path))):
+        assert (got - want).abs().max().item() <= 1e-5, rank
+
+
+def _save_ours(rank, world, name, path):
+    _, inputs, sharded = _shard(name, "1d")
+    sharded.load_state_dict(models.build(name, seed=1).state_dict())
+    sharded.save_checkpoint(path)
+
+
+def _load_dcp(rank, world, name, path):
+    from autoshard.io import dcp as adcp
+
+    _, inputs, sharded = _shard(name, "2d")
+    adcp.load(sharded, path)
+    with torch.no_grad():
+        return sharded(**inputs).logits
+
+
+def test_our_checkpoint_converts_to_dcp(tmp_path):
+    """``autoshard convert`` of a checkpoint in our format (1d@2) gives a DCP folder a 2d@4
+    module loads (tied aliases and buffers included)."""
+    from autoshard.cli import main
+
+    ours, out = str(tmp_path / "ours"), str(tmp_path / "dcp")
+    get_pool(2, timeout=TIMEOUT).run(_save_ours, "gpt2", ours)
+    assert main(["convert", ours, out]) == 0
+    with torch.no_grad():
+        want = models.build("gpt2", seed=1)(**models.batch("gpt2")).logits
+    for rank, got in enumerate(get_pool(4, timeout=TIMEOUT).run(_load_dcp, "gpt2", out)):
         assert (got - want).abs().max().item() <= 1e-5, rank
