@@ -17,7 +17,7 @@ from dist_pool import get_pool
 from test_train import ACCUM, CLIP, LR, STEPS, _dense_reference, _global_batches
 
 
-def _fsdp_run(rank, world, name, mode, dp, steps):
+def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
     import autoshard
     from autoshard.training import train as T
 
@@ -26,7 +26,7 @@ def _fsdp_run(rank, world, name, mode, dp, steps):
     model = models.build(name)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     example = T.local_rows_for(dp, rank // (world // dp), batches[0])
-    sharded = autoshard.shard(model, mode=mode, dp=dp, example_inputs=example, fsdp=True,
+    sharded = autoshard.shard(model, mode=mode, dp=dp, depth=depth, example_inputs=example, fsdp=True,
                               captured=models.shared_capture(name, model, example))
     at_rest = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
     tp_bytes = sum(pp.local_bytes(sharded.mesh) for pp in sharded.plan.params if not pp.is_buffer)
