@@ -100,6 +100,8 @@ class ShardedModule(nn.Module):
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
+        self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
+        self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
         self.set_grad_sync()
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
@@ -460,6 +462,25 @@ class ShardedModule(nn.Module):
                               f"{sorted(('prefill' if k[0] else 'decode', k[1]) for k in graphs) or 'none (call generate first)'}")
         return graphs[keys[-1]][1]
 
+    def split_blocks(self) -> list[str]:
+        """Make each repeated block of the model (``model.layers.3``) a module the graph
+        calls, at its own path, with its own children and parameters
+        (:mod:`autoshard.passes.blocks`): what per-block tools (FSDP2's ``fully_shard``
+        per block) need. Names and ``state_dict()`` do not change. Returns the block paths.
+        Afterwards the module runs only the graphs it has: a call with new input shapes
+        that would need another capture is refused."""
+        from .passes.blocks import split_blocks
+
+        if len(self._graphs) > 1:
+            raise ConfigError(f"split_blocks() on a module with {len(self._graphs)} graphs: call it right after "
+                              f"shard(), before calls with other input signatures")
+        if self._compile_kw is not None or self._prefetched is not None:
+            raise ConfigError("split_blocks() after compile() or prefetch_weights(): split the blocks first")
+        keys = split_blocks(self._graphs[0].gm)
+        self._blocks_split = True
+        self.block_paths = tuple(keys)
+        return keys
+
     def compile(self, **kwargs) -> "ShardedModule":
         """Run every graph of this module (those captured later too) through
         :func:`torch.compile` (``kwargs`` go to it, e.g. ``dynamic=False``); the
@@ -529,6 +550,11 @@ class ShardedModule(nn.Module):
                               f"{g.signature.describe()}, and this module cannot capture another graph (it was "
                               f"not sharded from a Hugging Face model with a config); pass example_inputs with "
                               f"these inputs to shard()")
+        if self._blocks_split:
+            g = self._graphs[0]
+            raise ConfigError(f"inputs {InputSignature.of(kwargs).describe()} do not match the captured "
+                              f"{g.signature.describe()}, and this module's blocks run as modules (split_blocks(), "
+                              f"fsdp=True), so it captures no other graph; shard with example_inputs of these shapes")
         static = next((g for g in self._graphs if g.static_batch is not None), None)
         if static is not None and batch_of(kwargs) != static.static_batch:
             raise ConfigError(f"batch size {batch_of(kwargs)}: this module's graph was captured for a batch of "

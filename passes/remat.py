@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["checkpoint_blocks", "block_key"]
+__all__ = ["checkpoint_blocks", "block_key", "block_segments"]
 
 _NUMBERED = re.compile(r"(^|\.)\d+$")
 
@@ -60,7 +60,7 @@ class _Checkpointed(nn.Module):
         return f"block={self.key!r}"
 
 
-def _segments(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
+def block_segments(graph: fx.Graph) -> list[tuple[str, list[fx.Node]]]:
     """Maximal runs of consecutive compute nodes with the same block key."""
     out: list[tuple[str, list[fx.Node]]] = []
     current = None
@@ -93,7 +93,7 @@ def checkpoint_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> int:
     graph has no numbered modules: nothing changes)."""
     graph = gm.graph
     n_done = 0
-    for key, nodes in _segments(graph):
+    for key, nodes in block_segments(graph):
         if len(nodes) < min_nodes:
             continue
         inside = set(nodes)

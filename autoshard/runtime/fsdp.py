@@ -22,10 +22,13 @@ How the module's own gradient sync meets FSDP's (``docs/design.md``, FSDP2):
   activation's gradient: GPT-2's position lookup) is divided by ``dp`` before FSDP's
   sum, so it is counted once.
 
-The graph reads parameters through the module's children, which FSDP swaps in for
-the forward and backward; the whole module is one FSDP group (its forward is one
-graph, so no block of it is entered on its own: one block at a time needs the
-model's block submodules kept, which the rewrite does not do yet).
+Each repeated block of the model (``model.layers.3``) becomes a module the graph calls
+(:meth:`~autoshard.module.ShardedModule.split_blocks`, :mod:`autoshard.passes.blocks`) and
+its own FSDP unit, the root (embeddings, head, final norm) the last one: FSDP gathers one
+block's parameters in the block's forward pre-hook and frees them after, so a step holds
+the root's and one block's TP blocks whole at a time. The graph reads parameters through
+the modules that register them, which FSDP swaps; a parameter registered on the root
+itself is refused (ZeRO stays for such a model).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .groups import axes_label, mesh_group
 __all__ = ["fully_shard_dp"]
 
 
-def fully_shard_dp(sharded, *, reshard_after_forward: bool = True):
+def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bool = True):
     """Shard ``sharded``'s parameters over its ``dp`` axis with torch's FSDP2 (see the
     module docstring). Returns the module (now also an ``FSDPModule``). Call on every
     rank, before building the optimizer."""
@@ -53,6 +56,10 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True):
     if top:
         raise ConfigError(f"fsdp=True: the graph reads the top-level parameter(s) {top} outside the module's "
                           f"children, where FSDP cannot swap them; use ZeRO (make_optimizer(zero=2)) for this model")
+    sharded.clear_grad_sync()           # ours were on the parameters FSDP replaces: they go on its unsharded ones
+    dp_mesh = sharded.device_mesh["dp"]
+    blocks = sharded.split_blocks() if per_block else []
+    units = [sharded.get_submodule(k) for k in blocks] + [sharded]
     plans = {n: pp for pp in sharded.plan.params for n in (pp.name, *pp.aliases)}
     owner = {}      # (id(module), attribute) -> ParamPlan
     for mname, mod in sharded.named_modules():
@@ -60,13 +67,16 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True):
             full = f"{mname}.{pname}" if mname else pname
             if full in plans:
                 owner[(id(mod), pname)] = plans[full]
-    sharded.clear_grad_sync()           # ours were on the parameters FSDP replaces: they go on its unsharded ones
-    fully_shard(sharded, mesh=sharded.device_mesh["dp"], reshard_after_forward=reshard_after_forward)
-    sharded.set_gradient_divide_factor(1.0)
-    sharded.set_force_sum_reduction_for_comms(True)
-    sharded.unshard()                   # FSDP's unsharded parameters exist from here on
-    group = fully_shard.state(sharded)._fsdp_param_group
-    for fp in group.fsdp_params:
+    for unit in units:                  # the blocks first, the root (what is left) last
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fsdp_params = []
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.unshard()                  # FSDP's unsharded parameters exist from here on
+        group = fully_shard.state(unit)._fsdp_param_group
+        fsdp_params += group.fsdp_params if group is not None else []
+    for fp in fsdp_params:
         info = fp._module_info
         pp = owner.get((id(info.module), info.param_name))
         if pp is None or not fp.sharded_param.requires_grad:
@@ -79,7 +89,8 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True):
         if tp:
             name = sharded.groups.get(axes_label(tp)) or mesh_group(mesh, tp, sharded.rank).group_name
         fp._unsharded_param.register_hook(_sync_hook(name, mesh.dp if summed else 1))
-    sharded.reshard()
+    for unit in units:
+        unit.reshard()
     return sharded
 
 

@@ -1,7 +1,8 @@
 """FSDP2 over the dp axis (issue 39): ``shard(..., dp=2, fsdp=True)`` trains as the dense
 model does (20 AdamW steps, warmup + cosine, 2 accumulated micro-batches, global-norm
 clipping active every step) with each rank holding 1/dp of its TP block of every
-parameter at rest: dense / (tp · dp) bytes, ± 5 %.
+parameter at rest (dense / (tp · dp) bytes, ± 5 %), and one transformer block's
+parameters gathered at a time (each block is an FSDP unit: ``split_blocks``).
 
 GPT-2 at 1d tp2 × dp2 (its position table's gradient is summed over dp by the graph
 itself: FSDP must not count it twice) and Llama at 2d q2 × dp2.
@@ -31,6 +32,18 @@ def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
     at_rest = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
     tp_bytes = sum(pp.local_bytes(sharded.mesh) for pp in sharded.plan.params if not pp.is_buffer)
     kinds = {type(p).__name__ for p in sharded.parameters()}
+    # one block gathered at a time: at each block's forward, the whole (gathered) parameters are the
+    # root's (embedding, head, final norm) and that block's only
+    from torch.distributed.tensor import DTensor
+
+    gathered = []
+
+    def whole_now(mod, args):
+        gathered.append(sum(p.numel() * p.element_size() for p in sharded.parameters()
+                            if not isinstance(p, DTensor)))
+    blocks = [sharded.get_submodule(k) for k in sharded.block_paths]
+    hooks = [b.register_forward_pre_hook(whole_now) for b in blocks]
+    block_bytes = [sum(p.to_local().numel() * p.element_size() for p in b.parameters()) * dp for b in blocks]
     opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3)
     local = [T.local_rows(sharded, b) for b in batches]
     losses, norms = [], []
@@ -38,8 +51,11 @@ def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
         loss, norm = T.train_step(sharded, local[i * ACCUM:(i + 1) * ACCUM], opt, sched, clip=CLIP)
         losses.append(loss)
         norms.append(norm)
+    for h in hooks:
+        h.remove()
     tp = sharded.mesh.world_size // dp
-    return {"losses": losses, "norms": norms, "at_rest": at_rest, "dense_bytes": dense_bytes, "tp": tp,
+    return {"blocks": list(sharded.block_paths), "gathered": gathered[:len(blocks)], "block_bytes": block_bytes,
+            "losses": losses, "norms": norms, "at_rest": at_rest, "dense_bytes": dense_bytes, "tp": tp,
             "tp_bytes": tp_bytes, "kinds": kinds}
 
 
@@ -52,6 +68,10 @@ def test_fsdp_over_dp_follows_dense(case):
     assert min(ref_norms) > CLIP, "clipping must be active in every step"
     for rank, r in enumerate(res):
         assert r["kinds"] == {"DTensor"}, r["kinds"]
+        assert len(r["blocks"]) == 2 and r["blocks"][0].endswith(".0"), r["blocks"]
+        root = r["tp_bytes"] - sum(r["block_bytes"])
+        for got, block in zip(r["gathered"], r["block_bytes"]):
+            assert abs(got - (root + block)) <= 0.01 * r["tp_bytes"], (got, root, block)
         for i, (a, b) in enumerate(zip(r["losses"], ref_losses)):
             assert abs(a - b) <= 1e-4, f"rank {rank} step {i + 1}: {a} vs dense {b}"
         for i, (a, b) in enumerate(zip(r["norms"], ref_norms)):

@@ -1,0 +1,104 @@
+"""The model's blocks as modules again: each repeated block of a rewritten graph runs
+inside the block's own module, which the graph calls.
+
+A captured graph is flat: every parameter is read by a ``get_attr`` of the root, and
+no submodule is ever called. Tools that work per block need the block to be entered
+as a module: FSDP2 gathers a block's parameters in the block's forward pre-hook and
+frees them after (``fully_shard`` per block, :mod:`autoshard.runtime.fsdp`).
+
+Blocks are found as :mod:`autoshard.passes.remat` finds them (from the graph: the
+nodes whose module stack passes through a numbered child, ``model.layers.3``).
+Each block's nodes, and the reads of the parameters under its path that only it
+uses, move into a graph module that replaces the block's holder module at the same
+path and keeps the holder's children (the very modules that register the
+parameters), so parameter names, ``state_dict()`` keys and every other graph that
+reads through the path are unchanged. The root graph calls the block
+(``call_module``) with the values it needs and takes the ones it gives back.
+
+Example::
+
+    from autoshard.passes.blocks import split_blocks
+    keys = split_blocks(gm)      # e.g. ["model.layers.0", "model.layers.1"]
+    gm.get_submodule(keys[0])    # a GraphModule the graph calls
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from autoshard.ir.errors import ShardingError
+from .remat import block_segments
+
+__all__ = ["split_blocks"]
+
+
+def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> list[str]:
+    """Move each block of ``gm`` into the block's own module (see the module doc), in
+    place. Returns the block paths, in graph order ([] without numbered modules).
+    Raises :class:`ShardingError` where a block's nodes are not one run of the graph
+    (another block's or the root's nodes in between): it could not be entered once."""
+    graph = gm.graph
+    segs = [(k, nodes) for k, nodes in block_segments(graph) if len(nodes) >= min_nodes]
+    seen: dict[str, int] = {}
+    for key, _ in segs:
+        seen[key] = seen.get(key, 0) + 1
+    split = [k for k, n in seen.items() if n > 1]
+    if split:
+        raise ShardingError(f"block(s) {split[:3]} run in several pieces of the graph (other nodes in between), "
+                            f"so they cannot be entered as one module each")
+    keys = []
+    for key, nodes in segs:
+        inside = set(nodes)
+        prefix = key + "."
+        attrs = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefix)
+                 and n.users and all(u in inside for u in n.users)]
+        moved = inside | set(attrs)
+        inputs: list[fx.Node] = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in moved and a not in inputs:
+                    inputs.append(a)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if not outputs:
+            continue
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for i, a in enumerate(inputs):
+            env[a] = sub.placeholder(f"in_{i}")
+            env[a].meta = dict(a.meta)
+        for a in attrs:
+            env[a] = sub.get_attr(a.target[len(prefix):])
+            env[a].meta = dict(a.meta)
+        for n in nodes:
+            env[n] = sub.node_copy(n, lambda x: env[x])
+        sub.output(tuple(env[o] for o in outputs))
+        holder = gm.get_submodule(key)
+        block = fx.GraphModule(holder, sub, class_name="Block")
+        # the holder's own children (the modules that register the parameters), not copies
+        for name, child in holder.named_children():
+            block._modules[name] = child
+        parent_path, _, last = key.rpartition(".")
+        parent = gm.get_submodule(parent_path) if parent_path else gm
+        parent._modules[last] = block
+        with graph.inserting_after(nodes[-1]):       # every input is defined by now
+            call = graph.call_module(key, tuple(inputs))
+        prev = call
+        outs = []
+        for i, o in enumerate(outputs):
+            with graph.inserting_after(prev):
+                prev = graph.call_function(operator.getitem, (call, i))
+            prev.meta = dict(o.meta)
+            outs.append(prev)
+        for o, g in zip(outputs, outs):
+            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+        for a in attrs:
+            graph.erase_node(a)
+        keys.append(key)
+    if keys:
+        graph.lint()
+        gm.recompile()
+    return keys
