@@ -283,7 +283,7 @@ class ShardedModule(nn.Module):
         slices its own part."""
         from torch.distributed.tensor import DTensor
 
-        from .io.dtensor import from_dtensor
+        from .io.dtensor import from_dtensor, like_fsdp
 
         plans = {n: pp for pp in self.plan.params for n in (pp.name, *pp.aliases)}
         local = type(state_dict)() if isinstance(state_dict, dict) else {}
@@ -300,6 +300,11 @@ class ShardedModule(nn.Module):
             local[k] = v
         if hasattr(state_dict, "_metadata"):
             local._metadata = state_dict._metadata
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for k, v in local.items():      # FSDP2's parameters take their own dp chunk of the TP-local block
+            p = params.get(k)
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                local[k] = like_fsdp(p, v)
         return super().load_state_dict(local, strict=strict, assign=assign)
 
     @property

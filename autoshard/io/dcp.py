@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from ..ir.errors import CheckpointError
-from .dtensor import from_dtensor, local_pieces, to_dtensor
+from .dtensor import from_dtensor, like_fsdp, local_pieces, to_dtensor, tp_local
 
 __all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict",
            "checkpoint_to_dcp", "dcp_to_folder"]
@@ -162,8 +162,9 @@ def optimizer_state_dict(sharded, optimizer) -> dict:
         pp = names[id(p)]
         if i not in raw["state"]:
             continue
-        state[pp.name] = {k: (to_dtensor(sharded, pp, v) if isinstance(v, torch.Tensor) and v.shape == p.shape
-                              and v.dim() else v) for k, v in raw["state"][i].items()}
+        # FSDP2's moments are DTensors of dp chunks: their TP-local blocks (gathered over dp)
+        state[pp.name] = {k: (to_dtensor(sharded, pp, tp_local(v)) if isinstance(v, torch.Tensor)
+                              and v.shape == p.shape and v.dim() else v) for k, v in raw["state"][i].items()}
     groups, at = [], 0
     for g in raw["param_groups"]:
         n = len(g["params"])
@@ -183,8 +184,11 @@ def load_optimizer_state_dict(sharded, optimizer, osd: dict) -> None:
     for name, st in osd["state"].items():
         if name not in index:
             raise CheckpointError(f"optimizer state for {name!r}, which the optimizer does not hold")
-        state[index[name]] = {k: (from_dtensor(sharded, plans[name], v) if isinstance(v, DTensor) else v)
-                              for k, v in st.items()}
+        p = params[index[name]]
+        st = {k: (from_dtensor(sharded, plans[name], v) if isinstance(v, DTensor) else v) for k, v in st.items()}
+        if isinstance(p, DTensor):      # FSDP2: each moment as its parameter's dp chunk
+            st = {k: (like_fsdp(p, v) if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in st.items()}
+        state[index[name]] = st
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -220,6 +224,8 @@ def load(sharded, path, *, optimizer=None) -> None:
         _init_state(optimizer)
         state["optim"] = optimizer_state_dict(sharded, optimizer)
     dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner())
+    if any(isinstance(p, DTensor) for p in sharded.parameters()):
+        sharded.load_state_dict(state["model"])     # FSDP2: the state dict held gathered copies
     if optimizer is not None:
         load_optimizer_state_dict(sharded, optimizer, state["optim"])
 

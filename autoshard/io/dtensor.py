@@ -47,7 +47,8 @@ from ..ir.errors import ShardingError
 from ..ir.mesh import Mesh
 from ..ir.spec import ShardSpec
 
-__all__ = ["placements", "local_pieces", "device_mesh", "to_dtensor", "dtensor_state_dict", "from_dtensor"]
+__all__ = ["placements", "local_pieces", "device_mesh", "to_dtensor", "dtensor_state_dict", "from_dtensor",
+           "tp_local", "like_fsdp"]
 
 
 def _types():
@@ -198,7 +199,8 @@ def dtensor_state_dict(sharded, local_state: dict) -> dict:
     out = type(local_state)()
     for k, v in local_state.items():
         pp = plans.get(k)
-        out[k] = to_dtensor(sharded, pp, v) if pp is not None and isinstance(v, torch.Tensor) else v
+        # an FSDP2 module's parameters are DTensors of dp chunks: their TP-local blocks (gathered over dp)
+        out[k] = to_dtensor(sharded, pp, tp_local(v)) if pp is not None and isinstance(v, torch.Tensor) else v
     if hasattr(local_state, "_metadata"):
         out._metadata = local_state._metadata
     return out
@@ -220,3 +222,26 @@ def from_dtensor(sharded, pp, value) -> torch.Tensor:
         return local
     full = value.full_tensor()
     return pp.spec.local(pp.pad(full), sharded.mesh, sharded.rank)
+
+
+def tp_local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's (or its optimizer state's) TP-local block: as it is, or gathered over
+    ``dp`` where FSDP2 made it a DTensor of its dp chunks (collective over dp: every rank
+    of the replica group calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like_fsdp(like, local: torch.Tensor):
+    """``local`` (a whole TP-local block, on every rank) as a DTensor laid out as FSDP2's
+    ``like``: this rank's own chunk, cut locally (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    dm = like.device_mesh
+    (goff, _, size), = local_pieces(tuple(like.shape), like.placements, tuple(dm.mesh.shape), dm.get_coordinate())
+    chunk = local
+    for d, (o, s) in enumerate(zip(goff, size)):
+        chunk = chunk.narrow(d, o, s)
+    return DTensor.from_local(chunk.contiguous().to(like.dtype), dm, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())

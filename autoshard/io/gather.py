@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 
 from .builder import with_architecture
+from .dtensor import tp_local
 from ..runtime.collectives import entry_barrier
 from ..ir.errors import ConfigError
 from ..ir.log import progress as _progress_bar
@@ -141,7 +142,8 @@ def iter_full_state_dict(sharded, *, rank0_only: bool = True, aliases: bool = Tr
     for pp in plan.params:
         if only is not None and not only & {pp.name, *pp.aliases}:
             continue
-        full = _gather(sharded, params[pp.name].detach(), pp.spec, pp.global_shape, rank0_only)
+        # an FSDP2 module's parameter is a DTensor of dp chunks: its TP-local block first (collective over dp)
+        full = _gather(sharded, tp_local(params[pp.name].detach()), pp.spec, pp.global_shape, rank0_only)
         if full is None:
             continue
         full = pp.trim(full)        # a padded vocabulary back to its Hugging Face size

@@ -101,3 +101,47 @@ def _refused(rank, world):
 def test_fsdp_without_dp_is_refused_before_any_collective():
     for msg in get_pool(2, timeout=300).run(_refused):
         assert msg is not None and "dp >= 2" in msg, msg
+
+
+def _fsdp_dcp(rank, world, path):
+    """FSDP2 module: full_state_dict is the dense one; a DCP save (model + AdamW) loads into
+    another FSDP2 module (same next steps) and into a 2d module without FSDP (same logits)."""
+    import autoshard
+    from autoshard.io import dcp as adcp
+    from autoshard.training import train as T
+
+    torch.set_num_threads(1)
+    batches = _global_batches(4)
+    dense = models.build("gpt2")
+    example = T.local_rows_for(2, rank // 2, batches[0])
+    full_in = batches[0]
+    sharded = autoshard.shard(models.build("gpt2"), mode="1d", dp=2, example_inputs=example, fsdp=True)
+    full = sharded.full_state_dict(rank0_only=False)
+    dense_ok = all(torch.equal(full[k], v) for k, v in dense.state_dict().items() if k in full)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2, eps=1e-3)
+    T.train_step(sharded, [T.local_rows(sharded, batches[0])], opt)
+    adcp.save(sharded, path, optimizer=opt)
+    with torch.no_grad():
+        logits = sharded(**T.local_rows(sharded, full_in)).logits
+    after = [T.train_step(sharded, [T.local_rows(sharded, b)], opt)[0] for b in batches[1:3]]
+    other = autoshard.shard(models.build("gpt2", seed=1), mode="1d", dp=2, example_inputs=example, fsdp=True)
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2, eps=1e-3)
+    adcp.load(other, path, optimizer=opt2)
+    with torch.no_grad():
+        logits2 = other(**T.local_rows(other, full_in)).logits
+    after2 = [T.train_step(other, [T.local_rows(other, b)], opt2)[0] for b in batches[1:3]]
+    plain = autoshard.shard(models.build("gpt2", seed=1), mode="2d", example_inputs=full_in)
+    adcp.load(plain, path)
+    with torch.no_grad():
+        logits3 = plain(**full_in).logits
+    rows = logits.shape[0]
+    mine = logits3[(rank // 2) * rows:(rank // 2 + 1) * rows]
+    return {"dense_ok": dense_ok, "same_fsdp": (logits2 - logits).abs().max().item(), "after": after,
+            "after2": after2, "plain_2d": (mine - logits).abs().max().item()}
+
+
+def test_fsdp_module_checkpoints_through_dcp(tmp_path):
+    for rank, r in enumerate(get_pool(4, timeout=900).run(_fsdp_dcp, str(tmp_path / "ckpt"))):
+        assert r["dense_ok"], rank
+        assert r["same_fsdp"] <= 1e-6 and r["plain_2d"] <= 1e-5, r
+        assert r["after2"] == pytest.approx(r["after"], abs=1e-6), r
