@@ -25,6 +25,13 @@ def _batch(vocab: int, b: int, s: int, seed: int = 1) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones(b, s, dtype=torch.long), "labels": ids.clone()}
 
 
+def _replica_batch(cfg_kw: dict, rank: int, world: int, dp: int, b: int, s: int) -> dict:
+    """This rank's dp replica's rows of the benchmarks' global batch (``b`` rows × ``s``)."""
+    full = _batch(cfg_kw["vocab_size"], b, s)
+    tp, rows = world // dp, b // dp
+    return {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
+
+
 def formula_bytes(plan) -> dict:
     """The per-rank bytes of the formulas in docs/design.md, "Communication and memory",
     for the nodes they cover, and the plan's bytes for the same nodes (fp32 elements;
@@ -428,10 +435,7 @@ def overlap_time(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    full = _batch(cfg_kw["vocab_size"], b, s)
-    tp = world // dp
-    rows = b // dp
-    inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
+    inputs = _replica_batch(cfg_kw, rank, world, dp, b, s)
     base = _tiny_llama(cfg_kw)
     runs = {}
     variants = [("sequential", False, False, None), ("paired", True, False, None), ("paired + prefetch", True, True, None)]
@@ -592,10 +596,7 @@ def zero_vs_fsdp(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    full = _batch(cfg_kw["vocab_size"], b, s)
-    tp = world // dp
-    rows = b // dp
-    inputs = {k: v[(rank // tp) * rows:(rank // tp + 1) * rows] for k, v in full.items()}
+    inputs = _replica_batch(cfg_kw, rank, world, dp, b, s)
     base = _tiny_llama(cfg_kw)
 
     def nbytes(t):

@@ -24,12 +24,10 @@ Example::
 
 from __future__ import annotations
 
-import operator
-
 from torch import fx
 
 from autoshard.ir.errors import ShardingError
-from .remat import block_segments
+from .remat import block_segments, outline
 
 __all__ = ["split_blocks"]
 
@@ -52,52 +50,20 @@ def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> list[str]:
     for key, nodes in segs:
         inside = set(nodes)
         prefix = key + "."
-        attrs = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(prefix)
+        attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith(prefix)
                  and n.users and all(u in inside for u in n.users)]
-        moved = inside | set(attrs)
-        inputs: list[fx.Node] = []
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a not in moved and a not in inputs:
-                    inputs.append(a)
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if not outputs:
-            continue
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for i, a in enumerate(inputs):
-            env[a] = sub.placeholder(f"in_{i}")
-            env[a].meta = dict(a.meta)
-        for a in attrs:
-            env[a] = sub.get_attr(a.target[len(prefix):])
-            env[a].meta = dict(a.meta)
-        for n in nodes:
-            env[n] = sub.node_copy(n, lambda x: env[x])
-        sub.output(tuple(env[o] for o in outputs))
-        holder = gm.get_submodule(key)
-        block = fx.GraphModule(holder, sub, class_name="Block")
-        # the holder's own children (the modules that register the parameters), not copies
-        for name, child in holder.named_children():
-            block._modules[name] = child
-        parent_path, _, last = key.rpartition(".")
-        parent = gm.get_submodule(parent_path) if parent_path else gm
-        parent._modules[last] = block
-        with graph.inserting_after(nodes[-1]):       # every input is defined by now
-            call = graph.call_module(key, tuple(inputs))
-        prev = call
-        outs = []
-        for i, o in enumerate(outputs):
-            with graph.inserting_after(prev):
-                prev = graph.call_function(operator.getitem, (call, i))
-            prev.meta = dict(o.meta)
-            outs.append(prev)
-        for o, g in zip(outputs, outs):
-            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
-        for n in reversed(nodes):
-            graph.erase_node(n)
-        for a in attrs:
-            graph.erase_node(a)
-        keys.append(key)
+
+        def install(sub, key=key):
+            holder = gm.get_submodule(key)
+            block = fx.GraphModule(holder, sub, class_name="Block")
+            # the holder's own children (the modules that register the parameters), not copies
+            for name, child in holder.named_children():
+                block._modules[name] = child
+            parent_path, _, last = key.rpartition(".")
+            (gm.get_submodule(parent_path) if parent_path else gm)._modules[last] = block
+            return key
+        if outline(gm, nodes, install, attrs=attrs, strip=prefix):
+            keys.append(key)
     if keys:
         graph.lint()
         gm.recompile()

@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["checkpoint_blocks", "block_key", "block_segments"]
+__all__ = ["checkpoint_blocks", "block_key", "block_segments", "outline"]
 
 _NUMBERED = re.compile(r"(^|\.)\d+$")
 
@@ -87,51 +87,71 @@ def _only_placeholders_or_attrs_between(a: fx.Node, b: fx.Node) -> bool:
     return True
 
 
+def outline(gm: fx.GraphModule, nodes: list[fx.Node], install, *, attrs=(), strip: str = "") -> bool:
+    """Replace ``nodes`` (one run of ``gm``'s graph) by a call of a module: ``install(sub)``
+    gets the run as a graph of its own (its inputs as placeholders ``in_i``, the
+    ``get_attr`` nodes in ``attrs`` moved inside with ``strip`` cut from their targets,
+    the values used after it as one output tuple), puts a module for it into ``gm`` and
+    returns the module's path; the graph then calls that module and takes its outputs.
+    Returns False (nothing changed) when nothing of the run is used after it."""
+    graph = gm.graph
+    inside = set(nodes)
+    moved = inside | set(attrs)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in moved and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    if not outputs:
+        return False
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, a in enumerate(inputs):
+        env[a] = sub.placeholder(f"in_{i}")
+        env[a].meta = dict(a.meta)
+    for a in attrs:
+        env[a] = sub.get_attr(a.target[len(strip):])
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    target = install(sub)
+    with graph.inserting_after(nodes[-1]):       # every input is defined by now
+        call = graph.call_module(target, tuple(inputs))
+        call.meta = {}
+    outs = []
+    prev = call
+    for i, o in enumerate(outputs):
+        with graph.inserting_after(prev):
+            prev = graph.call_function(operator.getitem, (call, i))
+        prev.meta = dict(o.meta)
+        outs.append(prev)
+    for o, g in zip(outputs, outs):
+        o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(nodes):
+        graph.erase_node(n)
+    for a in attrs:
+        graph.erase_node(a)
+    return True
+
+
 def checkpoint_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> int:
     """Wrap every block of ``gm`` (see module docstring) in activation
     checkpointing, in place. Returns the number of blocks wrapped (0 when the
     graph has no numbered modules: nothing changes)."""
-    graph = gm.graph
     n_done = 0
-    for key, nodes in block_segments(graph):
+    for key, nodes in block_segments(gm.graph):
         if len(nodes) < min_nodes:
             continue
-        inside = set(nodes)
-        inputs: list[fx.Node] = []
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a not in inside and a not in inputs:
-                    inputs.append(a)
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if not outputs:
-            continue
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for i, a in enumerate(inputs):
-            env[a] = sub.placeholder(f"in_{i}")
-            env[a].meta = dict(a.meta)
-        for n in nodes:
-            env[n] = sub.node_copy(n, lambda x: env[x])
-        sub.output(tuple(env[o] for o in outputs))
-        block = fx.GraphModule(gm, sub)        # no get_attr inside: parameters arrive as inputs
-        name = f"_remat_{n_done}"
-        gm.add_module(name, _Checkpointed(block, key))
-        with graph.inserting_after(nodes[-1]):       # every input is defined by now
-            call = graph.call_module(name, tuple(inputs))
-            call.meta = {}
-        outs = []
-        prev = call
-        for i, o in enumerate(outputs):
-            with graph.inserting_after(prev):
-                prev = graph.call_function(operator.getitem, (call, i))
-            prev.meta = dict(o.meta)
-            outs.append(prev)
-        for o, g in zip(outputs, outs):
-            o.replace_all_uses_with(g, delete_user_cb=lambda u: u not in inside)
-        for n in reversed(nodes):
-            graph.erase_node(n)
-        n_done += 1
+
+        def install(sub, key=key, name=f"_remat_{n_done}"):
+            # no get_attr inside: parameters arrive as inputs
+            gm.add_module(name, _Checkpointed(fx.GraphModule(gm, sub), key))
+            return name
+        if outline(gm, nodes, install):
+            n_done += 1
     if n_done:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return n_done

@@ -53,6 +53,16 @@ def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
     example = T.local_rows_for(dp, rank // (world // dp), batches[0])
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=example,
                               captured=models.shared_capture(name, model, example))
+    losses, norms = train_like_dense(sharded, batches, steps)
+    return {"losses": losses, "norms": norms}
+
+
+def train_like_dense(sharded, batches: list[dict], steps: int) -> tuple[list, list]:
+    """``steps`` steps of the dense reference's recipe (AdamW, warmup + cosine, ACCUM
+    micro-batches, clipping at CLIP) on ``sharded``, each replica on its rows: the
+    losses and gradient norms."""
+    from autoshard.training import train as T
+
     opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3)
     local = [T.local_rows(sharded, b) for b in batches]
     losses, norms = [], []
@@ -60,7 +70,7 @@ def _sharded_run(rank, world, name, dp, steps, mode="1d", depth=None):
         loss, norm = T.train_step(sharded, local[i * ACCUM:(i + 1) * ACCUM], opt, sched, clip=CLIP)
         losses.append(loss)
         norms.append(norm)
-    return {"losses": losses, "norms": norms}
+    return losses, norms
 
 
 _DENSE: dict = {}

@@ -259,8 +259,6 @@ def checkpoint_to_dcp(src, out, *, verify: bool = True, progress: bool = False):
     from .sharded_format import Saved, checkpoint_class, read_manifest, verify_checkpoint
 
     src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise CheckpointError(f"no such directory: {src}")
     man = read_manifest(src)
     if verify:
         verify_checkpoint(src, man)

@@ -39,9 +39,7 @@ def export_checkpoint(path, out, *, model_class=None, max_shard_size="5GB", veri
     are written under every name, persistent buffers with the values the model's
     constructor gives them. Returns ``out``."""
     path, out = Path(path), Path(out)
-    if not path.is_dir():
-        raise CheckpointError(f"no such directory: {path}")
-    man = read_manifest(path)
+    man = read_manifest(path)       # "no such directory", missing or partial manifests: refused there
     if verify:
         verify_checkpoint(path, man)
     if not (path / "config.json").exists():

@@ -15,7 +15,7 @@ import torch
 
 import models
 from dist_pool import get_pool
-from test_train import ACCUM, CLIP, LR, STEPS, _dense_reference, _global_batches
+from test_train import ACCUM, CLIP, STEPS, _dense_reference, _global_batches, train_like_dense
 
 
 def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
@@ -44,13 +44,7 @@ def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
     blocks = [sharded.get_submodule(k) for k in sharded.block_paths]
     hooks = [b.register_forward_pre_hook(whole_now) for b in blocks]
     block_bytes = [sum(p.to_local().numel() * p.element_size() for p in b.parameters()) * dp for b in blocks]
-    opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3)
-    local = [T.local_rows(sharded, b) for b in batches]
-    losses, norms = [], []
-    for i in range(steps):
-        loss, norm = T.train_step(sharded, local[i * ACCUM:(i + 1) * ACCUM], opt, sched, clip=CLIP)
-        losses.append(loss)
-        norms.append(norm)
+    losses, norms = train_like_dense(sharded, batches, steps)
     for h in hooks:
         h.remove()
     tp = sharded.mesh.world_size // dp
