@@ -27,6 +27,9 @@ reshards with the model. A dense Hugging Face folder loads through DCP's own
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     dcp.load(sharded.state_dict(), storage_reader=HuggingFaceStorageReader(folder), planner=adcp.LoadPlanner())
 
+and :func:`save_hf` writes one through DCP's ``HuggingFaceStorageWriter`` (consolidated), where
+every block is one rectangle (else through :func:`~autoshard.io.gather.save_pretrained`).
+
 Our own per-rank format converts both ways in one process (``autoshard convert``):
 :func:`checkpoint_to_dcp` (ours -> DCP) and :func:`dcp_to_folder` (DCP -> a dense Hugging
 Face folder, which loads in any mode and is saved in our format by ``save_checkpoint``).
@@ -48,7 +51,7 @@ from ..ir.errors import CheckpointError
 from .dtensor import from_dtensor, like_fsdp, local_pieces, to_dtensor, tp_local
 
 __all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict",
-           "checkpoint_to_dcp", "dcp_to_folder"]
+           "checkpoint_to_dcp", "dcp_to_folder", "save_hf"]
 
 
 def _pieces(value) -> list[tuple[tuple, tuple, tuple]]:
@@ -308,3 +311,35 @@ def dcp_to_folder(src, out, *, max_shard_size="5GB", progress: bool = False):
     entries = [(n, tuple(t.shape), t.dtype) for n, t in model.items()]
     write_folder(out, entries, iter(model.items()), config, max_shard_size=max_shard_size, progress=progress)
     return out
+
+
+def _one_piece(value) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return not any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def save_hf(sharded, path) -> str:
+    """Write a dense Hugging Face folder (safetensors + ``config.json``) through DCP's own
+    ``HuggingFaceStorageWriter``: every rank writes its blocks, then they are consolidated
+    into ``model-0000N-of-0000M.safetensors``. That writer takes one rectangle per rank
+    and tensor; a module with strided shards (fused q/k/v, 2d/3d blocks split out of mesh
+    order) is written by :func:`autoshard.io.gather.save_pretrained` instead (gathered one
+    tensor at a time to rank 0). Returns which writer wrote it: ``"dcp"`` or ``"gather"``.
+    Collective: call on every rank."""
+    import torch.distributed as dist
+
+    from .gather import save_pretrained
+
+    state = sharded.state_dict()
+    mine = all(_one_piece(v) for v in state.values() if isinstance(v, DTensor))
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, mine)         # every rank takes the same way
+    if not all(flags):
+        save_pretrained(sharded, path)
+        return "gather"
+    dcp.save(state, planner=SavePlanner(),
+             storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True, enable_consolidation=True))
+    _write_config(sharded, path)
+    dist.barrier()
+    return "dcp"

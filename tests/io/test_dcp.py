@@ -238,3 +238,26 @@ def test_our_checkpoint_converts_to_dcp(tmp_path):
         want = models.build("gpt2", seed=1)(**models.batch("gpt2")).logits
     for rank, got in enumerate(get_pool(4, timeout=TIMEOUT).run(_load_dcp, "gpt2", out)):
         assert (got - want).abs().max().item() <= 1e-5, rank
+
+
+def _save_hf(rank, world, name, mode, folder):
+    from autoshard.io.dcp import save_hf
+
+    _, inputs, sharded = _shard(name, mode)
+    sharded.load_state_dict(models.build(name, seed=1).state_dict())
+    return save_hf(sharded, folder)
+
+
+@pytest.mark.parametrize("name,writer", [("llama", "dcp"), ("gpt2", "gather")])
+def test_save_hf_through_dcps_writer_where_blocks_are_rectangles(tmp_path, name, writer):
+    """Llama at 2d@4 (every block one rectangle) goes through DCP's HuggingFaceStorageWriter,
+    consolidated; GPT-2 (fused q/k/v: strided) through save_pretrained's gather. Both load in
+    transformers with the dense model's logits."""
+    import transformers
+
+    ways = get_pool(4, timeout=TIMEOUT).run(_save_hf, name, "2d", str(tmp_path))
+    assert ways == [writer] * 4, ways
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        want = models.build(name, seed=1)(**models.batch(name)).logits
+        assert (hf(**models.batch(name)).logits - want).abs().max().item() <= 1e-6
