@@ -153,7 +153,7 @@ def device_mesh(sharded):
     for a in mesh.axes:
         name = sharded.groups.get(axes_label((a,)))
         groups.append(c10d._resolve_process_group(name) if name else mesh_group(mesh, (a,), sharded.rank))
-    ranks = torch.arange(mesh.world_size).reshape(mesh.sizes)
+    ranks = torch.arange(mesh.world_size, device="cpu").reshape(mesh.sizes)     # a DeviceMesh layout: host-side
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], sharded.device.type, mesh=ranks,
                                  mesh_dim_names=tuple(mesh.axes))
 
