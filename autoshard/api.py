@@ -232,12 +232,13 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                                 gather_logits=gather_logits, dropout=dropout, rank=rank, world=world)
         if key is not None:
             launch_cache.store(key, launched.gm, launched.plan, launched.groups, launched.facts.to_dict())
+    # with fsdp the blocks are checkpointed as the FSDP units they become (fully_shard_dp), not outlined here
     out = _finish(model, launched, rank=rank, weights=weights, debug=debug,
-                  activation_checkpointing=activation_checkpointing, gather_logits=gather_logits,
+                  activation_checkpointing=activation_checkpointing and not fsdp, gather_logits=gather_logits,
                   dropout=dropout, adapters=adapters).place(device)
     if fsdp:
         from .runtime.fsdp import fully_shard_dp
-        fully_shard_dp(out)
+        fully_shard_dp(out, checkpoint=activation_checkpointing)
     return out
 
 

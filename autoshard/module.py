@@ -467,7 +467,7 @@ class ShardedModule(nn.Module):
                               f"{sorted(('prefill' if k[0] else 'decode', k[1]) for k in graphs) or 'none (call generate first)'}")
         return graphs[keys[-1]][1]
 
-    def split_blocks(self) -> list[str]:
+    def split_blocks(self, *, checkpoint: bool = False) -> list[str]:
         """Make each repeated block of the model (``model.layers.3``) a module the graph
         calls, at its own path, with its own children and parameters
         (:mod:`autoshard.passes.blocks`): what per-block tools (FSDP2's ``fully_shard``
@@ -481,7 +481,7 @@ class ShardedModule(nn.Module):
                               f"shard(), before calls with other input signatures")
         if self._compile_kw is not None or self._prefetched is not None:
             raise ConfigError("split_blocks() after compile() or prefetch_weights(): split the blocks first")
-        keys = split_blocks(self._graphs[0].gm)
+        keys = split_blocks(self._graphs[0].gm, checkpoint=checkpoint)
         self._blocks_split = True
         self.block_paths = tuple(keys)
         return keys

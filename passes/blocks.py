@@ -24,6 +24,8 @@ Example::
 
 from __future__ import annotations
 
+import torch
+import torch.utils.checkpoint
 from torch import fx
 
 from autoshard.ir.errors import ShardingError
@@ -32,9 +34,12 @@ from .remat import block_segments, outline
 __all__ = ["split_blocks"]
 
 
-def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> list[str]:
+def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4, checkpoint: bool = False) -> list[str]:
     """Move each block of ``gm`` into the block's own module (see the module doc), in
     place. Returns the block paths, in graph order ([] without numbered modules).
+    ``checkpoint``: each block's forward runs under non-reentrant activation
+    checkpointing (its activations recomputed in backward, inside whatever hooks wrap
+    the block's call: FSDP2 gathers the block's parameters before it recomputes).
     Raises :class:`ShardingError` where a block's nodes are not one run of the graph
     (another block's or the root's nodes in between): it could not be entered once."""
     graph = gm.graph
@@ -59,6 +64,8 @@ def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> list[str]:
             # the holder's own children (the modules that register the parameters), not copies
             for name, child in holder.named_children():
                 block._modules[name] = child
+            if checkpoint:
+                block.forward = _recomputed(block.forward)
             parent_path, _, last = key.rpartition(".")
             (gm.get_submodule(parent_path) if parent_path else gm)._modules[last] = block
             return key
@@ -68,3 +75,13 @@ def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4) -> list[str]:
         graph.lint()
         gm.recompile()
     return keys
+
+
+def _recomputed(forward):
+    """``forward`` run under non-reentrant checkpointing while gradients are on (RNG state
+    kept, so dropout recomputes the same mask)."""
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return forward(*args)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+    return run

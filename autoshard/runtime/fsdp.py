@@ -42,10 +42,12 @@ from .groups import axes_label, mesh_group
 __all__ = ["fully_shard_dp"]
 
 
-def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bool = True):
+def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bool = True,
+                   checkpoint: bool = False):
     """Shard ``sharded``'s parameters over its ``dp`` axis with torch's FSDP2 (see the
     module docstring). Returns the module (now also an ``FSDPModule``). Call on every
-    rank, before building the optimizer."""
+    rank, before building the optimizer. ``checkpoint``: each block also recomputes its
+    activations in backward (inside its FSDP unit, as torchtitan composes them)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = sharded.mesh
@@ -58,7 +60,7 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bo
                           f"children, where FSDP cannot swap them; use ZeRO (make_optimizer(zero=2)) for this model")
     sharded.clear_grad_sync()           # ours were on the parameters FSDP replaces: they go on its unsharded ones
     dp_mesh = sharded.device_mesh["dp"]
-    blocks = sharded.split_blocks() if per_block else []
+    blocks = sharded.split_blocks(checkpoint=checkpoint) if per_block else []
     units = [sharded.get_submodule(k) for k in blocks] + [sharded]
     plans = {n: pp for pp in sharded.plan.params for n in (pp.name, *pp.aliases)}
     owner = {}      # (id(module), attribute) -> ParamPlan

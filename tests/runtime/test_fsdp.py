@@ -18,7 +18,7 @@ from dist_pool import get_pool
 from test_train import ACCUM, CLIP, STEPS, _dense_reference, _global_batches, train_like_dense
 
 
-def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
+def _fsdp_run(rank, world, name, mode, dp, steps, depth=None, checkpoint=False):
     import autoshard
     from autoshard.training import train as T
 
@@ -28,7 +28,7 @@ def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     example = T.local_rows_for(dp, rank // (world // dp), batches[0])
     sharded = autoshard.shard(model, mode=mode, dp=dp, depth=depth, example_inputs=example, fsdp=True,
-                              captured=models.shared_capture(name, model, example))
+                              activation_checkpointing=checkpoint, captured=models.shared_capture(name, model, example))
     at_rest = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
     tp_bytes = sum(pp.local_bytes(sharded.mesh) for pp in sharded.plan.params if not pp.is_buffer)
     kinds = {type(p).__name__ for p in sharded.parameters()}
@@ -44,24 +44,43 @@ def _fsdp_run(rank, world, name, mode, dp, steps, depth=None):
     blocks = [sharded.get_submodule(k) for k in sharded.block_paths]
     hooks = [b.register_forward_pre_hook(whole_now) for b in blocks]
     block_bytes = [sum(p.to_local().numel() * p.element_size() for p in b.parameters()) * dp for b in blocks]
+    saved = {}
+    if checkpoint:          # activations saved by one forward, checkpointed blocks vs a plain FSDP module
+        plain = autoshard.shard(models.build(name), mode=mode, dp=dp, depth=depth, example_inputs=example,
+                                fsdp=True, captured=models.shared_capture(name, model, example))
+        for label, m in (("checkpointed", sharded), ("plain", plain)):
+            total = [0]
+
+            def pack(t, total=total):
+                total[0] += t.numel() * t.element_size()
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                m(**T.local_rows(m, batches[0])).loss.backward()
+            m.zero_grad(set_to_none=True)
+            saved[label] = total[0]
     losses, norms = train_like_dense(sharded, batches, steps)
     for h in hooks:
         h.remove()
     tp = sharded.mesh.world_size // dp
-    return {"blocks": list(sharded.block_paths), "gathered": gathered[:len(blocks)], "block_bytes": block_bytes,
+    return {"saved": saved, "blocks": list(sharded.block_paths), "gathered": gathered[:len(blocks)], "block_bytes": block_bytes,
             "losses": losses, "norms": norms, "at_rest": at_rest, "dense_bytes": dense_bytes, "tp": tp,
             "tp_bytes": tp_bytes, "kinds": kinds}
 
 
-@pytest.mark.parametrize("case", [("gpt2", "1d", 4), pytest.param(("llama", "2d", 8), marks=pytest.mark.slow)],
-                         ids=lambda c: f"{c[0]}-{c[1]}-dp2")
+@pytest.mark.parametrize("case", [("gpt2", "1d", 4, False), pytest.param(("llama", "2d", 8, False), marks=pytest.mark.slow),
+                                  ("llama", "1d", 4, True)],
+                         ids=lambda c: f"{c[0]}-{c[1]}-dp2" + ("-checkpointed" if c[3] else ""))
 def test_fsdp_over_dp_follows_dense(case):
-    name, mode, world = case
-    res = get_pool(world, timeout=900).run(_fsdp_run, name, mode, 2, STEPS)
+    """... and with activation_checkpointing=True each block (an FSDP unit) also recomputes its
+    activations in backward."""
+    name, mode, world, checkpoint = case
+    res = get_pool(world, timeout=900).run(_fsdp_run, name, mode, 2, STEPS, checkpoint=checkpoint)
     ref_losses, ref_norms = _dense_reference(name)
     assert min(ref_norms) > CLIP, "clipping must be active in every step"
     for rank, r in enumerate(res):
         assert r["kinds"] == {"DTensor"}, r["kinds"]
+        if checkpoint:
+            assert r["saved"]["checkpointed"] < 0.6 * r["saved"]["plain"], r["saved"]
         assert len(r["blocks"]) == 2 and r["blocks"][0].endswith(".0"), r["blocks"]
         root = r["tp_bytes"] - sum(r["block_bytes"])
         for got, block in zip(r["gathered"], r["block_bytes"]):
