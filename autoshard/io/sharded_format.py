@@ -149,6 +149,10 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     plan, mesh = sharded.plan, sharded.mesh
     if mesh.world_size != world:
         raise ConfigError(f"the module's mesh has {mesh.world_size} ranks, the process group {world}")
+    if any(hasattr(p, "device_mesh") for p in sharded.parameters()):
+        raise ConfigError("save_checkpoint: this module's parameters are FSDP2 DTensors (fsdp=True), which our "
+                          "per-rank format does not hold; save it with autoshard.io.dcp.save(sharded, path, "
+                          "optimizer=opt) (DCP, loads in any mode) or save_pretrained (dense)")
     entry_barrier("save_checkpoint")
     if optimizer is not None and hasattr(optimizer, "gathered"):
         optimizer = optimizer.gathered()    # ZeRO (autoshard.training.zero): the whole TP-local state, any dp can resume

@@ -129,6 +129,13 @@ def _fsdp_dcp(rank, world, path):
     example = T.local_rows_for(2, rank // 2, batches[0])
     full_in = batches[0]
     sharded = autoshard.shard(models.build("gpt2"), mode="1d", dp=2, example_inputs=example, fsdp=True)
+    from autoshard import ConfigError
+
+    try:
+        sharded.save_checkpoint(path + "-ours")
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
     full = sharded.full_state_dict(rank0_only=False)
     dense_ok = all(torch.equal(full[k], v) for k, v in dense.state_dict().items() if k in full)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2, eps=1e-3)
@@ -149,12 +156,13 @@ def _fsdp_dcp(rank, world, path):
         logits3 = plain(**full_in).logits
     rows = logits.shape[0]
     mine = logits3[(rank // 2) * rows:(rank // 2 + 1) * rows]
-    return {"dense_ok": dense_ok, "same_fsdp": (logits2 - logits).abs().max().item(), "after": after,
+    return {"refused": refused, "dense_ok": dense_ok, "same_fsdp": (logits2 - logits).abs().max().item(), "after": after,
             "after2": after2, "plain_2d": (mine - logits).abs().max().item()}
 
 
 def test_fsdp_module_checkpoints_through_dcp(tmp_path):
     for rank, r in enumerate(get_pool(4, timeout=900).run(_fsdp_dcp, str(tmp_path / "ckpt"))):
         assert r["dense_ok"], rank
+        assert r["refused"] and "io.dcp.save" in r["refused"], r["refused"]     # our format: refused, pointing at DCP
         assert r["same_fsdp"] <= 1e-6 and r["plain_2d"] <= 1e-5, r
         assert r["after2"] == pytest.approx(r["after"], abs=1e-6), r
