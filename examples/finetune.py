@@ -48,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
                    help="shard the AdamW state over the --dp replicas (1), and the gradients too (2); "
                         "checkpoints stay resumable at any dp")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the --dp replicas with torch's FSDP2, "
+                        "one transformer block gathered at a time; checkpoints are DCP folders "
+                        "(autoshard.io.dcp.load reads them in any mode)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches accumulated per optimizer step")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (all shards, once each)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast on the ranks' device (CPU or CUDA)")
@@ -95,6 +99,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--save-every, --eval-every and --warmup must be >= 0")
     if args.lora < 0:
         p.error(f"--lora must be >= 0 (0: no LoRA), got {args.lora}")
+    if args.fsdp and (args.dp < 2 or args.zero or args.resume or args.lora):
+        p.error("--fsdp shards over the data-parallel replicas: it needs --dp >= 2, and takes no --zero "
+                "(FSDP2 already shards the AdamW state), --resume or --lora in this example")
     if not args.lora and (args.lora_targets or args.save_adapter or args.lora_alpha is not None):
         p.error("--lora-targets, --lora-alpha and --save-adapter need --lora R")
     if args.lora and args.resume:
@@ -200,9 +207,12 @@ def report_memory(sharded, log) -> None:
     n_train = sum(math.prod(pp.hf_shape) for pp in p.params if pp.trainable)
     n_all = sum(math.prod(pp.hf_shape) for pp in p.params)
     mib = 2 ** 20
+    # FSDP2 (--fsdp) keeps 1/dp of each TP block of the parameters, gradients and AdamW state
+    fsdp = sharded.mesh.dp if any(hasattr(q, "device_mesh") for q in sharded.parameters()) else 1
     log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / max(1, n_all):.2f} %); per rank: "
-        f"trainable {p.trainable_bytes_per_rank / mib:.2f} MiB, frozen {p.frozen_bytes_per_rank / mib:.2f} MiB, "
-        f"gradients {p.grad_bytes_per_rank / mib:.2f} MiB, AdamW state {2 * p.trainable_bytes_per_rank / mib:.2f} MiB")
+        f"trainable {p.trainable_bytes_per_rank / fsdp / mib:.2f} MiB, frozen {p.frozen_bytes_per_rank / fsdp / mib:.2f} "
+        f"MiB, gradients {p.grad_bytes_per_rank / fsdp / mib:.2f} MiB, AdamW state "
+        f"{2 * p.trainable_bytes_per_rank / fsdp / mib:.2f} MiB" + (f" (FSDP2 over dp={fsdp})" if fsdp > 1 else ""))
 
 
 def evaluate(sharded, data, per_replica: int, n_dp: int, dp_index: int, args) -> float:
@@ -244,6 +254,18 @@ def _step_dir(args, step: int) -> str:
     return os.path.join(args.checkpoint_dir, f"step_{step:06d}")
 
 
+def _save(args, sharded, opt, step: int) -> None:
+    """Our sharded checkpoint with the train state; with --fsdp a DCP folder (model + AdamW)."""
+    from autoshard.training import train as T
+
+    if args.fsdp:
+        from autoshard.io import dcp
+
+        dcp.save(sharded, _step_dir(args, step), optimizer=opt)
+    else:
+        T.save_state(sharded, _step_dir(args, step), opt, step=step)
+
+
 def main(argv=None):
     args = parse_args(argv)         # argument errors first, in well under a second: torch is not loaded yet
     global torch, dist
@@ -276,9 +298,11 @@ def main(argv=None):
                                                   warmup=args.warmup, zero=args.zero)
         log(f"resumed from {src} at step {start}")
     else:
-        sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example)
+        # with --fsdp the blocks become FSDP units, checkpointed inside them (autoshard.runtime.fsdp)
+        sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example,
+                                  fsdp=args.fsdp, activation_checkpointing=args.fsdp and args.activation_checkpointing)
         opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup, zero=args.zero)
-    if args.activation_checkpointing:
+    if args.activation_checkpointing and not args.fsdp:
         from autoshard.passes.remat import checkpoint_blocks
 
         log(f"activation checkpointing: {checkpoint_blocks(sharded.graph_module())} blocks recompute in backward")
@@ -299,7 +323,7 @@ def main(argv=None):
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             log(f"step {step}: {metric} {evaluate(sharded, eval_data, per, n_dp, dp_index, args):.4f}")
         if args.checkpoint_dir and args.save_every and step % args.save_every == 0 and step < args.steps:
-            T.save_state(sharded, _step_dir(args, step), opt, step=step)
+            _save(args, sharded, opt, step)
             log(f"step {step}: saved {_step_dir(args, step)}")
 
     batches = T.replica_batches(train_data, args.batch_size, seed=args.seed, dp_index=dp_index, dp=n_dp)
@@ -313,8 +337,8 @@ def main(argv=None):
         log(f"trained {len(losses)} steps in {time.perf_counter() - t1:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     log(f"{metric}: {'resumed' if args.resume else 'untrained'} {before:.4f} -> trained {after:.4f}")
     if args.checkpoint_dir:
-        T.save_state(sharded, _step_dir(args, args.steps), opt, step=args.steps)
-        log(f"saved {_step_dir(args, args.steps)} (step {args.steps})")
+        _save(args, sharded, opt, args.steps)
+        log(f"saved {_step_dir(args, args.steps)} (step {args.steps}{', DCP' if args.fsdp else ''})")
     if args.save_adapter:
         sharded.save_pretrained(args.save_adapter)    # peft's adapter folder (collective; rank 0 writes)
         log(f"saved the LoRA adapter to {args.save_adapter} (PeftModel.from_pretrained(base, dir) loads it)")
