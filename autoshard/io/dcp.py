@@ -209,6 +209,32 @@ def _init_state(optimizer) -> None:
 
 # ------------------------------------------------------------------------------ module + optimizer
 
+def _check_model(model_state: dict, path) -> None:
+    """Every tensor of ``model_state`` is in the DCP checkpoint at ``path`` with its shape;
+    else :class:`CheckpointError` naming the first ones (read from the checkpoint's
+    metadata file: no collective)."""
+    from pathlib import Path
+
+    if not (Path(path) / ".metadata").exists():
+        raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata); write one with autoshard.io.dcp.save")
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing, wrong = [], []
+    for k, v in model_state.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        md = saved.get(f"model.{k}")
+        if md is None:
+            missing.append(k)
+        elif tuple(getattr(md, "size", ())) != tuple(v.shape):
+            wrong.append(f"{k} {list(md.size)} in the checkpoint, {list(v.shape)} here")
+    if missing or wrong:
+        have = sorted(n[len("model."):] for n in saved if n.startswith("model."))
+        raise CheckpointError(f"{path}: the checkpoint does not hold this model: "
+                              + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "")
+                              + ("; " if missing and wrong else "") + "; ".join(wrong[:3])
+                              + f" (it holds {len(have)} model tensors, e.g. {have[:2]})")
+
+
 def save(sharded, path, *, optimizer=None) -> None:
     """Save ``sharded`` (and ``optimizer``'s state) as a DCP checkpoint in ``path``.
     Collective: call on every rank. Loads back in any mode and world size (:func:`load`)."""
@@ -223,6 +249,7 @@ def load(sharded, path, *, optimizer=None) -> None:
     """Load a DCP checkpoint written by :func:`save` (any mode, any world size) into
     ``sharded`` and ``optimizer``, in place. Collective: call on every rank."""
     state = {"model": sharded.state_dict()}
+    _check_model(state["model"], path)      # before any collective, on every rank alike
     if optimizer is not None:
         _init_state(optimizer)
         state["optim"] = optimizer_state_dict(sharded, optimizer)

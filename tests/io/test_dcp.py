@@ -261,3 +261,36 @@ def test_save_hf_through_dcps_writer_where_blocks_are_rectangles(tmp_path, name,
     with torch.no_grad():
         want = models.build(name, seed=1)(**models.batch(name)).logits
         assert (hf(**models.batch(name)).logits - want).abs().max().item() <= 1e-6
+
+
+def _load_wrong_model(rank, world, path):
+    from autoshard import CheckpointError
+    from autoshard.io import dcp as adcp
+
+    _, _, sharded = _shard("llama", "1d")
+    try:
+        adcp.load(sharded, path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_bad_dcp_sources_are_refused_by_name(tmp_path, capsys):
+    """A DCP checkpoint of another model is refused naming the tensor (every rank, before reading);
+    `autoshard convert` of a folder that is neither format exits 2 saying so."""
+    from autoshard.cli import main
+
+    path = str(tmp_path / "gpt2")
+    get_pool(2, timeout=TIMEOUT).run(_save_ours_dcp, path)
+    for msg in get_pool(2, timeout=TIMEOUT).run(_load_wrong_model, path):
+        assert msg is not None and "does not hold this model" in msg and "model.embed_tokens.weight" in msg, msg
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "neither our checkpoint" in capsys.readouterr().err
+
+
+def _save_ours_dcp(rank, world, path):
+    from autoshard.io import dcp as adcp
+
+    _, _, sharded = _shard("gpt2", "1d")
+    adcp.save(sharded, path)
