@@ -248,7 +248,7 @@ def _save_hf(rank, world, name, mode, folder):
     return save_hf(sharded, folder)
 
 
-@pytest.mark.parametrize("name,writer", [("llama", "dcp"), ("gpt2", "gather")])
+@pytest.mark.parametrize("name,writer", [("llama", "dcp"), pytest.param("gpt2", "gather", marks=pytest.mark.slow)])
 def test_save_hf_through_dcps_writer_where_blocks_are_rectangles(tmp_path, name, writer):
     """Llama at 2d@4 (every block one rectangle) goes through DCP's HuggingFaceStorageWriter,
     consolidated; GPT-2 (fused q/k/v: strided) through save_pretrained's gather. Both load in
