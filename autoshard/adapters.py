@@ -115,7 +115,7 @@ class Adapters:
         from .io.gather import iter_full_state_dict
 
         names = {n for ns in self.saved_names(selected).values() for n in ns}
-        held = {n for pp in sharded.plan.params for n in (pp.name, *pp.aliases)}
+        held = set(sharded.plan.params_by_name())
         missing = sorted(names - held - set(self.idle))
         if missing:
             raise ConfigError(f"save_pretrained: adapter tensors {missing[:4]} are neither in the sharded module nor "

@@ -336,7 +336,7 @@ def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batc
     if padded is not None:      # pad the step's vocabulary as the module's was
         vocab = next(d for d, g in zip(padded.dense_shape, padded.global_shape) if d != g)
     cap = prepare(cap, policy, vocab=vocab)
-    held = {n: pp for pp in held_plan.params for n in (pp.name, *pp.aliases)}
+    held = held_plan.params_by_name()
     mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
     p = plan_captured(cap, policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=dropout,
                       pinned={n: pp.spec for n, pp in held.items() if n in mine})

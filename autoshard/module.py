@@ -161,19 +161,24 @@ class ShardedModule(nn.Module):
         """(parameter, group name) for every trainable parameter whose gradient the plan syncs
         over axes not in ``exclude`` (process groups created as needed, collectively). A
         frozen one (``requires_grad=False``) has no gradient to sync and takes no hook."""
-        from .runtime.groups import axes_label, mesh_group
-
         params = dict(self.named_parameters(remove_duplicate=False))
         out = []
         for pp in self.plan.params:
             axes = tuple(a for a in pp.grad_sync if a not in exclude)
             if not axes or pp.name not in params or not pp.trainable or not params[pp.name].requires_grad:
                 continue
-            label = axes_label(axes)
-            if label not in self.groups:
-                self.groups[label] = mesh_group(self.mesh, axes, self.rank).group_name
-            out.append((params[pp.name], self.groups[label]))
+            out.append((params[pp.name], self.group_name(axes)))
         return out
+
+    def group_name(self, axes: tuple[str, ...]) -> str:
+        """The c10d name of this rank's process group over ``axes``: the plan's own, else
+        created (collectively: every rank asks in the same order) and kept with them."""
+        from .runtime.groups import axes_label, mesh_group
+
+        label = axes_label(axes)
+        if label not in self.groups:
+            self.groups[label] = mesh_group(self.mesh, axes, self.rank).group_name
+        return self.groups[label]
 
     # -- looks like the Hugging Face model
     @property
@@ -263,6 +268,13 @@ class ShardedModule(nn.Module):
         return dtensor_state_dict(self, sd)
 
     @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 holds the parameters (``shard(..., fsdp=True)``): DTensors of dp chunks."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for p in self.parameters())
+
+    @property
     def device_mesh(self):
         """The ``torch.distributed.DeviceMesh`` over this module's mesh (axis names as the
         plan's), on the plan's own process groups."""
@@ -285,7 +297,7 @@ class ShardedModule(nn.Module):
 
         from .io.dtensor import from_dtensor, like_fsdp
 
-        plans = {n: pp for pp in self.plan.params for n in (pp.name, *pp.aliases)}
+        plans = self.plan.params_by_name()
         local = type(state_dict)() if isinstance(state_dict, dict) else {}
         for k, v in state_dict.items():
             pp = plans.get(k)

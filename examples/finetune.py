@@ -208,7 +208,7 @@ def report_memory(sharded, log) -> None:
     n_all = sum(math.prod(pp.hf_shape) for pp in p.params)
     mib = 2 ** 20
     # FSDP2 (--fsdp) keeps 1/dp of each TP block of the parameters, gradients and AdamW state
-    fsdp = sharded.mesh.dp if any(hasattr(q, "device_mesh") for q in sharded.parameters()) else 1
+    fsdp = sharded.mesh.dp if sharded.fsdp else 1
     log(f"trainable parameters: {n_train:,} of {n_all:,} ({100 * n_train / max(1, n_all):.2f} %); per rank: "
         f"trainable {p.trainable_bytes_per_rank / fsdp / mib:.2f} MiB, frozen {p.frozen_bytes_per_rank / fsdp / mib:.2f} "
         f"MiB, gradients {p.grad_bytes_per_rank / fsdp / mib:.2f} MiB, AdamW state "

@@ -24,12 +24,12 @@ Example::
 
 from __future__ import annotations
 
-import torch
-import torch.utils.checkpoint
+import functools
+
 from torch import fx
 
 from autoshard.ir.errors import ShardingError
-from .remat import block_segments, outline
+from .remat import block_segments, outline, run_checkpointed
 
 __all__ = ["split_blocks"]
 
@@ -65,7 +65,7 @@ def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4, checkpoint: bool = F
             for name, child in holder.named_children():
                 block._modules[name] = child
             if checkpoint:
-                block.forward = _recomputed(block.forward)
+                block.forward = functools.partial(run_checkpointed, block.forward)
             parent_path, _, last = key.rpartition(".")
             (gm.get_submodule(parent_path) if parent_path else gm)._modules[last] = block
             return key
@@ -75,13 +75,3 @@ def split_blocks(gm: fx.GraphModule, *, min_nodes: int = 4, checkpoint: bool = F
         graph.lint()
         gm.recompile()
     return keys
-
-
-def _recomputed(forward):
-    """``forward`` run under non-reentrant checkpointing while gradients are on (RNG state
-    kept, so dropout recomputes the same mask)."""
-    def run(*args):
-        if not torch.is_grad_enabled():
-            return forward(*args)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
-    return run

@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-__all__ = ["checkpoint_blocks", "block_key", "block_segments", "outline"]
+__all__ = ["checkpoint_blocks", "block_key", "block_segments", "outline", "run_checkpointed"]
 
 _NUMBERED = re.compile(r"(^|\.)\d+$")
 
@@ -42,6 +42,14 @@ def block_key(node: fx.Node) -> str | None:
     return None
 
 
+def run_checkpointed(fn, *args):
+    """``fn(*args)`` under non-reentrant checkpointing while gradients are on (RNG state
+    kept, so dropout recomputes the same mask); a plain call otherwise."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
 class _Checkpointed(nn.Module):
     """Runs ``block`` under non-reentrant checkpointing (RNG state preserved, so
     dropout recomputes the same mask)."""
@@ -52,9 +60,7 @@ class _Checkpointed(nn.Module):
         self.key = key
 
     def forward(self, *args):
-        if not torch.is_grad_enabled():
-            return self.block(*args)
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+        return run_checkpointed(self.block, *args)
 
     def extra_repr(self) -> str:
         return f"block={self.key!r}"

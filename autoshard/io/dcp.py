@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from ..ir.errors import CheckpointError
-from .dtensor import from_dtensor, like_fsdp, local_pieces, to_dtensor, tp_local
+from .dtensor import from_dtensor, like_fsdp, local_pieces, narrow_piece, to_dtensor, tp_local
 
 __all__ = ["SavePlanner", "LoadPlanner", "save", "load", "optimizer_state_dict", "load_optimizer_state_dict",
            "checkpoint_to_dcp", "dcp_to_folder", "save_hf"]
@@ -59,13 +59,6 @@ def _pieces(value) -> list[tuple[tuple, tuple, tuple]]:
     dm = value.device_mesh
     return [p for p in local_pieces(tuple(value.shape), value.placements, tuple(dm.mesh.shape), dm.get_coordinate())
             if all(p[2])]
-
-
-def _piece(local: torch.Tensor, loff: tuple, size: tuple) -> torch.Tensor:
-    out = local
-    for d, (o, s) in enumerate(zip(loff, size)):
-        out = out.narrow(d, o, s)
-    return out
 
 
 class SavePlanner(default_planner.DefaultSavePlanner):
@@ -100,7 +93,7 @@ class SavePlanner(default_planner.DefaultSavePlanner):
         if at is None:
             return super().lookup_object(index)
         local = self.state_dict[index.fqn].to_local()
-        piece = _piece(local, *at)
+        piece = narrow_piece(local, *at)
         # a piece short of the whole local tensor is copied: a view would be written with all its storage
         return piece if piece.numel() == local.numel() else piece.contiguous().clone()
 
@@ -138,7 +131,7 @@ class LoadPlanner(default_planner.DefaultLoadPlanner):
         at = self._where.get((index.fqn, tuple(index.offset or ())))
         if at is None:
             return super().lookup_tensor(index)
-        return _piece(self.state_dict[index.fqn].to_local(), *at)
+        return narrow_piece(self.state_dict[index.fqn].to_local(), *at)
 
 
 # ------------------------------------------------------------------------------ optimizer state
@@ -254,7 +247,7 @@ def load(sharded, path, *, optimizer=None) -> None:
         _init_state(optimizer)
         state["optim"] = optimizer_state_dict(sharded, optimizer)
     dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner())
-    if any(isinstance(p, DTensor) for p in sharded.parameters()):
+    if sharded.fsdp:
         sharded.load_state_dict(state["model"])     # FSDP2: the state dict held gathered copies
     if optimizer is not None:
         load_optimizer_state_dict(sharded, optimizer, state["optim"])
@@ -359,10 +352,8 @@ def save_hf(sharded, path) -> str:
     from .gather import save_pretrained
 
     state = sharded.state_dict()
-    mine = all(_one_piece(v) for v in state.values() if isinstance(v, DTensor))
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, mine)         # every rank takes the same way
-    if not all(flags):
+    # placements come from the plan and the mesh alone: every rank takes the same way
+    if not all(_one_piece(v) for v in state.values() if isinstance(v, DTensor)):
         save_pretrained(sharded, path)
         return "gather"
     dcp.save(state, planner=SavePlanner(),

@@ -48,7 +48,7 @@ from ..ir.mesh import Mesh
 from ..ir.spec import ShardSpec
 
 __all__ = ["placements", "local_pieces", "device_mesh", "to_dtensor", "dtensor_state_dict", "from_dtensor",
-           "tp_local", "like_fsdp"]
+           "tp_local", "like_fsdp", "narrow_piece"]
 
 
 def _types():
@@ -144,15 +144,10 @@ def device_mesh(sharded):
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..runtime.groups import axes_label, mesh_group
-
     mesh = sharded.mesh
     if not dist.is_initialized():
         raise ShardingError("DTensor state dicts need the process group the module was sharded in")
-    groups = []
-    for a in mesh.axes:
-        name = sharded.groups.get(axes_label((a,)))
-        groups.append(c10d._resolve_process_group(name) if name else mesh_group(mesh, (a,), sharded.rank))
+    groups = [c10d._resolve_process_group(sharded.group_name((a,))) for a in mesh.axes]
     ranks = torch.arange(mesh.world_size, device="cpu").reshape(mesh.sizes)     # a DeviceMesh layout: host-side
     return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], sharded.device.type, mesh=ranks,
                                  mesh_dim_names=tuple(mesh.axes))
@@ -188,14 +183,10 @@ def to_dtensor(sharded, pp, local: torch.Tensor):
                               shape=torch.Size(shape), stride=stride)
 
 
-def _plans(sharded) -> dict:
-    return {n: pp for pp in sharded.plan.params for n in (pp.name, *pp.aliases)}
-
-
 def dtensor_state_dict(sharded, local_state: dict) -> dict:
     """``local_state`` (this rank's local tensors under HF names) with every planned
     tensor as a DTensor over :func:`device_mesh`; other entries as they are."""
-    plans = _plans(sharded)
+    plans = sharded.plan.params_by_name()
     out = type(local_state)()
     for k, v in local_state.items():
         pp = plans.get(k)
@@ -240,8 +231,13 @@ def like_fsdp(like, local: torch.Tensor):
 
     dm = like.device_mesh
     (goff, _, size), = local_pieces(tuple(like.shape), like.placements, tuple(dm.mesh.shape), dm.get_coordinate())
-    chunk = local
-    for d, (o, s) in enumerate(zip(goff, size)):
-        chunk = chunk.narrow(d, o, s)
+    chunk = narrow_piece(local, goff, size)
     return DTensor.from_local(chunk.contiguous().to(like.dtype), dm, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
+
+
+def narrow_piece(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of ``t`` at ``offsets`` of ``sizes`` (a piece of :func:`local_pieces`)."""
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(d, o, s)
+    return t

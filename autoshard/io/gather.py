@@ -44,12 +44,7 @@ def _group(sharded, axes: tuple[str, ...]):
     else created collectively, in the same order on every rank)."""
     from torch.distributed import distributed_c10d as c10d
 
-    from ..runtime.groups import mesh_group
-
-    label = ",".join(axes)
-    if label in sharded.groups:
-        return c10d._resolve_process_group(sharded.groups[label])
-    return mesh_group(sharded.mesh, axes, sharded.rank)
+    return c10d._resolve_process_group(sharded.group_name(axes))
 
 
 def _gather_axes(spec: ShardSpec, mesh: Mesh) -> tuple[str, ...]:

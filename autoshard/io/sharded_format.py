@@ -149,7 +149,7 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     plan, mesh = sharded.plan, sharded.mesh
     if mesh.world_size != world:
         raise ConfigError(f"the module's mesh has {mesh.world_size} ranks, the process group {world}")
-    if any(hasattr(p, "device_mesh") for p in sharded.parameters()):
+    if sharded.fsdp:
         raise ConfigError("save_checkpoint: this module's parameters are FSDP2 DTensors (fsdp=True), which our "
                           "per-rank format does not hold; save it with autoshard.io.dcp.save(sharded, path, "
                           "optimizer=opt) (DCP, loads in any mode) or save_pretrained (dense)")

@@ -265,6 +265,10 @@ class ShardingPlan:
                 return p
         raise KeyError(name)
 
+    def params_by_name(self) -> dict[str, ParamPlan]:
+        """Every name a planned tensor goes by (its own and its tied aliases) -> its ParamPlan."""
+        return {n: p for p in self.params for n in (p.name, *p.aliases)}
+
     @property
     def param_bytes_per_rank(self) -> int:
         return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer)

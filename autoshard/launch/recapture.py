@@ -64,7 +64,7 @@ def rewrite_bound(module, cap, p, built):
     module's own slices (every graph of a module trains one set of weights), its
     buffers the module's or, where the module has none, the values ``built`` holds.
     Collective where ``p`` needs a process group the module did not."""
-    held = {n: pp for pp in module.plan.params for n in (pp.name, *pp.aliases)}
+    held = module.plan.params_by_name()
     groups = plan_groups(p, module.rank)
     module.groups.update(groups)
     gm = rewrite(cap.module, p, rank=module.rank, groups=groups)
@@ -100,7 +100,7 @@ def capture_graph(module, kwargs: dict):
                       dropout=r.dropout, frozen=frozenset(n for pp in module.plan.params if not pp.trainable
                                                           for n in (pp.name, *pp.aliases)))
     sig = InputSignature.of(example).describe()
-    held = {n: pp for pp in module.plan.params for n in (pp.name, *pp.aliases)}
+    held = module.plan.params_by_name()
     for pp in p.params:
         mine = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)
         if mine is None or tuple(mine.global_shape) != tuple(pp.global_shape):

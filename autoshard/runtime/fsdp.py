@@ -37,7 +37,6 @@ import torch
 
 from ..ir.errors import ConfigError
 from . import collectives as C
-from .groups import axes_label, mesh_group
 
 __all__ = ["fully_shard_dp"]
 
@@ -62,7 +61,7 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bo
     dp_mesh = sharded.device_mesh["dp"]
     blocks = sharded.split_blocks(checkpoint=checkpoint) if per_block else []
     units = [sharded.get_submodule(k) for k in blocks] + [sharded]
-    plans = {n: pp for pp in sharded.plan.params for n in (pp.name, *pp.aliases)}
+    plans = sharded.plan.params_by_name()
     owner = {}      # (id(module), attribute) -> ParamPlan
     for mname, mod in sharded.named_modules():
         for pname, _ in mod.named_parameters(recurse=False):
@@ -87,10 +86,8 @@ def fully_shard_dp(sharded, *, reshard_after_forward: bool = True, per_block: bo
         summed = "dp" not in pp.grad_sync
         if not (tp or summed):
             continue
-        name = None
-        if tp:
-            name = sharded.groups.get(axes_label(tp)) or mesh_group(mesh, tp, sharded.rank).group_name
-        fp._unsharded_param.register_hook(_sync_hook(name, mesh.dp if summed else 1))
+        fp._unsharded_param.register_hook(_sync_hook(sharded.group_name(tp) if tp else None,
+                                                     mesh.dp if summed else 1))
     for unit in units:
         unit.reshard()
     return sharded
