@@ -50,7 +50,7 @@ def _ensure_dist() -> None:
 
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
-             example_inputs: dict | None = None, weights_given: bool = False, environ=None):
+             example_inputs: dict | None = None, weights_given: bool = False, environ=None, cp: int = 1):
     """Every problem :func:`shard` would refuse or warn about, found without a collective.
 
     Returns ``(policy or None, problems)``. Pure: the same arguments give the same
@@ -62,9 +62,11 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     pol = None
     if mode != "auto":
         try:
-            pol = make_policy(mode, world_size, depth, dp)
+            pol = make_policy(mode, world_size, depth, dp, cp)
         except ConfigError as e:
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
+    if cp != 1 and mode == "auto":
+        problems.append(Problem("mode", f"cp={cp} is not searched yet: name the mode (e.g. mode='1d', cp={cp})"))
     problems += check_model(model, weights_given=weights_given)
     config = getattr(model, "config", None)
     if pol is not None:
@@ -120,7 +122,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
-          fsdp: bool = False) -> ShardedModule:
+          fsdp: bool = False, cp: int = 1) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -177,6 +179,12 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     axis (:mod:`autoshard.runtime.fsdp`): each rank keeps ``1/dp`` of its TP block of
     every parameter at rest (dense / (tp·dp) bytes); build the optimizer afterwards.
 
+    ``cp=C`` (context parallelism) splits each replica's sequence ``C`` ways as well:
+    world = dp × cp × the mode's mesh. Activations, norms and MLPs hold ``S/C`` tokens;
+    attention keeps its queries split and gathers the keys and values over ``cp``
+    (backward reduce-scatters their gradients); the loss is the global token mean. A
+    call's sequence length must be a multiple of ``cp`` (docs/design.md, "Context parallelism").
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -194,7 +202,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
                         activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
-                        device=device, fsdp=fsdp)
+                        device=device, fsdp=fsdp, cp=cp)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
@@ -210,7 +218,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if seed is not None:
         torch.manual_seed(seed)
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
-                             weights_given=weights is not None, environ=os.environ)
+                             weights_given=weights is not None, environ=os.environ, cp=cp)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
     search_with = None      # mode="auto": what the layout is searched with
     if mode == "auto":      # the layout is the search's: the key names what it searches with
@@ -428,7 +436,7 @@ def _input_limits(config, seq_range: tuple | None = None) -> dict:
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
-         max_len: int | None = None) -> ShardingPlan:
+         max_len: int | None = None, cp: int = 1) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -442,7 +450,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
-    ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`).
+    ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`). ``cp=C`` adds a context-parallel
+    axis (see :func:`shard`).
 
     ``step="decode"`` (or ``"prefill"``) plans what :meth:`ShardedModule.generate` runs
     per token (per prompt) instead: the model's step with a static KV cache of
@@ -471,7 +480,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
-    pol = make_policy(mode, world_size, depth, dp)
+    pol = make_policy(mode, world_size, depth, dp, cp)
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")

@@ -19,6 +19,7 @@ from .capture import Captured
 from .experts import count_on_floats, fold_grouped_weights
 from .linear_fold import fold_transposed_weights
 from .pad import pad_vocab
+from .token_fold import fold_token_flattens
 from .propagate import propagate
 from .trace import trace
 
@@ -27,13 +28,16 @@ __all__ = ["plan_captured", "prepare"]
 
 def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> Captured:
     """``captured`` as ``policy`` plans it: ``x @ W.T`` as ``linear(x, W)``
-    (:mod:`~autoshard.passes.linear_fold`), grouped expert matmuls with their
+    (:mod:`~autoshard.passes.linear_fold`), with context parallelism per-token ops on
+    unflattened tokens (:mod:`~autoshard.passes.token_fold`), grouped expert matmuls with their
     parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
     padded to the mode's split (the same object where nothing changes). Plan and
     rewrite this one. ``vocab``: the vocabulary's size, where the graph has no head to
     tell it (:func:`~autoshard.passes.pad.pad_vocab`)."""
-    return pad_vocab(fold_grouped_weights(count_on_floats(fold_transposed_weights(captured))),
-                     policy.vocab_multiple(), vocab)
+    folded = fold_transposed_weights(captured)
+    if policy.cp > 1:       # a split sequence cannot merge into a whole batch: tokens kept apart
+        folded = fold_token_flattens(folded)
+    return pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

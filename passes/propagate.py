@@ -112,6 +112,7 @@ class _State:
     origin: dict           # node name -> linear node name whose column split it carries
     relayouts: set         # (value name, steps): re-layouts already made (the rewrite shares them)
     param_uses: dict       # get_attr target -> [(node name, arg path, axes its grad is partial on)]
+    cp_pending: set = dataclasses.field(default_factory=set)   # partial lookups the cp split waits behind
 
 
 class _Ctx:
@@ -216,6 +217,10 @@ class _Ctx:
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
                             aten.contiguous.default) and self.e.shapes.probe(u.meta["val"].shape)[-1] == n:
                 cur = u
+                continue
+            if u.target == aten.add.Tensor and self.e.shapes.probe(u.meta["val"].shape)[-1] == n and \
+                    any(isinstance(a, fx.Node) and a.op == "get_attr" for a in u.args):
+                cur = u             # its bias, added apart (passes/token_fold.py)
                 continue
             return 1
         return 1
@@ -459,6 +464,9 @@ class _Engine:
         # is split over dp before the graph starts; the policy's batch axes split it further
         self.dp_axes = ("dp",) if "dp" in self.mesh.axes else ()
         self.batch_axes = self.dp_axes + tuple(policy.batch_axes)
+        # context parallelism: the sequence is split over cp from the token lookups on
+        # (docs/design.md, "Context parallelism")
+        self.cp_axes = ("cp",) if "cp" in self.mesh.axes else ()
         self.ann = annotate(self.gm)
         self.forced: set[str] = set()
         # Linear -> why a re-plan holds it whole (the op that refused its split), for its note
@@ -632,7 +640,31 @@ class _Engine:
         ctx = _Ctx(self, node)
         self._check_row_order(node, ctx)
         choice = self._choose(node, ann, ctx)
+        if self.cp_axes and (ann.kind == "embedding" or any(a.name in self.st.cp_pending for a in node.all_input_nodes)):
+            choice = self._cp_split(node, ctx, choice)
         return self._apply(node, ann, ctx, choice)
+
+    def _cp_split(self, node, ctx, choice: Choice) -> Choice:
+        """Context parallelism starts here: a lookup's rows are cut on the sequence over
+        ``cp`` (each rank keeps its block, no collective; backward all-gathers the
+        gradient, so the table's own gradient is complete and takes no cp sync). A
+        lookup whose rows are still partial sums (1d's vocab-parallel tables, reduced after
+        their add) is cut at the first value after it that is not. What the sequence meets
+        later (positions, masks, labels) is whole and sliced where it meets the split rows."""
+        out = choice.out
+        if not isinstance(out, ShardSpec) or not _is_tensor_val(node.meta.get("val")):
+            return choice
+        seq = [d for d, v in enumerate(ctx.pshape(node)) if v == SymbolicSizes.SEQ]
+        if len(seq) != 1 or out.dims[seq[0]]:
+            return choice
+        if out.partial:
+            self.st.cp_pending.add(node.name)
+            return choice
+        d = seq[0]
+        return choice.replace(out=out.with_dim(d, self.cp_axes),
+                              post=choice.post + (Step(op="scatter", axes=self.cp_axes, dim=d),),
+                              notes=choice.notes + (f"sequence split over {','.join(self.cp_axes)} "
+                                                    f"(context parallel)",))
 
     def _check_row_order(self, node, ctx):
         """Rows a sort put in a rank-local order (:mod:`.row_order`) are exact only
@@ -739,6 +771,9 @@ class _Engine:
         arg_steps = self._grad_steps(node, choice, in_specs, arg_steps)
         comms = self._relayout_comms(node, ctx, arg_steps) + self._kernel_comm_rows(node, choice, in_specs)
         out = choice.out
+        cuts = tuple(st for st in choice.post if st.op == "scatter")
+        if cuts and isinstance(out, ShardSpec):      # a cut output (context parallelism): its backward gather
+            comms += self._step_comms(node, _before_cuts(choice), cuts, node.name in self.needs_grad)
         self.st.specs[node.name] = out
         self._track_batch_index(node, out)
         self._track_origin(node, ann, choice, in_specs)
@@ -791,7 +826,10 @@ class _Engine:
     def _grad_steps(self, node, choice: Choice, in_specs: dict, arg_steps: list) -> list:
         """``arg_steps`` with the grad invariant kept: a replicated input of an op whose
         output is split / partial gets ``copy_to`` (a parameter: its after-backward sync)."""
-        out_axes = _spec_axes(choice.out)
+        # a step after the op that cuts its output (context parallelism's scatter) keeps
+        # the op's own gradient complete over those axes: its backward all-gathers
+        cut = {a for st in choice.post if st.op == "scatter" for a in st.axes}
+        out_axes = _spec_axes(choice.out) - cut
         for path, req in in_specs.items():
             a = _get(node, path)
             if a.name not in self.needs_grad or path in choice.grad_complete:
@@ -799,10 +837,12 @@ class _Engine:
             rep = tuple(ax for ax in self.mesh.axes if ax in out_axes and ax not in req.axes and ax not in req.partial)
             if path in choice.param_sync:
                 rep = choice.param_sync[path]
-            if not rep:
-                continue
             if a.op == "get_attr" and a.target in self.params:
+                # a use with a complete gradient counts too: a tied table's other use then
+                # sums its partial part in the graph, not the complete one after backward
                 self.st.param_uses.setdefault(a.target, []).append((node.name, path, frozenset(rep)))
+                continue
+            if not rep:
                 continue
             steps = dict(arg_steps).get(path, ())
             last = steps[-1] if steps else None
@@ -951,7 +991,7 @@ class _Engine:
             if isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val")):
                 shapes[path] = req.local_shape(self.shapes.concrete(a.meta["val"].shape), self.mesh)
         v = node.meta.get("val")
-        out = choice.out
+        out = _before_cuts(choice)       # the kernel's own output, before a cut after it
         oshape = out.local_shape(self.shapes.concrete(v.shape), self.mesh) \
             if isinstance(out, ShardSpec) and _is_tensor_val(v) else ()
         return choice.kernel.comms(KernelIO(in_shapes=shapes, out_shape=oshape, mesh=self.mesh))
@@ -983,6 +1023,15 @@ class _Engine:
 class _Retry(Exception):
     def __init__(self, linears: set[str]):
         self.linears = set(linears)
+
+
+def _before_cuts(choice: Choice):
+    """``choice.out`` as the op itself makes it: the dims its ``scatter`` post-steps cut, whole."""
+    out = choice.out
+    for st in choice.post:
+        if st.op == "scatter" and isinstance(out, ShardSpec):
+            out = out.with_dim(st.dim, ())
+    return out
 
 
 def _spec_axes(out) -> set:

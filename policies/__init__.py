@@ -54,8 +54,10 @@ def _discover() -> None:
 _discover()
 
 
-def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1) -> Policy:
-    """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas).
+def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1, cp: int = 1) -> Policy:
+    """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas,
+    each split ``cp`` ways on the sequence: context parallelism, a ``cp`` axis after
+    ``dp`` and before the mode's own axes; see docs/design.md, "Context parallelism").
 
     Raises:
         ConfigError: an unknown mode, ``"auto"`` (chosen by the search), or a world
@@ -63,12 +65,15 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
 
     >>> make_policy("2.5d", 8, depth=2).mesh
     Mesh(axes=('dep', 'row', 'col'), sizes=(2, 2, 2))
+    >>> make_policy("1d", 8, dp=2, cp=2).mesh
+    Mesh(axes=('dp', 'cp', 'tp'), sizes=(2, 2, 2))
     >>> make_policy("4d", 8)
     Traceback (most recent call last):
     ...
     autoshard.ir.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'
     """
     from autoshard.ir.errors import ConfigError
+    from autoshard.ir.mesh import Mesh
 
     if mode == "auto":
         raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "
@@ -76,7 +81,14 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     if mode not in POLICIES:
         raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in POLICIES)}")
     cls = POLICIES[mode]
-    return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
+    if cp == 1:
+        return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
+    if cp < 1 or world_size % (cp * dp):
+        raise ConfigError(f"cp={cp} × dp={dp} must divide the world size {world_size}; valid cp: "
+                          f"{[c for c in range(1, world_size // dp + 1) if world_size % (c * dp) == 0]}")
+    mesh = cls.make_mesh(world_size // cp, depth=depth, dp=dp)
+    at = 1 if mesh.axes[:1] == ("dp",) else 0
+    return cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))
 
 
 __all__.append("make_policy")

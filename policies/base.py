@@ -225,6 +225,16 @@ class Policy:
         """Data-parallel replicas of this mesh (1 without a ``dp`` axis)."""
         return self.mesh.dp
 
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks of this mesh: the sequence is split ``cp`` ways (1 without a ``cp`` axis)."""
+        return self.mesh.size("cp") if "cp" in self.mesh.axes else 1
+
+    @property
+    def cp_axes(self) -> tuple[str, ...]:
+        """``("cp",)`` where the mesh has a context-parallel axis, else ``()``."""
+        return ("cp",) if "cp" in self.mesh.axes else ()
+
     def batch_split(self) -> tuple[int, str]:
         """How many blocks one dp replica's batch is cut into, and a label naming the axes."""
         axes = tuple(a for a in self.batch_axes if a != "dp")
@@ -238,15 +248,16 @@ class Policy:
         """``(q, d)``: the side of the tensor-parallel grid (the TP size for a 1-axis
         mode) and its depth (1 unless the mode has a ``dep`` axis)."""
         d = mesh.size("dep") if "dep" in mesh.axes else 1
-        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "dep")]
+        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "dep", "cp")]
         return (max(sizes) if sizes else 1), d
 
     @classmethod
     def label(cls, mesh: Mesh) -> str:
         """``'2.5d [2,2,2] × dp2'``: the mode and its TP grid, then the dp replicas."""
-        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a != "dp"]
-        dp = mesh.dp
-        return f"{cls.name} [{','.join(map(str, sizes))}]" + (f" × dp{dp}" if dp > 1 else "")
+        sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "cp")]
+        dp, cp = mesh.dp, (mesh.size("cp") if "cp" in mesh.axes else 1)
+        return f"{cls.name} [{','.join(map(str, sizes))}]" + (f" × cp{cp}" if cp > 1 else "") + \
+            (f" × dp{dp}" if dp > 1 else "")
 
     # ---------------------------------------------------- what it splits
     def dim_splits(self) -> tuple[dict[str, int], str]:
@@ -256,9 +267,9 @@ class Policy:
         raise NotImplementedError
 
     def seq_split(self) -> int:
-        """How many blocks the sequence is cut into (1d-sp: the TP size); a call's
-        sequence length must divide it."""
-        return 1
+        """How many blocks the sequence is cut into (context parallelism: ``cp``; 1d-sp:
+        also the TP size); a call's sequence length must be a multiple of it."""
+        return self.cp
 
     def vocab_multiple(self) -> int:
         """What the vocabulary is padded to a multiple of (:mod:`autoshard.passes.pad`)."""

@@ -18,6 +18,7 @@ from torch import fx
 from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec, replicated
+from autoshard.ir.tokens import token_cross_entropy
 
 from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout
 
@@ -857,21 +858,29 @@ def sdpa(ctx: RuleContext) -> Choice:
     sq = ctx.spec(q)
     args = list(node.args) + [None] * 4
     dropout_p = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
-    base = ShardSpec(dims=(sq.dims[0], sq.dims[1], (), ()))
+    mask = args[3] if isinstance(args[3], fx.Node) else node.kwargs.get("attn_mask")
+    # context parallelism: queries keep their sequence split, keys and values are
+    # gathered whole (backward reduce-scatters their gradients), the mask keeps the rows
+    # of the local queries (docs/design.md, "Context parallelism")
+    cp = ("cp",) if "cp" in ctx.mesh.axes and sq.dims[2] == ("cp",) else ()
+    if cp and not isinstance(mask, fx.Node) and (node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5])):
+        raise NeedReplicate((0,), 2, "causal attention without a mask tensor cannot take its queries split on "
+                                     "the sequence (the causal offset of a block is not in the op)")
+    base = ShardSpec(dims=(sq.dims[0], sq.dims[1], cp, ()))
+    whole_seq = ShardSpec(dims=(sq.dims[0], sq.dims[1], (), ()))
     qs, ks = ctx.pshape(q), ctx.pshape(k)
     inputs = {(0,): base}
-    kv_req = base
+    kv_req = whole_seq
     if ks[1] != qs[1]:                 # enable_gqa: fewer kv heads
-        kv_req = ShardSpec(dims=(sq.dims[0], (), (), ())) if sq.dims[1] else base
+        kv_req = ShardSpec(dims=(sq.dims[0], (), (), ())) if sq.dims[1] else whole_seq
         if sq.dims[1] and ks[1] % ctx.mesh.size(sq.dims[1]) == 0 and (qs[1] // ks[1]) >= 1:
-            kv_req = base
+            kv_req = whole_seq
     inputs[(1,)] = kv_req
     inputs[(2,)] = kv_req
-    mask = args[3] if isinstance(args[3], fx.Node) else node.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         ms = ctx.pshape(mask)
         off = 4 - len(ms)
-        md = tuple(base.dims[d + off] if d + off < 2 and ms[d] == qs[d + off] else () for d in range(len(ms)))
+        md = tuple(base.dims[d + off] if d + off < 3 and ms[d] == qs[d + off] else () for d in range(len(ms)))
         inputs[(3,) if isinstance(args[3], fx.Node) else ("kw", "attn_mask")] = ShardSpec(dims=md)
     if dropout_p and ctx.training:
         k = AttentionDropout(p=float(dropout_p), mode=ctx.dropout, in_specs=tuple(inputs.items()), out_spec=base)
@@ -960,13 +969,18 @@ def cross_entropy(ctx: RuleContext) -> Choice:
     ignore_index = -100 if ignore_index is None else ignore_index
     smoothing = smoothing or 0.0
     sl = ctx.spec(logits)
-    if weight is not None or smoothing or reduction not in (1, 2) or sl.ndim != 2:
+    tokens = node.target is token_cross_entropy      # [..., V] logits, class last (passes/token_fold.py)
+    if weight is not None or smoothing or reduction not in (1, 2) or (sl.ndim != 2 and not tokens):
         return _fallback(ctx, "cross-entropy with class weights, label smoothing, reduction='none' or "
                               "spatial targets is computed on gathered logits")
-    vocab_axes = sl.dims[1] if not sl.partial else (sl.partial if ctx.pshape(logits)[1] % ctx.mesh.size(sl.partial) == 0 else ())
-    rows = sl.dims[0]
-    req_l = ShardSpec(dims=(rows, vocab_axes))
-    req_t = ShardSpec(dims=(rows,))
+    last = sl.ndim - 1
+    vocab_axes = sl.dims[last] if not sl.partial else (
+        sl.partial if ctx.pshape(logits)[last] % ctx.mesh.size(sl.partial) == 0 else ())
+    lead = tuple(sl.dims[:last])
+    # the token sum runs over every axis splitting the token dims (the batch's, and cp's sequence)
+    rows = tuple(a for a in ctx.mesh.axes if any(a in d for d in lead)) if tokens else sl.dims[0]
+    req_l = ShardSpec(dims=lead + (vocab_axes,))
+    req_t = ShardSpec(dims=lead)
     k = CrossEntropy(vocab_axes=vocab_axes, batch_axes=rows, ignore_index=int(ignore_index), reduction=int(reduction),
                      in_specs=(((0,), req_l), ((1,), req_t)), out_spec=replicated(0))
     return Choice.run(k, grad_complete=frozenset({(0,)}),
@@ -1057,7 +1071,7 @@ RULES = {
     aten.conv1d.default: convolution, aten.conv2d.default: convolution, aten.conv3d.default: convolution,
     aten.conv1d.padding: convolution, aten.conv2d.padding: convolution, aten.conv3d.padding: convolution,
     aten.convolution.default: convolution,
-    aten.cross_entropy_loss.default: cross_entropy,
+    aten.cross_entropy_loss.default: cross_entropy, token_cross_entropy: cross_entropy,
     aten.arange.default: creation, aten.arange.start: creation, aten.arange.start_step: creation,
     aten.full.default: creation, aten.zeros.default: creation, aten.ones.default: creation,
     aten.new_ones.default: creation, aten.new_zeros.default: creation, aten.new_full.default: creation,

@@ -61,8 +61,8 @@ class OneDSP(OneD):
     fuse_low_rank = False       # each row product is reduce-scattered on the sequence
 
     def seq_split(self) -> int:
-        """The TP size: a call's sequence length must be a multiple of it."""
-        return self.mesh.size(self.tp_axes)
+        """The TP size (times ``cp``): a call's sequence length must be a multiple of it."""
+        return self.mesh.size(self.tp_axes) * self.cp
 
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:

@@ -66,7 +66,7 @@ class Tesseract(Policy):
         self.d = mesh.size("dep") if "dep" in mesh.axes else 1
         self.row, self.col = ("row",), ("col",)
         self.batch_axes = ("dep", "row") if "dep" in mesh.axes else ("row",)
-        self.tp_axes = tuple(a for a in mesh.axes if a != "dp")
+        self.tp_axes = tuple(a for a in mesh.axes if a not in ("dp", "cp"))
 
     @classmethod
     def make_mesh(cls, world_size: int, *, depth: int | None = None, dp: int = 1) -> Mesh:

@@ -68,7 +68,8 @@ def batch(name: str, b: int = 4, s: int = 8, seed: int = 1) -> dict:
     labels = ids.clone()
     labels[0, :2] = -100
     mask = torch.ones(b, s, dtype=torch.long)
-    mask[1, :3] = 0                       # left padding in one row
+    if b > 1:
+        mask[1, :3] = 0                   # left padding in one row
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -85,7 +86,7 @@ def comparer(failures: list, *, detail: bool = True):
 
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
-          dp: int = 1, share_capture: bool = False) -> dict:
+          dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8) -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
@@ -100,14 +101,15 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     torch.set_num_threads(1)
     dense = build(name)
     model = copy.deepcopy(dense)
-    inputs = batch(name, b=4 * dp)
+    r = rows_per_replica
+    inputs = batch(name, b=r * dp, s=seq)
     out_d = dense(**inputs)
     out_d.loss.backward()
     tp = world // dp
-    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)       # dp is the outermost mesh axis
+    rows = slice((rank // tp) * r, (rank // tp + 1) * r)       # dp is the outermost mesh axis
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
-    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs,
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp,
                               captured=shared_capture(name, model, inputs) if share_capture else None)
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
@@ -123,7 +125,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     if getattr(out_d, "aux_loss", None) is not None:          # MoE: the router's load-balancing loss
         cmp("aux_loss", out.aux_loss, out_d.aux_loss)
         for i, (got, ref) in enumerate(zip(out.router_logits, out_d.router_logits)):
-            cmp(f"router_logits[{i}]", got, ref.view(4 * dp, -1, ref.shape[-1])[rows].reshape(got.shape))
+            cmp(f"router_logits[{i}]", got, ref.view(r * dp, -1, ref.shape[-1])[rows].reshape(got.shape))
     dparams = dict(dense.named_parameters(remove_duplicate=False))
     sparams = dict(sharded.named_parameters(remove_duplicate=False))
     grad_err = 0.0
@@ -135,6 +137,9 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
             continue
         cmp(f"grad {pp.name}", got, ref)
         grad_err = max(grad_err, (got - ref).abs().max().item())
+    if (r, seq) != (4, 8):      # the module's plan is made at its capture's shape: plan the call's for the ledger
+        plan = autoshard.plan(copy.deepcopy(dense), world_size=world, mode=mode, depth=depth, dp=dp, cp=cp,
+                              batch_size=r * dp, seq_len=seq)
     res = {"failures": failures, "loss": out.loss.item(), "loss_err": (out.loss - out_d.loss).abs().item(),
            "logits_err": (out.logits - ref_logits).abs().max().item(), "grad_err": grad_err,
            "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
@@ -143,7 +148,11 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
            "plan_param_bytes": plan.param_bytes_per_rank,
            "n_local_params": len(list(sharded.parameters())),
            "n_dense_params": len({id(p) for p in dense.parameters()}),
-           "fallbacks": [n.name for n in plan.fallbacks]}
+           "fallbacks": [n.name for n in plan.fallbacks],
+           "cp_nodes": sum(1 for n in plan.nodes if "cp" in getattr(n.out_spec, "axes", ())),
+           "sdpa_cp_gathers": sum(1 for n in plan.nodes if n.kind == "attention" for c in n.comms
+                                  if c.kind == "all_gather" and c.axes == ("cp",)),
+           "batch_split": sharded.batch_split}
     if steps and dp == 1:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)
     return res
@@ -250,6 +259,9 @@ def check_trainable(rank: int, world: int, dense, model, inputs: dict, *, mode: 
             failures.append(f"grad {pp.name}: missing")
             continue
         cmp(f"grad {pp.name}", got.grad, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    if (r, seq) != (4, 8):      # the module's plan is made at its capture's shape: plan the call's for the ledger
+        plan = autoshard.plan(copy.deepcopy(dense), world_size=world, mode=mode, depth=depth, dp=dp, cp=cp,
+                              batch_size=r * dp, seq_len=seq)
     res = {"failures": failures, "loss": out.loss.item(),
            "ledger": {"fwd": (fwd.count(), fwd.bytes_per_rank()), "bwd": (bwd.count(), bwd.bytes_per_rank())},
            "plan": {ph: (len(plan.comms(ph)), plan.comm_bytes_per_rank(ph)) for ph in ("fwd", "bwd")}}

@@ -367,6 +367,8 @@ def cross_entropy(logits, target, *, vocab_group: str | None, batch_group: str |
     Under autocast it runs in float32, as autocast runs ``cross_entropy_loss``."""
     if _autocast_on(logits):
         logits = logits.float()
+    if logits.dim() > 2:        # tokens kept apart (autoshard.ir.tokens.token_cross_entropy)
+        logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     if vocab_group is not None:
         tok = _VocabParallelCE.apply(logits, target, vocab_group, ignore_index)
     else:
