@@ -7,7 +7,6 @@ to the plan, and no fallback (no op that gathered the sequence back)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import models
 from dist_pool import get_pool
