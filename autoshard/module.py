@@ -412,8 +412,16 @@ class ShardedModule(nn.Module):
         Example (under ``torchrun``)::
 
             out = sharded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32)
+
+        Refused (before any collective) on a module with context parallelism (``cp > 1``):
+        a decode step has one token, which no sequence split can share.
         """
         from .generate import LEN_QUANTUM, sharded_lm
+
+        if "cp" in self.mesh.axes:
+            raise ConfigError(f"generate() on a module sharded with cp={self.mesh.size('cp')}: a decode step holds "
+                              f"one token, which the sequence split cannot share; generate with a module sharded "
+                              f"without cp (the same weights: save_checkpoint, then shard(..., cp=1))")
 
         if input_features is not None:
             rows, p = self._feature_rows(input_features.to(self.device)), 1      # decoding from the start token

@@ -635,3 +635,48 @@ def zero_vs_fsdp(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
         out[name]["optimizer_bytes"] = optimizer_state_bytes(opt)
     dense = sum(p.numel() * p.element_size() for p in base.parameters())
     return {"times": times, "bytes": out, "dense_param_bytes": dense}
+
+
+def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cps: list, steps: int,
+                     warmup: int) -> dict:
+    """Per sequence length and ``cp`` (world = cp × tp, mode 1d): the bytes this rank saves
+    for backward in one forward (measured with ``saved_tensors_hooks``) and the plan's
+    prediction of them, and training-step times (forward + backward + AdamW), the cp
+    layouts of one length timed alternately step by step."""
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard.planning.activations import SavedBytes, saved_bytes
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    base = _tiny_llama(cfg_kw)
+    out = {"times": {}, "bytes": {}}
+    for s in seqs:
+        inputs = _batch(cfg_kw["vocab_size"], b, s)
+        runs = {}
+        for cp in cps:
+            m = autoshard.shard(copy.deepcopy(base), mode="1d", cp=cp, example_inputs=inputs)
+            with SavedBytes(m.parameters()) as sv:
+                m(**inputs).loss.backward()
+            m.zero_grad(set_to_none=True)
+            out["bytes"][f"{s}:{cp}"] = {"measured": sv.nbytes, "predicted": saved_bytes(m.plan, "cpu")}
+            runs[f"{s}:{cp}"] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+        for key in runs:
+            out["times"][key] = []
+        for i in range(warmup + steps):
+            for key, (m, opt) in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                m(**inputs).loss.backward()
+                opt.step()
+                dist.barrier()
+                if i >= warmup:
+                    out["times"][key].append(time.perf_counter() - t0)
+        del runs
+    return out
