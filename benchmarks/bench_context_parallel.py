@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cps", type=int, nargs="*", default=[1, 2, 4], help="context-parallel sizes (each divides --world)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (after --warmup)")
     ap.add_argument("--warmup", type=int, default=1)
-    _common.add_llama_args(ap, batch=1, hidden=256, layers=2)
+    _common.add_llama_args(ap, batch=2, hidden=256, layers=2)
     args = ap.parse_args(argv)
     cfg = {**_common.llama_config(args), "max_position_embeddings": max(args.seqs)}
     con = _common.console(200)

@@ -86,6 +86,9 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     if cp < 1 or world_size % (cp * dp):
         raise ConfigError(f"cp={cp} × dp={dp} must divide the world size {world_size}; valid cp: "
                           f"{[c for c in range(1, world_size // dp + 1) if world_size % (c * dp) == 0]}")
+    if not cls.composes_with_cp:
+        raise ConfigError(f"mode={mode!r} does not take cp yet: {cls.composes_with_cp_why}; valid with cp: "
+                          + ", ".join(repr(m) for m, c in POLICIES.items() if c.composes_with_cp))
     mesh = cls.make_mesh(world_size // cp, depth=depth, dp=dp)
     at = 1 if mesh.axes[:1] == ("dp",) else 0
     return cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))

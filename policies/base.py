@@ -197,6 +197,9 @@ class Policy:
     batch_axes: tuple[str, ...] = ()
     #: how :meth:`valid_world_sizes` counts, for messages ("tp sizes", "world sizes q²")
     size_unit: str = "world sizes"
+    #: whether a ``cp`` axis may join the mesh (context parallelism), and why not
+    composes_with_cp: bool = True
+    composes_with_cp_why: str = ""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh

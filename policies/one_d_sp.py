@@ -59,6 +59,10 @@ class OneDSP(OneD):
     order = 1
     size_unit = "tp sizes"
     fuse_low_rank = False       # each row product is reduce-scattered on the sequence
+    composes_with_cp = False
+    composes_with_cp_why = ("its lookups already reduce-scatter the sequence over tp, and the cp split would "
+                            "have to sit outside that split (not a local cut); mode='1d' with cp splits the "
+                            "activations on the sequence through the blocks as well")
 
     def seq_split(self) -> int:
         """The TP size (times ``cp``): a call's sequence length must be a multiple of it."""
