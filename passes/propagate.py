@@ -537,6 +537,11 @@ class _Engine:
                 nodes.append(np_)
         if self.st_pending:
             raise _Retry(self.st_pending)
+        if self.cp_axes and not any(isinstance(sp, ShardSpec) and "cp" in sp.axes for sp in self.st.specs.values()):
+            raise ShardingError(f"cp={self.mesh.size('cp')}: no value of {self.cap.model_name}'s graph has a "
+                                f"sequence dim the context-parallel split can cut (it starts at a token lookup "
+                                f"whose rows carry the sequence symbol; this graph has none, e.g. a sequence "
+                                f"torch.export made static); valid here: cp=1")
         nodes = self._state_nodes() + nodes
         nodes = self._settle_param_grads(nodes)
         params = []

@@ -19,7 +19,7 @@ from dist_pool import get_pool
 from test_train import ACCUM, CLIP, LR, STEPS, _dense_reference, _global_batches
 
 
-def _zero_run(rank, world, name, dp, stage, mode, steps):
+def _zero_run(rank, world, name, dp, stage, mode, steps, cp: int = 1):
     import autoshard
     from autoshard.training import train as T
     from autoshard.runtime.collectives import CommLedger
@@ -29,7 +29,7 @@ def _zero_run(rank, world, name, dp, stage, mode, steps):
     batches = _global_batches(steps * ACCUM)
     model = models.build(name)
     example = T.local_rows_for(dp, rank // (world // dp), batches[0])
-    sharded = autoshard.shard(model, mode=mode, dp=dp, example_inputs=example,
+    sharded = autoshard.shard(model, mode=mode, dp=dp, example_inputs=example, cp=cp,
                               captured=models.shared_capture(name, model, example))
     opt, sched = T.make_optimizer(sharded, lr=LR, steps=steps, warmup=3, zero=stage)
     local = [T.local_rows(sharded, b) for b in batches]
