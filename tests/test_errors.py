@@ -67,6 +67,12 @@ CASES = [
     Case("depth-for-1d", 2, "`mode='1d', depth=2`", "ConfigError", r"1d takes no depth \(got depth=2\)"),
     Case("dp-does-not-divide", 2, "`dp=3` on 2 ranks", "ConfigError",
          r"dp=3 must divide the world size 2; valid dp: \[1, 2\]"),
+    Case("cp-does-not-divide", 2, "`cp=3` on 2 ranks", "ConfigError",
+         r"cp=3 × dp=1 must divide the world size 2; valid cp: \[1, 2\]"),
+    Case("cp-with-1d-sp", 2, "`mode='1d-sp', cp=2`", "ConfigError",
+         r"mode='1d-sp' does not take cp yet: .*valid with cp: '1d', '2d', '2.5d', '3d'"),
+    Case("cp-seq-not-divisible", 2, "`cp=2`, sequence 5 on 2 ranks", "ConfigError",
+         r"sequence length 5 of example_inputs\['input_ids'\] is not divisible by the sequence split 2"),
     Case("process-group-size", 2, "process group of 2 ranks, `WORLD_SIZE=4`", "ConfigError",
          r"default process group has 2 ranks but WORLD_SIZE=4"),
     # --- model dimensions vs the split -----------------------------------------------------------
@@ -242,6 +248,12 @@ def _do(cid: str, rank: int, ctx: dict) -> None:
         _shard(_llama(), mode="1d", depth=2, example_inputs=b)
     elif cid == "dp-does-not-divide":
         _shard(_llama(), mode="1d", dp=3, example_inputs=b)
+    elif cid == "cp-does-not-divide":
+        _shard(_llama(), mode="1d", cp=3, example_inputs=b)
+    elif cid == "cp-with-1d-sp":
+        _shard(_llama(), mode="1d-sp", cp=2, example_inputs=b)
+    elif cid == "cp-seq-not-divisible":
+        _shard(_llama(), mode="1d", cp=2, example_inputs=_batch(s=5))
     elif cid == "process-group-size":
         with _Env(WORLD_SIZE="4"):
             _shard(_llama(), mode="1d", example_inputs=b)

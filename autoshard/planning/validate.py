@@ -280,16 +280,17 @@ def check_batch(batch: int, split: int, label: str, *, source: str) -> list[Prob
 
 
 def check_seq(seq: int, split: int, *, source: str) -> list[Problem]:
-    """A sequence of ``seq`` tokens against 1d-sp's sequence split.
+    """A sequence of ``seq`` tokens against the sequence split (1d-sp's ``tp``, context
+    parallelism's ``cp``: the blocks the sequence is cut into).
 
     >>> [str(p) for p in check_seq(6, 4, source="input_ids")]
-    ["sequence length 6 of input_ids is not divisible by the sequence split 4 (1d-sp splits the sequence over tp[4]); pad the sequence to a multiple of 4, e.g. 8, or use mode='1d'"]
+    ["sequence length 6 of input_ids is not divisible by the sequence split 4 (1d-sp over tp, or cp=, cut the sequence into 4 blocks); pad the sequence to a multiple of 4, e.g. 8, or use mode='1d' with cp=1"]
     """
     if split <= 1 or seq % split == 0:
         return []
     return [Problem("seq", f"sequence length {seq} of {source} is not divisible by the sequence split {split} "
-                           f"(1d-sp splits the sequence over tp[{split}]); pad the sequence to a multiple of "
-                           f"{split}, e.g. {seq + split - seq % split}, or use mode='1d'")]
+                           f"(1d-sp over tp, or cp=, cut the sequence into {split} blocks); pad the sequence to a "
+                           f"multiple of {split}, e.g. {seq + split - seq % split}, or use mode='1d' with cp=1")]
 
 
 def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3) -> None:
