@@ -50,7 +50,8 @@ def _ensure_dist() -> None:
 
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
-             example_inputs: dict | None = None, weights_given: bool = False, environ=None, cp: int = 1):
+             example_inputs: dict | None = None, weights_given: bool = False, environ=None, cp: int = 1,
+             cp_attention: str = "ring"):
     """Every problem :func:`shard` would refuse or warn about, found without a collective.
 
     Returns ``(policy or None, problems)``. Pure: the same arguments give the same
@@ -62,7 +63,7 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     pol = None
     if mode != "auto":
         try:
-            pol = make_policy(mode, world_size, depth, dp, cp)
+            pol = make_policy(mode, world_size, depth, dp, cp, cp_attention)
         except ConfigError as e:
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
     if cp != 1 and mode == "auto":
@@ -122,7 +123,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
-          fsdp: bool = False, cp: int = 1) -> ShardedModule:
+          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring") -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -182,8 +183,11 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     ``cp=C`` (context parallelism) splits each replica's sequence ``C`` ways as well:
     world = dp × cp × the mode's mesh. Activations, norms and MLPs hold ``S/C`` tokens;
     attention keeps its queries split and gathers the keys and values over ``cp``
-    (backward reduce-scatters their gradients); the loss is the global token mean. A
+    (or sends them around the ring, below); the loss is the global token mean. A
     call's sequence length must be a multiple of ``cp`` (docs/design.md, "Context parallelism").
+    ``cp_attention="ring"`` (default) keeps keys and values split too: their blocks travel
+    around the cp ring (send/recv) and the partial results merge through their
+    log-sum-exp, so no rank holds the whole keys and values; ``"gather"`` all-gathers them.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -202,7 +206,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
                         activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
-                        device=device, fsdp=fsdp, cp=cp)
+                        device=device, fsdp=fsdp, cp=cp, cp_attention=cp_attention)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
@@ -218,7 +222,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     if seed is not None:
         torch.manual_seed(seed)
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
-                             weights_given=weights is not None, environ=os.environ, cp=cp)
+                             weights_given=weights is not None, environ=os.environ, cp=cp,
+                             cp_attention=cp_attention)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
     search_with = None      # mode="auto": what the layout is searched with
     if mode == "auto":      # the layout is the search's: the key names what it searches with
@@ -228,7 +233,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                            depth=depth, dp=dp)
         layout = dict(policy="auto", cluster=repr(search_with["cluster"]), depth=depth, dp=dp)
     else:
-        layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
+        layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes),
+                      **({"cp_attention": pol.cp_attention} if pol.cp > 1 else {}))
     key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
                                                          dropout=dropout, **layout)
     entry = None if captured is not None else _launch_entry(key, model)     # every rank passes captured= alike
@@ -436,7 +442,7 @@ def _input_limits(config, seq_range: tuple | None = None) -> dict:
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
-         max_len: int | None = None, cp: int = 1) -> ShardingPlan:
+         max_len: int | None = None, cp: int = 1, cp_attention: str = "ring") -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -480,7 +486,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
-    pol = make_policy(mode, world_size, depth, dp, cp)
+    pol = make_policy(mode, world_size, depth, dp, cp, cp_attention)
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")

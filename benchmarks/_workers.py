@@ -639,7 +639,7 @@ def zero_vs_fsdp(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
 
 def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cps: list, steps: int,
                      warmup: int) -> dict:
-    """Per sequence length and ``cp`` (world = cp × tp, mode 1d): the bytes this rank saves
+    """Per sequence length, ``cp`` (world = cp × tp, mode 1d) and attention (ring, gather): the bytes this rank saves
     for backward in one forward (measured with ``saved_tensors_hooks``) and the plan's
     prediction of them, and training-step times (forward + backward + AdamW), the cp
     layouts of one length timed alternately step by step."""
@@ -660,12 +660,14 @@ def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cp
         inputs = _batch(cfg_kw["vocab_size"], b, s)
         runs = {}
         for cp in cps:
-            m = autoshard.shard(copy.deepcopy(base), mode="1d", cp=cp, example_inputs=inputs)
-            with SavedBytes(m.parameters()) as sv:
-                m(**inputs).loss.backward()
-            m.zero_grad(set_to_none=True)
-            out["bytes"][f"{s}:{cp}"] = {"measured": sv.nbytes, "predicted": saved_bytes(m.plan, "cpu")}
-            runs[f"{s}:{cp}"] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+            for att in ("ring", "gather") if cp > 1 else ("ring",):
+                m = autoshard.shard(copy.deepcopy(base), mode="1d", cp=cp, cp_attention=att, example_inputs=inputs)
+                with SavedBytes(m.parameters()) as sv:
+                    m(**inputs).loss.backward()
+                m.zero_grad(set_to_none=True)
+                key = f"{s}:{cp}:{att}"
+                out["bytes"][key] = {"measured": sv.nbytes, "predicted": saved_bytes(m.plan, "cpu")}
+                runs[key] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
         for key in runs:
             out["times"][key] = []
         for i in range(warmup + steps):

@@ -6,9 +6,9 @@ Activation bytes are what one forward saves for backward on rank 0, measured wit
 ``saved_tensors_hooks`` (:class:`autoshard.planning.activations.SavedBytes`) next to the
 plan's prediction (:func:`autoshard.planning.activations.saved_bytes`). Step time is
 forward + backward + AdamW, the slowest rank's, median over steps, the cp layouts of
-one length timed alternately. Keys and values are gathered whole on every rank
-(attention with its queries split), so the saved bytes fall by less than 1/C: the
-table shows by how much.
+one length timed alternately. Each cp > 1 runs both attentions: ``ring`` (key/value
+blocks sent around the cp ring, nothing whole) and ``gather`` (keys and values gathered
+whole on every rank, so its saved bytes fall by less).
 
     python benchmarks/bench_context_parallel.py                          # Llama hidden 256, 2 layers
     python benchmarks/bench_context_parallel.py --seqs 128 256 --cps 1 2 --world 2 --steps 2
@@ -44,19 +44,22 @@ def main(argv=None) -> int:
     med = _common.slowest_medians(per_rank)
     rows = []
     for s in args.seqs:
-        ref = per_rank[0]["bytes"][f"{s}:{args.cps[0]}"]["measured"]
-        for cp in args.cps:
-            key = f"{s}:{cp}"
-            by = per_rank[0]["bytes"][key]
-            rows.append({"seq": s, "cp": cp, "tp": args.world // cp, "step_s": med[key], **by,
-                         "measured_vs_first_cp": by["measured"] / ref})
+        ref = per_rank[0]["bytes"][f"{s}:{args.cps[0]}:ring"]["measured"]
+        for key, by in per_rank[0]["bytes"].items():
+            seq, cp, att = key.split(":")
+            if int(seq) != s:
+                continue
+            cp = int(cp)
+            rows.append({"seq": s, "cp": cp, "tp": args.world // cp, "attention": att if cp > 1 else "-",
+                         "step_s": med[key], **by, "measured_vs_first_cp": by["measured"] / ref})
     t = Table(title=f"Context parallelism at {args.world} ranks: step time and saved activations per rank (rank 0)",
               header_style="bold")
-    for c in ("seq", "cp × tp", "step ms", "saved (measured)", "saved (plan)", "plan / measured",
+    for c in ("seq", "cp × tp", "attention", "step ms", "saved (measured)", "saved (plan)", "plan / measured",
               f"vs cp={args.cps[0]}"):
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(str(r["seq"]), f"{r['cp']} × {r['tp']}", f"{r['step_s'] * 1e3:.0f}", _common.human_bytes(r["measured"]),
+        t.add_row(str(r["seq"]), f"{r['cp']} × {r['tp']}", r["attention"], f"{r['step_s'] * 1e3:.0f}",
+                  _common.human_bytes(r["measured"]),
                   _common.human_bytes(r["predicted"]), f"{r['predicted'] / r['measured']:.3f}",
                   f"{r['measured_vs_first_cp']:.3f}")
     con.print(t)

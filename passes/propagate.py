@@ -126,6 +126,7 @@ class _Ctx:
         self.BATCH = _PRIME_BATCH
         self.training = engine.training
         self.dropout = engine.dropout
+        self.cp_attention = engine.policy.cp_attention
 
     def is_tensor(self, a) -> bool:
         return isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))

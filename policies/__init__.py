@@ -54,10 +54,16 @@ def _discover() -> None:
 _discover()
 
 
-def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1, cp: int = 1) -> Policy:
+CP_ATTENTION = ("ring", "gather")
+
+
+def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1, cp: int = 1,
+                cp_attention: str = "ring") -> Policy:
     """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas,
     each split ``cp`` ways on the sequence: context parallelism, a ``cp`` axis after
-    ``dp`` and before the mode's own axes; see docs/design.md, "Context parallelism").
+    ``dp`` and before the mode's own axes; see docs/design.md, "Context parallelism"), its
+    attention ``cp_attention``: ``"ring"`` (key/value blocks sent around the cp ring) or
+    ``"gather"`` (keys and values all-gathered over cp).
 
     Raises:
         ConfigError: an unknown mode, ``"auto"`` (chosen by the search), or a world
@@ -81,6 +87,8 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     if mode not in POLICIES:
         raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(repr(m) for m in POLICIES)}")
     cls = POLICIES[mode]
+    if cp_attention not in CP_ATTENTION:
+        raise ConfigError(f"cp_attention={cp_attention!r}; valid: {', '.join(repr(c) for c in CP_ATTENTION)}")
     if cp == 1:
         return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
     if cp < 1 or world_size % (cp * dp):
@@ -91,7 +99,9 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
                           + ", ".join(repr(m) for m, c in POLICIES.items() if c.composes_with_cp))
     mesh = cls.make_mesh(world_size // cp, depth=depth, dp=dp)
     at = 1 if mesh.axes[:1] == ("dp",) else 0
-    return cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))
+    pol = cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))
+    pol.cp_attention = cp_attention
+    return pol
 
 
 __all__.append("make_policy")

@@ -107,6 +107,7 @@ class RuleContext(Protocol):
     batch_axes: tuple[str, ...]     # axes the batch rows are split over (dp first)
     training: bool
     dropout: str                    # "sharded" | "dense": how Dropout kernels draw their masks
+    cp_attention: str               # "ring" | "gather": attention over a cp-split sequence
     BATCH: int                      # the batch symbol's probe prime
 
     def is_tensor(self, a) -> bool:
@@ -200,6 +201,9 @@ class Policy:
     #: whether a ``cp`` axis may join the mesh (context parallelism), and why not
     composes_with_cp: bool = True
     composes_with_cp_why: str = ""
+    #: attention over a cp-split sequence: "ring" (key/value blocks sent around the ring)
+    #: or "gather" (keys and values all-gathered); :func:`autoshard.policies.make_policy` sets it
+    cp_attention: str = "ring"
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh

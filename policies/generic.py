@@ -20,7 +20,7 @@ from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec, replicated
 from autoshard.ir.tokens import token_cross_entropy
 
-from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout
+from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout, RingAttention
 
 from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
@@ -884,8 +884,16 @@ def sdpa(ctx: RuleContext) -> Choice:
         inputs[(3,) if isinstance(args[3], fx.Node) else ("kw", "attn_mask")] = ShardSpec(dims=md)
     if dropout_p and ctx.training:
         k = AttentionDropout(p=float(dropout_p), mode=ctx.dropout, in_specs=tuple(inputs.items()), out_spec=base)
-        return Choice.run(k, notes=(f"attention dropout p={dropout_p:g}, {ctx.dropout} masks",))
-    return Choice(out=base, inputs=inputs)
+        return Choice.run(k, notes=(f"attention dropout p={dropout_p:g}, {ctx.dropout} masks"
+                                    + (", keys and values gathered over cp" if cp else ""),))
+    if cp and ctx.cp_attention == "ring":
+        # the keys and values stay split: their blocks travel around the cp ring
+        ring = ShardSpec(dims=kv_req.dims[:2] + (cp, ()))
+        inputs[(1,)] = inputs[(2,)] = ring
+        k = RingAttention(axes=cp, in_specs=tuple(inputs.items()), out_spec=base)
+        return Choice.run(k, notes=("ring attention over cp: key/value blocks sent around the ring, "
+                                    "merged through their log-sum-exp",))
+    return Choice(out=base, inputs=inputs, notes=("keys and values gathered over cp",) if cp else ())
 
 
 def type_as(ctx: RuleContext) -> Choice:

@@ -86,7 +86,8 @@ def comparer(failures: list, *, detail: bool = True):
 
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
-          dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8) -> dict:
+          dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8,
+          cp_attention: str = "ring") -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
@@ -109,7 +110,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     rows = slice((rank // tp) * r, (rank // tp + 1) * r)       # dp is the outermost mesh axis
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
-    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp,
+    sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp, cp_attention=cp_attention,
                               captured=shared_capture(name, model, inputs) if share_capture else None)
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
@@ -139,7 +140,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
         grad_err = max(grad_err, (got - ref).abs().max().item())
     if (r, seq) != (4, 8):      # the module's plan is made at its capture's shape: plan the call's for the ledger
         plan = autoshard.plan(copy.deepcopy(dense), world_size=world, mode=mode, depth=depth, dp=dp, cp=cp,
-                              batch_size=r * dp, seq_len=seq)
+                              cp_attention=cp_attention, batch_size=r * dp, seq_len=seq)
     res = {"failures": failures, "loss": out.loss.item(), "loss_err": (out.loss - out_d.loss).abs().item(),
            "logits_err": (out.logits - ref_logits).abs().max().item(), "grad_err": grad_err,
            "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
@@ -152,6 +153,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
            "cp_nodes": sum(1 for n in plan.nodes if "cp" in getattr(n.out_spec, "axes", ())),
            "sdpa_cp_gathers": sum(1 for n in plan.nodes if n.kind == "attention" for c in n.comms
                                   if c.kind == "all_gather" and c.axes == ("cp",)),
+           "ring_attention": sum(1 for n in plan.nodes if n.kind == "attention" and n.kernel is not None
+                                 and n.kernel.name == "ring_attention"),
            "batch_split": sharded.batch_split}
     if steps and dp == 1:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)

@@ -432,9 +432,41 @@ class AttentionDropout(Dropout):
             "p": self.p, "dense": self.mode == "dense", **self._where(group)}
 
 
+@dataclass(frozen=True, kw_only=True)
+class RingAttention(Kernel):
+    """``scaled_dot_product_attention`` with queries, keys and values split on the
+    sequence over ``axes`` (context parallelism): the key/value blocks travel around the
+    ring of ``axes`` (one ``send_recv`` of both per step), each rank's queries attend
+    to every block as it passes, and the partial results are merged through their
+    log-sum-exp (flash attention's running max and sum). Backward sends the blocks
+    around again with their key/value gradients, which arrive home after the last step.
+    A mask keeps the rows of the local queries and every key column."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "ring_attention"
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        p = io.mesh.size(self.axes)
+        if p <= 1:
+            return ()
+        kv = 2 * io.numel((1,))             # k and v, one buffer per step
+        return (KComm("fwd", "send_recv", self.axes, kv),) * (p - 1) + \
+            (KComm("bwd", "send_recv", self.axes, 2 * kv),) * (p - 1) + (KComm("bwd", "send_recv", self.axes, kv),)
+
+    def call_args(self, node, group, size):
+        a = list(node.args) + [None] * 8
+        kw = dict(node.kwargs)
+        mask = a[3] if a[3] is not None else kw.get("attn_mask")
+        return (a[0], a[1], a[2], mask), {"group": group(self.axes),
+                                          "scale": a[6] if a[6] is not None else kw.get("scale")}
+
+
 KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (
     RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy, Dropout,
-    AttentionDropout)}
+    AttentionDropout, RingAttention)}
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:

@@ -104,7 +104,8 @@ class Comm:
         p = self.group_size
         if p <= 1:
             return 0.0
-        f = 2 * (p - 1) / p if self.kind == "all_reduce" else (p - 1) / p
+        # the ring model (autoshard.runtime.collectives.ring_bytes); a ring step sends its buffer once
+        f = 2 * (p - 1) / p if self.kind == "all_reduce" else 1.0 if self.kind == "send_recv" else (p - 1) / p
         return f * self.buffer_bytes
 
 

@@ -46,6 +46,7 @@ from .activations import saved_bytes
 from ..ir.errors import ConfigError
 from ..ir.mesh import Mesh
 from ..ir.plan import Comm, NodePlan, ShardingPlan
+from ..ir.spec import ShardSpec
 
 __all__ = ["Cluster", "CLUSTERS", "CostEstimate", "CommTime", "estimate", "forward_latency", "link_of", "collective_time",
            "node_flops", "default_cluster", "human_bytes"]
@@ -294,7 +295,7 @@ def collective_time(c: Comm, mesh: Mesh, cluster: Cluster) -> tuple[float, str]:
     p = c.group_size
     if p <= 1 or c.buffer_bytes == 0:
         return 0.0, "none"
-    steps = 2 * (p - 1) if c.kind == "all_reduce" else (p - 1)
+    steps = 2 * (p - 1) if c.kind == "all_reduce" else 1 if c.kind == "send_recv" else (p - 1)
     link, alpha, bw = _link(mesh, c.axes, cluster)
     return cluster.call_overhead + steps * alpha + c.bytes_per_rank / bw, link
 
@@ -382,7 +383,9 @@ def node_flops(n: NodePlan, plan: ShardingPlan, params: dict | None = None) -> f
         ls = n.local_shape
         if ls and not isinstance(ls[0], tuple) and len(ls) == 4:
             b, h, s, d = ls
-            return 4.0 * b * h * s * s * d
+            # queries split on the sequence (cp) still meet every key
+            keys = s * plan.mesh.size(n.out_spec.dims[2]) if isinstance(n.out_spec, ShardSpec) and n.out_spec.dims[2] else s
+            return 4.0 * b * h * s * keys * d
     return 0.0
 
 

@@ -45,7 +45,7 @@ __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
-    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier",
+    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
 ]
 
@@ -65,12 +65,14 @@ def ring_bytes(kind: str, buffer_bytes: int, p: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2 * (p - 1) / p * buffer_bytes
+    if kind == "send_recv":             # one ring step: the whole buffer to the next rank
+        return float(buffer_bytes)
     return (p - 1) / p * buffer_bytes
 
 
 @dataclass(frozen=True)
 class CallRecord:
-    kind: str            # all_reduce | all_gather | reduce_scatter
+    kind: str            # all_reduce | all_gather | reduce_scatter | send_recv
     group: str           # label of the group (mesh axes, e.g. "dep,row")
     group_size: int
     buffer_bytes: int    # full buffer (see ring_bytes)
@@ -167,6 +169,29 @@ def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
 
 @all_reduce.register_fake
 def _(x, group, op):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autoshard::ring_shift", mutates_args=())
+def ring_shift(x: torch.Tensor, group: str) -> torch.Tensor:
+    """One step around the ring of ``group``: send ``x`` to the next rank (group rank + 1),
+    receive the previous rank's tensor of the same shape (ring attention's K/V blocks,
+    :mod:`autoshard.runtime.parallel_ops`). Counted by the ledger as one ``send_recv``
+    of ``x``'s bytes."""
+    pg = _pg(group)
+    r, p = dist.get_rank(pg), pg.size()
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    _record("send_recv", group, src.numel() * src.element_size())
+    ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(pg, (r + 1) % p), pg),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (r - 1) % p), pg)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return out
+
+
+@ring_shift.register_fake
+def _(x, group):
     return torch.empty_like(x)
 
 

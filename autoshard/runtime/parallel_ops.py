@@ -466,12 +466,119 @@ def attention_dropout(q, k, v, attn_mask=None, *, is_causal: bool, scale, enable
     return attn @ v
 
 
+# ---------------------------------------------------------------- ring attention
+def _bias(mask, j: int, n: int, like: torch.Tensor):
+    """The additive bias of key block ``j`` (``n`` columns) of ``mask`` (None, bool or float)."""
+    if mask is None:
+        return None
+    m = mask[..., j * n:(j + 1) * n]
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=like.dtype, device=like.device).masked_fill_(~m, float("-inf"))
+    return m.to(like.dtype)
+
+
+def _scores(q, k, bias, scale: float):
+    s = (q @ k.transpose(-2, -1)) * scale
+    return s if bias is None else s + bias
+
+
+def _expand_kv(k, heads: int):
+    """``k`` with its heads repeated to ``heads`` (grouped-query attention)."""
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def _fold_kv(dk, heads: int):
+    """The gradient of :func:`_expand_kv`: summed back onto ``heads`` kv heads."""
+    if dk.shape[1] == heads:
+        return dk
+    b, h, s, d = dk.shape
+    return dk.view(b, heads, h // heads, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, group: str, scale: float):
+        r, p = C.group_rank_size(group)
+        n = k.shape[-2]
+        heads, kv_heads = q.shape[1], k.shape[1]
+        m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
+        l = torch.zeros_like(m)
+        o = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        for step in range(p):
+            j = (r - step) % p                  # the block held now started on rank j
+            nxt = C.ring_shift(kv, group) if step < p - 1 else None
+            kj, vj = _expand_kv(kv[0], heads), _expand_kv(kv[1], heads)
+            s = _scores(q, kj, _bias(mask, j, n, q), scale)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            e = torch.exp(s - base)
+            alpha = torch.exp(m - base)
+            l = l * alpha + e.sum(-1, keepdim=True)
+            o = o * alpha + e @ vj
+            m = m_new
+            if nxt is not None:
+                kv = nxt
+        base = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        # a row no key may see (a padding query under a causal mask) is 0, as the dense op's
+        # safe softmax makes it; its log-sum-exp +inf makes its probabilities 0 in backward
+        seen = l > 0
+        out = torch.where(seen, o / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(o))
+        lse = torch.where(seen, base + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+        ctx.group, ctx.scale, ctx.kv_heads = group, scale, kv_heads
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        mask = mask[0] if mask else None
+        group, scale = ctx.group, ctx.scale
+        r, p = C.group_rank_size(group)
+        n, heads = k.shape[-2], q.shape[1]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        # a float mask with a gradient (T5's learned position bias): d(bias) = d(scores)
+        dmask = torch.zeros_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
+        buf = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        for step in range(p):
+            j = (r - step) % p
+            kj, vj = _expand_kv(buf[0], heads), _expand_kv(buf[1], heads)
+            prob = torch.exp(_scores(q, kj, _bias(mask, j, n, q), scale) - lse)
+            dv = _fold_kv(prob.transpose(-2, -1) @ dout, ctx.kv_heads)
+            dscores = prob * (dout @ vj.transpose(-2, -1) - delta)
+            if dmask is not None:       # summed over the dims the mask broadcasts on (none: as is)
+                cols = dmask[..., j * n:(j + 1) * n]
+                wide = [d for d in range(dscores.dim()) if cols.shape[d] == 1 and dscores.shape[d] != 1]
+                cols += dscores.sum(wide, keepdim=True) if wide else dscores
+            ds = dscores * scale
+            dq = dq + ds @ kj
+            dk = _fold_kv(ds.transpose(-2, -1) @ q, ctx.kv_heads)
+            buf = torch.stack([buf[0], buf[1], buf[2] + dk, buf[3] + dv])
+            if step < p - 1:
+                buf = C.ring_shift(buf, group)
+        # the gradients of the block held last belong to the next rank: one more step home
+        home = C.ring_shift(buf[2:], group) if p > 1 else buf[2:]
+        return dq, home[0], home[1], dmask, None, None
+
+
+def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
+    """Attention of this rank's queries over the keys and values of every rank of
+    ``group``, each rank holding one contiguous block of the sequence (block index =
+    its rank in ``group``); ``mask`` has this rank's query rows and every key column.
+    Exact: the blocks' partial softmax results are merged through their log-sum-exp."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, mask, group, float(scale))
+
+
 # The implementation of each kernel class of autoshard.ir.kernels: the IR says what a
 # kernel needs (Kernel.call_args), this table says what runs it.
 _IMPLEMENTATIONS = {
     K.RowLinear: row_linear, K.Summa: summa, K.ThreeDLinear: three_d, K.PartialHead: partial_head,
     K.VocabEmbedding: vocab_embedding, K.DistLayerNorm: dist_layer_norm, K.CrossEntropy: cross_entropy,
-    K.Dropout: dropout, K.AttentionDropout: attention_dropout,
+    K.Dropout: dropout, K.AttentionDropout: attention_dropout, K.RingAttention: ring_attention,
 }
 
 
