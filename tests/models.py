@@ -152,7 +152,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
            "fallbacks": [n.name for n in plan.fallbacks],
            "cp_nodes": sum(1 for n in plan.nodes if "cp" in getattr(n.out_spec, "axes", ())),
            "sdpa_cp_gathers": sum(1 for n in plan.nodes if n.kind == "attention" for c in n.comms
-                                  if c.kind == "all_gather" and c.axes == ("cp",)),
+                                  if c.kind == "all_gather" and c.axes == ("cp",) and c.phase == "fwd"),
            "ring_attention": sum(1 for n in plan.nodes if n.kind == "attention" and n.kernel is not None
                                  and n.kernel.name == "ring_attention"),
            "batch_split": sharded.batch_split}
