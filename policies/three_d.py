@@ -50,6 +50,10 @@ class ThreeD(Policy):
     order = 3
     size_unit = "world sizes q³"
     tp_axes = _AXES
+    composes_with_cp = False
+    composes_with_cp_why = ("its token rows move between the axes from one Linear to the next (3d's swapped roles), "
+                            "which the sequence split on cp does not follow yet: at 16 ranks the plan's traced local "
+                            "shapes disagreed with its specs, so the plan is refused rather than run")
     batch_axes = ("x", "y")
 
     def __init__(self, mesh: Mesh):

@@ -70,7 +70,7 @@ CASES = [
     Case("cp-does-not-divide", 2, "`cp=3` on 2 ranks", "ConfigError",
          r"cp=3 × dp=1 must divide the world size 2; valid cp: \[1, 2\]"),
     Case("cp-with-1d-sp", 2, "`mode='1d-sp', cp=2`", "ConfigError",
-         r"mode='1d-sp' does not take cp yet: .*valid with cp: '1d', '2d', '2.5d', '3d'"),
+         r"mode='1d-sp' does not take cp yet: .*valid with cp: '1d', '2d', '2.5d'"),
     Case("cp-seq-not-divisible", 2, "`cp=2`, sequence 5 on 2 ranks", "ConfigError",
          r"sequence length 5 of example_inputs\['input_ids'\] is not divisible by the sequence split 2"),
     Case("process-group-size", 2, "process group of 2 ranks, `WORLD_SIZE=4`", "ConfigError",
