@@ -418,8 +418,8 @@ class ShardedModule(nn.Module):
         """
         from .generate import LEN_QUANTUM, sharded_lm
 
-        if "cp" in self.mesh.axes:
-            raise ConfigError(f"generate() on a module sharded with cp={self.mesh.size('cp')}: a decode step holds "
+        if self.mesh.cp > 1:
+            raise ConfigError(f"generate() on a module sharded with cp={self.mesh.cp}: a decode step holds "
                               f"one token, which the sequence split cannot share; generate with a module sharded "
                               f"without cp (the same weights: save_checkpoint, then shard(..., cp=1))")
 

@@ -467,7 +467,7 @@ class _Engine:
         self.batch_axes = self.dp_axes + tuple(policy.batch_axes)
         # context parallelism: the sequence is split over cp from the token lookups on
         # (docs/design.md, "Context parallelism")
-        self.cp_axes = ("cp",) if "cp" in self.mesh.axes else ()
+        self.cp_axes = ("cp",) if self.mesh.cp > 1 else ()
         self.ann = annotate(self.gm)
         self.forced: set[str] = set()
         # Linear -> why a re-plan holds it whole (the op that refused its split), for its note
@@ -539,7 +539,7 @@ class _Engine:
         if self.st_pending:
             raise _Retry(self.st_pending)
         if self.cp_axes and not any(isinstance(sp, ShardSpec) and "cp" in sp.axes for sp in self.st.specs.values()):
-            raise ShardingError(f"cp={self.mesh.size('cp')}: no value of {self.cap.model_name}'s graph has a "
+            raise ShardingError(f"cp={self.mesh.cp}: no value of {self.cap.model_name}'s graph has a "
                                 f"sequence dim the context-parallel split can cut (it starts at a token lookup "
                                 f"whose rows carry the sequence symbol; this graph has none, e.g. a sequence "
                                 f"torch.export made static); valid here: cp=1")
@@ -832,10 +832,9 @@ class _Engine:
     def _grad_steps(self, node, choice: Choice, in_specs: dict, arg_steps: list) -> list:
         """``arg_steps`` with the grad invariant kept: a replicated input of an op whose
         output is split / partial gets ``copy_to`` (a parameter: its after-backward sync)."""
-        # a step after the op that cuts its output (context parallelism's scatter) keeps
-        # the op's own gradient complete over those axes: its backward all-gathers
-        cut = {a for st in choice.post if st.op == "scatter" for a in st.axes}
-        out_axes = _spec_axes(choice.out) - cut
+        # the op's own output: a step after it that cuts it (context parallelism's scatter)
+        # keeps the op's gradient complete over those axes, its backward all-gathers
+        out_axes = _spec_axes(_before_cuts(choice))
         for path, req in in_specs.items():
             a = _get(node, path)
             if a.name not in self.needs_grad or path in choice.grad_complete:

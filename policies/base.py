@@ -235,12 +235,7 @@ class Policy:
     @property
     def cp(self) -> int:
         """Context-parallel ranks of this mesh: the sequence is split ``cp`` ways (1 without a ``cp`` axis)."""
-        return self.mesh.size("cp") if "cp" in self.mesh.axes else 1
-
-    @property
-    def cp_axes(self) -> tuple[str, ...]:
-        """``("cp",)`` where the mesh has a context-parallel axis, else ``()``."""
-        return ("cp",) if "cp" in self.mesh.axes else ()
+        return self.mesh.cp
 
     def batch_split(self) -> tuple[int, str]:
         """How many blocks one dp replica's batch is cut into, and a label naming the axes."""
@@ -262,7 +257,7 @@ class Policy:
     def label(cls, mesh: Mesh) -> str:
         """``'2.5d [2,2,2] × dp2'``: the mode and its TP grid, then the dp replicas."""
         sizes = [s for a, s in zip(mesh.axes, mesh.sizes) if a not in ("dp", "cp")]
-        dp, cp = mesh.dp, (mesh.size("cp") if "cp" in mesh.axes else 1)
+        dp, cp = mesh.dp, mesh.cp
         return f"{cls.name} [{','.join(map(str, sizes))}]" + (f" × cp{cp}" if cp > 1 else "") + \
             (f" × dp{dp}" if dp > 1 else "")
 

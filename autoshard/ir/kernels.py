@@ -407,6 +407,14 @@ class Dropout(Kernel):
         return {"blocks": self._blocks(group), "segments": self.layout.segments}
 
 
+def _sdpa_operands(node) -> tuple[tuple, list, dict]:
+    """``(q, k, v, mask)`` of a ``scaled_dot_product_attention`` node (the mask positional
+    or ``attn_mask=``), its positional arguments padded with None to 8, and its kwargs."""
+    a = list(node.args) + [None] * 8
+    kw = dict(node.kwargs)
+    return (a[0], a[1], a[2], a[3] if a[3] is not None else kw.get("attn_mask")), a, kw
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionDropout(Dropout):
     """``scaled_dot_product_attention`` with ``dropout_p > 0`` in train mode: the
@@ -422,10 +430,8 @@ class AttentionDropout(Dropout):
         return ShardSpec(dims=(q.dims[0], q.dims[1], (), ()))
 
     def call_args(self, node, group, size):
-        a = list(node.args) + [None] * 8
-        kw = dict(node.kwargs)
-        mask = a[3] if a[3] is not None else kw.get("attn_mask")
-        return (a[0], a[1], a[2], mask), {
+        operands, a, kw = _sdpa_operands(node)
+        return operands, {
             "is_causal": bool(a[5] if a[5] is not None else kw.get("is_causal", False)),
             "scale": a[6] if a[6] is not None else kw.get("scale"),
             "enable_gqa": bool(a[7] if a[7] is not None else kw.get("enable_gqa", False)),
@@ -457,11 +463,8 @@ class RingAttention(Kernel):
             (KComm("bwd", "send_recv", self.axes, 2 * kv),) * (p - 1) + (KComm("bwd", "send_recv", self.axes, kv),)
 
     def call_args(self, node, group, size):
-        a = list(node.args) + [None] * 8
-        kw = dict(node.kwargs)
-        mask = a[3] if a[3] is not None else kw.get("attn_mask")
-        return (a[0], a[1], a[2], mask), {"group": group(self.axes),
-                                          "scale": a[6] if a[6] is not None else kw.get("scale")}
+        operands, a, kw = _sdpa_operands(node)
+        return operands, {"group": group(self.axes), "scale": a[6] if a[6] is not None else kw.get("scale")}
 
 
 KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (

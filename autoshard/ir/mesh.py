@@ -48,6 +48,11 @@ class Mesh:
         """Data-parallel replicas: the size of the ``dp`` axis, 1 without one."""
         return self.size("dp") if "dp" in self.axes else 1
 
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks: the size of the ``cp`` axis, 1 without one."""
+        return self.size("cp") if "cp" in self.axes else 1
+
     def size(self, axes: str | tuple[str, ...]) -> int:
         """Number of ranks spanned by one axis or a tuple of axes."""
         if isinstance(axes, str):

@@ -320,7 +320,7 @@ class ShardingPlan:
     @property
     def tp_size(self) -> int:
         """Ranks of one tensor-parallel group (the mesh without ``dp`` and ``cp``)."""
-        return self.mesh.world_size // self.dp // (self.mesh.size("cp") if "cp" in self.mesh.axes else 1)
+        return self.mesh.world_size // self.dp // self.mesh.cp
 
     def parallel_fraction(self) -> dict:
         """How much of the model the plan really splits.

@@ -452,39 +452,36 @@ def attention_dropout(q, k, v, attn_mask=None, *, is_causal: bool, scale, enable
     dense op takes on CPU), the probabilities dropped out by :func:`dropout`."""
     L, S = q.shape[-2], k.shape[-2]
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    if enable_gqa:
+        k, v = _expand_kv(k, q.shape[-3]), _expand_kv(v, q.shape[-3])
     attn = (q * math.sqrt(factor)) @ (k * math.sqrt(factor)).transpose(-2, -1)
     if is_causal:
         keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
         attn = attn.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else attn + attn_mask
+    attn = _masked(attn, attn_mask)
     # the math path's safe softmax: a row masked everywhere (left padding) is 0, not NaN
     attn = dropout(torch.ops.aten._safe_softmax.default(attn, -1), p=p, dense=dense, blocks=blocks, segments=segments)
     return attn @ v
 
 
 # ---------------------------------------------------------------- ring attention
-def _bias(mask, j: int, n: int, like: torch.Tensor):
-    """The additive bias of key block ``j`` (``n`` columns) of ``mask`` (None, bool or float)."""
+def _masked(scores, mask):
+    """``scores`` under an attention ``mask``: a bool mask keeps its True entries (the rest
+    ``-inf``), a float mask is added; None leaves them as they are."""
     if mask is None:
-        return None
-    m = mask[..., j * n:(j + 1) * n]
-    if m.dtype == torch.bool:
-        return torch.zeros(m.shape, dtype=like.dtype, device=like.device).masked_fill_(~m, float("-inf"))
-    return m.to(like.dtype)
-
-
-def _scores(q, k, bias, scale: float):
-    s = (q @ k.transpose(-2, -1)) * scale
-    return s if bias is None else s + bias
+        return scores
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
 
 
 def _expand_kv(k, heads: int):
-    """``k`` with its heads repeated to ``heads`` (grouped-query attention)."""
-    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+    """``k`` with its heads (dim -3) repeated to ``heads`` (grouped-query attention)."""
+    return k if k.shape[-3] == heads else k.repeat_interleave(heads // k.shape[-3], dim=-3)
+
+
+def _block_scores(q, k, mask, j: int, scale: float):
+    """Scores of the queries against key block ``j`` (``k``), under that block's columns of ``mask``."""
+    n = k.shape[-2]
+    return _masked((q @ k.transpose(-2, -1)) * scale, None if mask is None else mask[..., j * n:(j + 1) * n])
 
 
 def _fold_kv(dk, heads: int):
@@ -499,7 +496,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, group: str, scale: float):
         r, p = C.group_rank_size(group)
-        n = k.shape[-2]
         heads, kv_heads = q.shape[1], k.shape[1]
         m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
@@ -509,7 +505,7 @@ class _RingAttention(torch.autograd.Function):
             j = (r - step) % p                  # the block held now started on rank j
             nxt = C.ring_shift(kv, group) if step < p - 1 else None
             kj, vj = _expand_kv(kv[0], heads), _expand_kv(kv[1], heads)
-            s = _scores(q, kj, _bias(mask, j, n, q), scale)
+            s = _block_scores(q, kj, mask, j, scale)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             e = torch.exp(s - base)
@@ -545,7 +541,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(p):
             j = (r - step) % p
             kj, vj = _expand_kv(buf[0], heads), _expand_kv(buf[1], heads)
-            prob = torch.exp(_scores(q, kj, _bias(mask, j, n, q), scale) - lse)
+            prob = torch.exp(_block_scores(q, kj, mask, j, scale) - lse)
             dv = _fold_kv(prob.transpose(-2, -1) @ dout, ctx.kv_heads)
             dscores = prob * (dout @ vj.transpose(-2, -1) - delta)
             if dmask is not None:       # summed over the dims the mask broadcasts on (none: as is)
@@ -555,7 +551,8 @@ class _RingAttention(torch.autograd.Function):
             ds = dscores * scale
             dq = dq + ds @ kj
             dk = _fold_kv(ds.transpose(-2, -1) @ q, ctx.kv_heads)
-            buf = torch.stack([buf[0], buf[1], buf[2] + dk, buf[3] + dv])
+            buf[2] += dk            # buf is this step's own tensor (stacked, or received)
+            buf[3] += dv
             if step < p - 1:
                 buf = C.ring_shift(buf, group)
         # the gradients of the block held last belong to the next rank: one more step home
