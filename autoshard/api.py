@@ -51,7 +51,7 @@ def _ensure_dist() -> None:
 
 def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int | None = None, dp: int = 1,
              example_inputs: dict | None = None, weights_given: bool = False, environ=None, cp: int = 1,
-             cp_attention: str = "ring"):
+             cp_attention: str = "ring", cp_order: str = "balanced"):
     """Every problem :func:`shard` would refuse or warn about, found without a collective.
 
     Returns ``(policy or None, problems)``. Pure: the same arguments give the same
@@ -63,7 +63,7 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     pol = None
     if mode != "auto":
         try:
-            pol = make_policy(mode, world_size, depth, dp, cp, cp_attention)
+            pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
         except ConfigError as e:
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
     if cp != 1 and mode == "auto":
@@ -123,7 +123,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
-          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring") -> ShardedModule:
+          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced") -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -188,6 +188,10 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     ``cp_attention="ring"`` (default) keeps keys and values split too: their blocks travel
     around the cp ring (send/recv) and the partial results merge through their
     log-sum-exp, so no rank holds the whole keys and values; ``"gather"`` all-gathers them.
+    ``cp_order="balanced"`` (default) cuts the sequence into ``2·C`` chunks and gives rank
+    ``r`` chunks ``r`` and ``2C-1-r``: ring attention skips the blocks a mask hides, and
+    under a causal mask every rank then computes as many (the sequence must be a multiple
+    of ``2·C``); ``"contiguous"`` gives rank ``r`` block ``r`` (a multiple of ``C``).
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -206,7 +210,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
                         activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
-                        device=device, fsdp=fsdp, cp=cp, cp_attention=cp_attention)
+                        device=device, fsdp=fsdp, cp=cp, cp_attention=cp_attention, cp_order=cp_order)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
@@ -223,7 +227,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         torch.manual_seed(seed)
     pol, problems = validate(model, mode=mode, world_size=world, depth=depth, dp=dp, example_inputs=example_inputs,
                              weights_given=weights is not None, environ=os.environ, cp=cp,
-                             cp_attention=cp_attention)
+                             cp_attention=cp_attention, cp_order=cp_order)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
     search_with = None      # mode="auto": what the layout is searched with
     if mode == "auto":      # the layout is the search's: the key names what it searches with
@@ -234,7 +238,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         layout = dict(policy="auto", cluster=repr(search_with["cluster"]), depth=depth, dp=dp)
     else:
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes),
-                      **({"cp_attention": pol.cp_attention} if pol.cp > 1 else {}))
+                      **({"cp_attention": pol.cp_attention, "cp_order": pol.cp_order} if pol.cp > 1 else {}))
     key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
                                                          dropout=dropout, **layout)
     entry = None if captured is not None else _launch_entry(key, model)     # every rank passes captured= alike
@@ -291,7 +295,7 @@ def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example
         raise_problems(check_batch(b, split, f"{label}; padding the batch would not be exact: {blocker}",
                                    source=f"example_inputs[{main!r}]"), f"autoshard.shard(mode={pol.name!r})")
     if s is not None:
-        raise_problems(check_seq(s, pol.seq_split(), source=f"example_inputs[{seq!r}]"),
+        raise_problems(check_seq(s, pol.seq_split(), source=f"example_inputs[{seq!r}]", why=pol.seq_split_why()),
                        f"autoshard.shard(mode={pol.name!r})")
     s = s or 1              # no token sequence (an image or audio model): nothing scales with it
     b += -b % split         # an example batch that does not divide plans as its padded size
@@ -373,7 +377,7 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
     sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
                        constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
                        recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,
-                       limits=_input_limits(config, facts.seq_range), seq_split=pol.seq_split(), config=config,
+                       limits=_input_limits(config, facts.seq_range), seq_split=(pol.seq_split(), pol.seq_split_why()), config=config,
                        model_tensors=_tensor_names(model))
     sm.adapters = adapters
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
@@ -442,7 +446,8 @@ def _input_limits(config, seq_range: tuple | None = None) -> dict:
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
-         max_len: int | None = None, cp: int = 1, cp_attention: str = "ring") -> ShardingPlan:
+         max_len: int | None = None, cp: int = 1, cp_attention: str = "ring",
+         cp_order: str = "balanced") -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -486,12 +491,12 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs).plan
-    pol = make_policy(mode, world_size, depth, dp, cp, cp_attention)
+    pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")
     raise_problems(check_batch(batch_size, split, label, source="batch_size")
-                   + check_seq(seq_len, pol.seq_split(), source="seq_len"), f"autoshard.plan(mode={mode!r})")
+                   + check_seq(seq_len, pol.seq_split(), source="seq_len", why=pol.seq_split_why()), f"autoshard.plan(mode={mode!r})")
     model = model_from(model_or_config)
     model.train()
     cap = capture_for_plan(model, example_inputs=example_inputs)

@@ -89,7 +89,14 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
                    help="data-parallel replicas outside the TP mesh (default 1; searched with --mode auto)")
     p.add_argument("--cp", type=int, default=1, metavar="C",
                    help="context-parallel ranks: each replica's sequence is split C ways (world = dp·cp·the "
-                        "mode's mesh; --seq-len a multiple of C); not searched by --mode auto")
+                        "mode's mesh; --seq-len a multiple of 2·C, or of C with --cp-order contiguous); "
+                        "with --mode auto it pins cp (default: searched)")
+    p.add_argument("--cp-attention", default="ring", choices=("ring", "gather"),
+                   help="attention over the split sequence: 'ring' sends key/value blocks around the cp ring "
+                        "(default), 'gather' all-gathers them")
+    p.add_argument("--cp-order", default="balanced", choices=("balanced", "contiguous"),
+                   help="the sequence's cp blocks: 'balanced' gives rank r chunks r and 2C-1-r of 2C (the same "
+                        "causal-attention work on every rank; default), 'contiguous' gives rank r block r")
     p.add_argument("--batch-size", "-b", type=int, default=None, metavar="B",
                    help="global sequences per step (dp replicas split it); default: the smallest batch the "
                         "mode's batch split and dp accept (with --mode auto: one row per rank), said in the output")
@@ -439,7 +446,8 @@ def _plan_or_search(args, cluster):
                      dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True)
         return res.plan, res
     p = make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
-                  batch_size=args.batch_size, seq_len=args.seq_len, cp=getattr(args, "cp", 1))
+                  batch_size=args.batch_size, seq_len=args.seq_len, cp=getattr(args, "cp", 1),
+                  cp_attention=getattr(args, "cp_attention", "ring"), cp_order=getattr(args, "cp_order", "balanced"))
     return p, None
 
 

@@ -45,7 +45,7 @@ class ShardedModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
                  input_names: tuple[str, ...], constants: dict, example_inputs: dict, debug: bool = False,
                  batch_inputs: frozenset = frozenset(), pad_blocker: str | None = None, recipe: "Recipe | None" = None,
-                 limits: dict | None = None, seq_split: int = 1, config=None, model_tensors: frozenset = frozenset()):
+                 limits: dict | None = None, seq_split: int | tuple[int, str] = 1, config=None, model_tensors: frozenset = frozenset()):
         """Wrap this rank's rewritten ``gm`` (what :func:`autoshard.shard` builds).
 
         Args:
@@ -62,7 +62,8 @@ class ShardedModule(nn.Module):
             recipe: how to rebuild the model for a new graph (None: no recapture, no generate).
             limits: ``{"vocab_size": (name, n), "max_positions": (name, n)}`` a call's
                 inputs are checked against.
-            seq_split: what a call's sequence length must divide (1d-sp: the TP size).
+            seq_split: what a call's sequence length must divide (1d-sp: the TP size; cp: 2·cp
+                balanced, cp contiguous), or that and why (for the refusal's message).
             config: the Hugging Face config of the model sharded.
             model_tensors: the names of the model's parameters and buffers: those of
                 ``gm``'s own (top-level) tensors among them are this module's too (the
@@ -90,7 +91,7 @@ class ShardedModule(nn.Module):
         self._checked: set[int] = set()
         self._ids_checked: set[str] = set()      # signatures whose token ids were range-checked on a GPU
         self._limits: dict = dict(limits or {})
-        self._seq_split = seq_split
+        self._seq_split, self._seq_why = seq_split if isinstance(seq_split, tuple) else (seq_split, "")
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
         self._compiled: dict = {}
         self._config = config
@@ -609,7 +610,7 @@ class ShardedModule(nn.Module):
                 problems.append(_P("input_ids", f"sequence length {s}: the graph was captured for seq >= 2"))
             if self._seq_split > 1 and s % self._seq_split:
                 from .planning.validate import check_seq
-                problems += check_seq(s, self._seq_split, source="input_ids")
+                problems += check_seq(s, self._seq_split, source="input_ids", why=self._seq_why)
             lim = self._limits.get("max_positions")
             if lim and s > lim[1]:
                 problems.append(_P("input_ids", f"sequence length {s} exceeds the model's {lim[0]}={lim[1]}"))

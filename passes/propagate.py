@@ -127,6 +127,7 @@ class _Ctx:
         self.training = engine.training
         self.dropout = engine.dropout
         self.cp_attention = engine.policy.cp_attention
+        self.cp_order = engine.policy.cp_order
 
     def is_tensor(self, a) -> bool:
         return isinstance(a, fx.Node) and _is_tensor_val(a.meta.get("val"))
@@ -568,7 +569,8 @@ class _Engine:
         return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
-                            params=tuple(params), dp=self.policy.dp, local_shapes=local)
+                            params=tuple(params), dp=self.policy.dp, cp_order=self.policy.cp_order,
+                            local_shapes=local)
 
     def _state_nodes(self) -> list[NodePlan]:
         """A row per state input (:func:`state_inputs`): the layout its first write

@@ -55,15 +55,19 @@ _discover()
 
 
 CP_ATTENTION = ("ring", "gather")
+CP_ORDER = ("balanced", "contiguous")
 
 
 def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 1, cp: int = 1,
-                cp_attention: str = "ring") -> Policy:
+                cp_attention: str = "ring", cp_order: str = "balanced") -> Policy:
     """The policy of ``mode`` on its mesh for ``world_size`` ranks (``dp`` replicas,
     each split ``cp`` ways on the sequence: context parallelism, a ``cp`` axis after
     ``dp`` and before the mode's own axes; see docs/design.md, "Context parallelism"), its
     attention ``cp_attention``: ``"ring"`` (key/value blocks sent around the cp ring) or
-    ``"gather"`` (keys and values all-gathered over cp).
+    ``"gather"`` (keys and values all-gathered over cp), the order of the sequence's blocks
+    ``cp_order``: ``"balanced"`` (the sequence cut into 2·cp chunks, rank r holding chunks r
+    and 2·cp-1-r, so a causal mask leaves every rank the same work; the sequence must be a
+    multiple of 2·cp) or ``"contiguous"`` (rank r holds block r; a multiple of cp).
 
     Raises:
         ConfigError: an unknown mode, ``"auto"`` (chosen by the search), or a world
@@ -89,6 +93,8 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     cls = POLICIES[mode]
     if cp_attention not in CP_ATTENTION:
         raise ConfigError(f"cp_attention={cp_attention!r}; valid: {', '.join(repr(c) for c in CP_ATTENTION)}")
+    if cp_order not in CP_ORDER:
+        raise ConfigError(f"cp_order={cp_order!r}; valid: {', '.join(repr(c) for c in CP_ORDER)}")
     if cp == 1:
         return cls(cls.make_mesh(world_size, depth=depth, dp=dp))
     if cp < 1 or world_size % (cp * dp):
@@ -100,7 +106,7 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     mesh = cls.make_mesh(world_size // cp, depth=depth, dp=dp)
     at = 1 if mesh.axes[:1] == ("dp",) else 0
     pol = cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))
-    pol.cp_attention = cp_attention
+    pol.cp_attention, pol.cp_order = cp_attention, cp_order
     return pol
 
 

@@ -108,6 +108,7 @@ class RuleContext(Protocol):
     training: bool
     dropout: str                    # "sharded" | "dense": how Dropout kernels draw their masks
     cp_attention: str               # "ring" | "gather": attention over a cp-split sequence
+    cp_order: str                   # "balanced" | "contiguous": the order of the sequence's cp blocks
     BATCH: int                      # the batch symbol's probe prime
 
     def is_tensor(self, a) -> bool:
@@ -204,6 +205,9 @@ class Policy:
     #: attention over a cp-split sequence: "ring" (key/value blocks sent around the ring)
     #: or "gather" (keys and values all-gathered); :func:`autoshard.policies.make_policy` sets it
     cp_attention: str = "ring"
+    #: the sequence's blocks over cp: "balanced" (rank r holds chunks r and 2·cp-1-r of
+    #: 2·cp: the same causal work on every rank) or "contiguous" (rank r: block r)
+    cp_order: str = "balanced"
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -269,9 +273,19 @@ class Policy:
         raise NotImplementedError
 
     def seq_split(self) -> int:
-        """How many blocks the sequence is cut into (context parallelism: ``cp``; 1d-sp:
-        also the TP size); a call's sequence length must be a multiple of it."""
-        return self.cp
+        """How many blocks the sequence is cut into (context parallelism: ``cp``, twice
+        that in the balanced order; 1d-sp: also the TP size); a call's sequence length must
+        be a multiple of it."""
+        return self.cp * (2 if self.cp > 1 and self.cp_order == "balanced" else 1)
+
+    def seq_split_why(self) -> str:
+        """What cuts the sequence into :meth:`seq_split` blocks, for a refusal's message."""
+        if self.cp <= 1:
+            return ""
+        if self.cp_order == "balanced":
+            return (f"cp={self.cp} in the balanced order cuts it into 2·cp={2 * self.cp} chunks; "
+                    f"cp_order='contiguous' needs a multiple of {self.cp} only")
+        return f"cp={self.cp} cuts it into {self.cp} blocks"
 
     def vocab_multiple(self) -> int:
         """What the vocabulary is padded to a multiple of (:mod:`autoshard.passes.pad`)."""

@@ -233,6 +233,8 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
                                          f"the split of dim {d}")
         axes, m = in_spec.dims[d], in_spec.segments[d]
         c = ctx.mesh.size(axes)
+        if "cp" in axes and ctx.cp_order == "balanced":
+            c *= 2      # the balanced order cuts 2·cp chunks: a view keeps them only if it divides them
         go = [o for o in go if outs[o] != 1]
         if not go:
             continue

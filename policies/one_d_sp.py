@@ -68,6 +68,9 @@ class OneDSP(OneD):
         """The TP size (times ``cp``): a call's sequence length must be a multiple of it."""
         return self.mesh.size(self.tp_axes) * self.cp
 
+    def seq_split_why(self) -> str:
+        return f"1d-sp cuts it into tp={self.mesh.size(self.tp_axes)} blocks between the blocks' Linears"
+
     # ------------------------------------------------------------------ linear
     def linear(self, ctx: RuleContext) -> Choice:
         """The 1D rule on the input as gathered from its sequence split; a row-parallel

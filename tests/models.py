@@ -87,7 +87,7 @@ def comparer(failures: list, *, detail: bool = True):
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
           dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8,
-          cp_attention: str = "ring") -> dict:
+          cp_attention: str = "ring", cp_order: str = "balanced") -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
@@ -97,7 +97,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ``share_capture`` reuses this worker's earlier export of the same model
     (same seed, same input shapes), so several modes pay for one capture."""
     import autoshard
-    from autoshard.runtime.collectives import CommLedger
+    from autoshard.runtime.collectives import CommLedger, is_balanced
+    from autoshard.runtime.parallel_ops import ring_work
 
     torch.set_num_threads(1)
     dense = build(name)
@@ -111,10 +112,10 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp, cp_attention=cp_attention,
-                              captured=shared_capture(name, model, inputs) if share_capture else None)
+                              cp_order=cp_order, captured=shared_capture(name, model, inputs) if share_capture else None)
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
-    with CommLedger() as led:
+    with CommLedger() as led, ring_work() as work:
         out = sharded(**inputs)
         out.loss.backward()
     plan = sharded.plan
@@ -140,7 +141,7 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
         grad_err = max(grad_err, (got - ref).abs().max().item())
     if (r, seq) != (4, 8):      # the module's plan is made at its capture's shape: plan the call's for the ledger
         plan = autoshard.plan(copy.deepcopy(dense), world_size=world, mode=mode, depth=depth, dp=dp, cp=cp,
-                              cp_attention=cp_attention, batch_size=r * dp, seq_len=seq)
+                              cp_attention=cp_attention, cp_order=cp_order, batch_size=r * dp, seq_len=seq)
     res = {"failures": failures, "loss": out.loss.item(), "loss_err": (out.loss - out_d.loss).abs().item(),
            "logits_err": (out.logits - ref_logits).abs().max().item(), "grad_err": grad_err,
            "ledger_bytes": led.bytes_per_rank(), "plan_bytes": plan.comm_bytes_per_rank(),
@@ -155,7 +156,9 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
                                   if c.kind == "all_gather" and c.axes == ("cp",) and c.phase == "fwd"),
            "ring_attention": sum(1 for n in plan.nodes if n.kind == "attention" and n.kernel is not None
                                  and n.kernel.name == "ring_attention"),
-           "batch_split": sharded.batch_split}
+           "batch_split": sharded.batch_split,
+           "ring_scores": work["scores"],       # attention scores ring attention computed here (forward)
+           "balanced": cp > 1 and is_balanced(sharded.groups["cp"])}
     if steps and dp == 1:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)
     return res

@@ -34,8 +34,9 @@ CASES = [
 ]
 
 
-def _assert_exact(res: list[dict], attention: str = "ring") -> None:
+def _assert_exact(res: list[dict], attention: str = "ring", balanced: bool = True) -> None:
     for rank, r in enumerate(res):
+        assert r["balanced"] == balanced, (rank, "the cp group's order")
         assert not r["failures"], f"rank {rank}: {r['failures']}"
         assert r["ledger_bytes"] == r["plan_bytes"] and r["ledger_calls"] == r["plan_calls"], (rank, r)
         assert r["param_bytes"] == r["plan_param_bytes"], (rank, r)
@@ -56,6 +57,29 @@ def test_context_parallel_equals_dense(case):
     _assert_exact(res, attention)
     if mode == "2d":        # the batch split stays (2 blocks of rows), cp cuts each block's sequence
         assert all(r["batch_split"] == 2 for r in res)
+
+
+def test_contiguous_order_equals_dense():
+    """``cp_order="contiguous"`` (rank r holds block r, the sequence a multiple of cp only):
+    exact too; under Llama's causal mask rank 0 computes fewer attention scores than rank 1."""
+    res = get_pool(2).run(models.check, "llama", "1d", cp=2, share_capture=True, cp_order="contiguous")
+    _assert_exact(res, balanced=False)
+    assert res[0]["ring_scores"] < res[1]["ring_scores"], [r["ring_scores"] for r in res]
+
+
+@EXT
+def test_balanced_order_gives_every_rank_the_same_causal_work():
+    """Llama at cp4 (seq 16): in the balanced order every rank computes the same number of
+    attention scores, the blocks the causal mask hides being skipped; in the contiguous
+    order the last rank computes the most (rank 0: one block of four)."""
+    bal = get_pool(4).run(models.check, "llama", "1d", cp=4, share_capture=True, seq=16)
+    con = get_pool(4).run(models.check, "llama", "1d", cp=4, share_capture=True, seq=16, cp_order="contiguous")
+    _assert_exact(bal)
+    _assert_exact(con, balanced=False)
+    b, c = [r["ring_scores"] for r in bal], [r["ring_scores"] for r in con]
+    assert len(set(b)) == 1 and c == sorted(c) and c[0] < c[-1], (b, c)
+    assert b[0] < max(c), (b, c)        # the slowest rank's work falls
+    print(f"attention scores per rank at cp4: balanced {b}, contiguous {c}")
 
 
 def test_with_dp():
@@ -105,6 +129,16 @@ def test_bad_cp_and_sequence_lengths_are_refused_naming_the_valid_choices():
         autoshard.plan(cfg, world_size=16, mode="3d", cp=2, batch_size=4, seq_len=8)
     with pytest.raises(ConfigError, match="seq_len"):
         autoshard.plan(cfg, world_size=4, mode="1d", cp=2, batch_size=4, seq_len=7)
+    # the balanced order cuts 2·cp chunks: the valid lengths and the contiguous order named
+    with pytest.raises(ConfigError, match=r"sequence length 12 of seq_len is not divisible by the sequence split 8 "
+                                          r"\(cp=4 in the balanced order cuts it into 2·cp=8 chunks; "
+                                          r"cp_order='contiguous' needs a multiple of 4 only\); valid lengths are the "
+                                          r"multiples of 8 \(8 or 16 near 12\)"):
+        autoshard.plan(cfg, world_size=4, mode="1d", cp=4, batch_size=4, seq_len=12)
+    assert autoshard.plan(cfg, world_size=4, mode="1d", cp=4, batch_size=4, seq_len=12,
+                          cp_order="contiguous").cp_order == "contiguous"
+    with pytest.raises(ConfigError, match=r"cp_order='zigzag'; valid: 'balanced', 'contiguous'"):
+        autoshard.plan(cfg, world_size=4, mode="1d", cp=2, batch_size=4, seq_len=8, cp_order="zigzag")
     p = autoshard.plan(cfg, world_size=8, mode="1d", cp=2, dp=2, batch_size=4, seq_len=16)
     assert p.mesh.axes == ("dp", "cp", "tp") and p.tp_size == 2
     # every activation between the lookup and the loss holds half the tokens
@@ -177,6 +211,51 @@ def _ring_vs_sdpa(rank: int, world: int, mask_batch: int, kv_heads: int) -> list
     got = torch.autograd.grad(out, local, g[:, :, rows])
     return [(out - dense[:, :, rows]).abs().max().item()] + [
         (a - b[:, :, rows]).abs().max().nan_to_num(1.0).item() for a, b in zip(got, ref)]
+
+
+def _ring_orders(rank: int, world: int, balanced: bool) -> tuple[int, list[float]]:
+    """A causal mask with left padding (rows no key may see), grouped kv heads: the ring in
+    either order against sdpa, and the scores this rank computed."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autoshard.runtime import collectives as C
+    from autoshard.runtime.parallel_ops import ring_attention, ring_work
+
+    torch.manual_seed(0)
+    B, H, S, D = 2, 4, 16, 8
+    q = torch.randn(B, H, S, D, requires_grad=True)
+    k, v = (torch.randn(B, 2, S, D, requires_grad=True) for _ in range(2))
+    m = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    m[0, ..., :3] = False
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    g = torch.randn_like(dense)
+    ref = torch.autograd.grad(dense, [q, k, v], g)
+    group = dist.new_group(list(range(world))).group_name
+    if balanced:
+        C.mark_balanced(group)
+    cut = lambda t: C.scatter_to(t.detach(), 2, group)          # noqa: E731  the group's own order
+    local = [cut(t).requires_grad_() for t in (q, k, v)]
+    with ring_work() as box:
+        out = ring_attention(*local, cut(m), group=group)
+    got = torch.autograd.grad(out, local, cut(g))
+    return box["scores"], [(out - cut(dense)).abs().max().item()] + [(a - cut(b)).abs().max().item()
+                                                                     for a, b in zip(got, ref)]
+
+
+def test_ring_attention_balanced_order_skips_hidden_blocks_evenly():
+    """4 ranks, causal: both orders equal sdpa; the blocks the mask hides are skipped, and
+    only the balanced order (rank r: chunks r and 7-r of 8) leaves every rank the same work."""
+    for balanced in (True, False):
+        res = get_pool(4).run(_ring_orders, balanced)
+        for rank, (_, errs) in enumerate(res):
+            assert max(errs) <= 1e-5, (balanced, rank, errs)
+        scores = [s for s, _ in res]
+        whole = 2 * 4 * 4 * 16        # each rank's 4 query rows × every key, per batch row and head
+        if balanced:
+            assert len(set(scores)) == 1 and scores[0] < whole, scores
+        else:
+            assert scores == sorted(scores) and scores[0] < scores[-1] == whole, scores
 
 
 @pytest.mark.parametrize("mask_batch,kv_heads", [(1, 4), (2, 2)], ids=["broadcast-mask", "full-mask-gqa"])

@@ -71,8 +71,10 @@ CASES = [
          r"cp=3 × dp=1 must divide the world size 2; valid cp: \[1, 2\]"),
     Case("cp-with-1d-sp", 2, "`mode='1d-sp', cp=2`", "ConfigError",
          r"mode='1d-sp' does not take cp yet: .*valid with cp: '1d', '2d', '2.5d'"),
-    Case("cp-seq-not-divisible", 2, "`cp=2`, sequence 5 on 2 ranks", "ConfigError",
-         r"sequence length 5 of example_inputs\['input_ids'\] is not divisible by the sequence split 2"),
+    Case("cp-seq-not-divisible", 2, "`cp=2`, sequence 6 on 2 ranks (the balanced order cuts 4 chunks)", "ConfigError",
+         r"sequence length 6 of example_inputs\['input_ids'\] is not divisible by the sequence split 4 \(cp=2 in the "
+         r"balanced order .*cp_order='contiguous' needs a multiple of 2 only\); valid lengths are the multiples of 4 "
+         r"\(4 or 8 near 6\)"),
     Case("process-group-size", 2, "process group of 2 ranks, `WORLD_SIZE=4`", "ConfigError",
          r"default process group has 2 ranks but WORLD_SIZE=4"),
     # --- model dimensions vs the split -----------------------------------------------------------
@@ -253,7 +255,7 @@ def _do(cid: str, rank: int, ctx: dict) -> None:
     elif cid == "cp-with-1d-sp":
         _shard(_llama(), mode="1d-sp", cp=2, example_inputs=b)
     elif cid == "cp-seq-not-divisible":
-        _shard(_llama(), mode="1d", cp=2, example_inputs=_batch(s=5))
+        _shard(_llama(), mode="1d", cp=2, example_inputs=_batch(s=6))
     elif cid == "process-group-size":
         with _Env(WORLD_SIZE="4"):
             _shard(_llama(), mode="1d", example_inputs=b)

@@ -445,8 +445,10 @@ class RingAttention(Kernel):
     ring of ``axes`` (one ``send_recv`` of both per step), each rank's queries attend
     to every block as it passes, and the partial results are merged through their
     log-sum-exp (flash attention's running max and sum). Backward sends the blocks
-    around again with their key/value gradients, which arrive home after the last step.
-    A mask keeps the rows of the local queries and every key column."""
+    around again and, one step behind each, its key/value gradient sums, which arrive
+    home after the last step. A mask keeps the rows of the local queries and every key
+    column; a block the mask hides entirely is skipped (with the balanced order of the
+    cp group every rank skips as many under a causal mask)."""
 
     axes: tuple[str, ...]
     name: ClassVar[str] = "ring_attention"
@@ -459,8 +461,10 @@ class RingAttention(Kernel):
         if p <= 1:
             return ()
         kv = 2 * io.numel((1,))             # k and v, one buffer per step
-        return (KComm("fwd", "send_recv", self.axes, kv),) * (p - 1) + \
-            (KComm("bwd", "send_recv", self.axes, 2 * kv),) * (p - 1) + (KComm("bwd", "send_recv", self.axes, kv),)
+        step = KComm("fwd", "send_recv", self.axes, kv)
+        back = KComm("bwd", "send_recv", self.axes, kv)
+        # backward: each step sends the block on (p - 1) and its dk/dv sums after it (p: the last goes home)
+        return (step,) * (p - 1) + (back, back) * (p - 1) + (back,)
 
     def call_args(self, node, group, size):
         operands, a, kw = _sdpa_operands(node)

@@ -279,18 +279,21 @@ def check_batch(batch: int, split: int, label: str, *, source: str) -> list[Prob
                              f"({label}); use a multiple of {split}, e.g. {sug}")]
 
 
-def check_seq(seq: int, split: int, *, source: str) -> list[Problem]:
+def check_seq(seq: int, split: int, *, source: str, why: str = "") -> list[Problem]:
     """A sequence of ``seq`` tokens against the sequence split (1d-sp's ``tp``, context
-    parallelism's ``cp``: the blocks the sequence is cut into).
+    parallelism's ``cp`` blocks, twice as many chunks in its balanced order); ``why`` says
+    what cuts it (:meth:`autoshard.policies.base.Policy.seq_split_why`).
 
     >>> [str(p) for p in check_seq(6, 4, source="input_ids")]
-    ["sequence length 6 of input_ids is not divisible by the sequence split 4 (1d-sp over tp, or cp=, cut the sequence into 4 blocks); pad the sequence to a multiple of 4, e.g. 8, or use mode='1d' with cp=1"]
+    ["sequence length 6 of input_ids is not divisible by the sequence split 4 (the sequence is cut into 4 blocks); valid lengths are the multiples of 4 (4 or 8 near 6): pad the sequence, or use mode='1d' with cp=1"]
     """
     if split <= 1 or seq % split == 0:
         return []
+    below, above = seq - seq % split, seq + split - seq % split
+    near = f"{below} or {above}" if below else f"{above}"
     return [Problem("seq", f"sequence length {seq} of {source} is not divisible by the sequence split {split} "
-                           f"(1d-sp over tp, or cp=, cut the sequence into {split} blocks); pad the sequence to a "
-                           f"multiple of {split}, e.g. {seq + split - seq % split}, or use mode='1d' with cp=1")]
+                           f"({why or f'the sequence is cut into {split} blocks'}); valid lengths are the "
+                           f"multiples of {split} ({near} near {seq}): pad the sequence, or use mode='1d' with cp=1")]
 
 
 def raise_problems(problems: list[Problem], context: str, *, stacklevel: int = 3) -> None:

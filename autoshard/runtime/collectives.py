@@ -47,6 +47,7 @@ __all__ = [
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
+    "mark_balanced", "is_balanced", "balanced_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
 ]
 
 
@@ -195,6 +196,27 @@ def _(x, group):
     return torch.empty_like(x)
 
 
+def ring_shift_start(x: torch.Tensor, group: str, tag: int = 0):
+    """Launch :func:`ring_shift` of ``x`` (counted now) and return the function that waits
+    and gives the received tensor: ring attention computes on the block it holds while
+    the next one travels. ``tag`` keeps two shifts in flight on one group apart. Not a
+    graph op (a kernel's own forward / backward uses it outside torch.compile)."""
+    pg = _pg(group)
+    r, p = dist.get_rank(pg), pg.size()
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    _record("send_recv", group, src.numel() * src.element_size())
+    ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(pg, (r + 1) % p), pg, tag),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (r - 1) % p), pg, tag)]
+    works = dist.batch_isend_irecv(ops)
+
+    def finish() -> torch.Tensor:
+        for w in works:
+            w.wait()
+        return out
+    return finish
+
+
 def all_reduce_async(x: torch.Tensor, group: str):
     """Start a sum all-reduce of ``x`` in place over ``group`` (counted by the ledger)
     and return its work handle (``.wait()``). Not a graph op: the bucketed gradient
@@ -287,8 +309,72 @@ all_gather_two = _def_two("all_gather", ":func:`all_gather` of ``a`` and of ``b`
 reduce_scatter_two = _def_two("reduce_scatter", ":func:`reduce_scatter` of ``a`` and of ``b`` in flight together.")
 
 
+# ------------------------------------------------------ balanced sequence order
+# Context parallelism's balanced order (docs/design.md, "Context parallelism"): on a
+# group named here, a dim split over the group is cut into 2p chunks and rank r holds
+# chunks r and 2p-1-r (one from the front, one from the back), so under a causal mask
+# every rank has the same work. The order belongs to the group, so forward and
+# backward, every scatter, gather and ring step on it agree; a plan that wants it gets
+# its own group over the cp ranks (:func:`autoshard.runtime.groups.plan_groups`).
+_BALANCED: set[str] = set()
+
+
+def mark_balanced(group: str) -> None:
+    """Lay the blocks of ``group`` (a c10d group name) out in the balanced order."""
+    _BALANCED.add(group)
+
+
+def is_balanced(group: str) -> bool:
+    """Whether ``group``'s blocks are in the balanced order (rank r: chunks r and 2p-1-r)."""
+    return group in _BALANCED
+
+
+def balanced_chunks(rank: int, p: int) -> tuple[int, int]:
+    """The two chunks (of 2p) rank ``rank`` of ``p`` holds in the balanced order.
+
+    >>> [balanced_chunks(r, 4) for r in range(4)]
+    [(0, 7), (1, 6), (2, 5), (3, 4)]
+    """
+    return rank, 2 * p - 1 - rank
+
+
+def _chunk_order(p: int) -> list[int]:
+    """Rank-block order of the 2p chunks: block r is chunks (r, 2p-1-r)."""
+    return [c for r in range(p) for c in balanced_chunks(r, p)]
+
+
+def _reorder(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
+    """``x`` with ``dim`` cut into ``len(order)`` chunks, taken in ``order``."""
+    n = len(order)
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not hold {n} equal chunks (balanced order)")
+    idx = torch.tensor(order, device=x.device)
+    return x.unflatten(dim, (n, x.shape[dim] // n)).index_select(dim, idx).flatten(dim, dim + 1)
+
+
+def to_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """A whole ``dim`` in the order the ranks' blocks concatenate to (identity unless balanced)."""
+    if group not in _BALANCED:
+        return x
+    return _reorder(x, dim, _chunk_order(_pg(group).size()))
+
+
+def from_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """The ranks' blocks concatenated on ``dim`` back in the sequence's own order."""
+    if group not in _BALANCED:
+        return x
+    order = _chunk_order(_pg(group).size())
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return _reorder(x, dim, inverse)
+
+
 def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
+    if group in _BALANCED:
+        p = pg.size()
+        parts = x.chunk(2 * p, dim=dim)
+        a, b = balanced_chunks(dist.get_rank(pg), p)
+        return torch.cat([parts[a], parts[b]], dim)
     return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].clone(memory_format=torch.contiguous_format)
 
 
@@ -339,11 +425,11 @@ def _ar(x, dim, group):
 
 
 def _ag(x, dim, group):
-    return all_gather(x, dim, group)
+    return from_rank_blocks(all_gather(x, dim, group), dim, group)
 
 
 def _rs(x, dim, group):
-    return reduce_scatter(x, dim, group)
+    return reduce_scatter(to_rank_blocks(x, dim, group), dim, group)
 
 
 def _keep(x, dim, group):

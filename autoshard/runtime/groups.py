@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..ir.errors import ConfigError
 from ..ir.mesh import Mesh
+from . import collectives as C
 from .device import comm_device
 
 # A dead or stuck rank turns into an error on the others after this long (seconds);
@@ -46,12 +47,14 @@ def axes_label(axes) -> str:
 _GROUPS: dict = {}
 
 
-def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int):
+def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int, balanced: bool = False):
     """This rank's process group over ``axes`` of ``mesh``, created once per default
     group, mesh and axes (collectively: every rank creates every group of that
     axes in the same order), with the ``AUTOSHARD_TIMEOUT`` timeout (``new_group``
-    would take torch's default, 30 min for gloo, 10 for NCCL)."""
-    key = (id(dist.group.WORLD), mesh, axes)
+    would take torch's default, 30 min for gloo, 10 for NCCL). ``balanced``: a group of
+    its own whose sequence blocks are in context parallelism's balanced order
+    (:func:`~autoshard.runtime.collectives.mark_balanced`)."""
+    key = (id(dist.group.WORLD), mesh, axes, balanced)
     if key not in _GROUPS:
         mine = None
         for ranks in mesh.all_groups(axes):
@@ -59,6 +62,8 @@ def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int):
                                 timeout=datetime.timedelta(seconds=timeout_seconds()))
             if rank in ranks:
                 mine = pg
+        if balanced and mine is not None:
+            C.mark_balanced(mine.group_name)
         _GROUPS[key] = mine
     return _GROUPS[key]
 
@@ -79,7 +84,9 @@ def plan_groups(plan, rank: int) -> dict[str, str]:
         if n.kernel is not None:
             labels.update(a for a in n.kernel.groups() if a)
     labels.update(p.grad_sync for p in plan.params if p.grad_sync)
-    return {axes_label(axes): mesh_group(mesh, axes, rank).group_name
+    # the sequence's cp blocks in the balanced order: the cp group of its own
+    balanced = mesh.cp > 1 and plan.cp_order == "balanced"
+    return {axes_label(axes): mesh_group(mesh, axes, rank, balanced and axes == ("cp",)).group_name
             for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
 
 

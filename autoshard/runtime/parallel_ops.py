@@ -478,12 +478,6 @@ def _expand_kv(k, heads: int):
     return k if k.shape[-3] == heads else k.repeat_interleave(heads // k.shape[-3], dim=-3)
 
 
-def _block_scores(q, k, mask, j: int, scale: float):
-    """Scores of the queries against key block ``j`` (``k``), under that block's columns of ``mask``."""
-    n = k.shape[-2]
-    return _masked((q @ k.transpose(-2, -1)) * scale, None if mask is None else mask[..., j * n:(j + 1) * n])
-
-
 def _fold_kv(dk, heads: int):
     """The gradient of :func:`_expand_kv`: summed back onto ``heads`` kv heads."""
     if dk.shape[1] == heads:
@@ -492,29 +486,96 @@ def _fold_kv(dk, heads: int):
     return dk.view(b, heads, h // heads, s, d).sum(2)
 
 
+_RING_WORK: list[dict] = []
+
+
+@contextlib.contextmanager
+def ring_work():
+    """Count the attention scores :func:`ring_attention` computes on this rank (forward),
+    in ``box["scores"]``: the blocks a mask hides entirely are skipped, so with a causal
+    mask the balanced order gives every rank the same count and the contiguous one does not.
+
+        with ring_work() as box:
+            loss = sharded(**batch).loss
+        box["scores"]
+    """
+    box = {"scores": 0}
+    _RING_WORK.append(box)
+    try:
+        yield box
+    finally:
+        _RING_WORK.remove(box)
+
+
+def _visible(mask, R: int, p: int, hq: int, hk: int):
+    """``vis[a][c]``: whether the rank's query chunk ``a`` (of ``R``) may see key chunk ``c``
+    (of ``R·p``, the whole sequence's) anywhere under ``mask``; None: every block is computed
+    (no mask, or the shape-only trace)."""
+    if mask is None or mask.device.type == "meta":
+        return None
+    m = mask if mask.dtype == torch.bool else mask != float("-inf")
+    m = m.unflatten(-2, (R, hq)) if m.shape[-2] != 1 else m.unsqueeze(-3)
+    m = m.unflatten(-1, (R * p, hk)).any(-1).any(-2)            # [..., R or 1, R·p]
+    m = m.reshape(-1, m.shape[-2], m.shape[-1]).any(0).expand(R, R * p)
+    return m.tolist()
+
+
+def _sub_blocks(R: int, p: int, j: int, vis):
+    """``(a, b, c)`` for each score block to compute while block ``j`` is held: query chunk
+    ``a``, the block's key chunk ``b`` (chunk ``c`` of the sequence), unless the mask hides it."""
+    cols = (j,) if R == 1 else C.balanced_chunks(j, p)
+    return [(a, b, c) for a in range(R) for b, c in enumerate(cols) if vis is None or vis[a][c]]
+
+
+def _sub_mask(mask, a: int, c: int, hq: int, hk: int):
+    """Rows of query chunk ``a`` and columns of key chunk ``c`` of ``mask`` (None stays None)."""
+    if mask is None:
+        return None
+    rows = mask if mask.shape[-2] == 1 else mask[..., a * hq:(a + 1) * hq, :]
+    return rows[..., c * hk:(c + 1) * hk]
+
+
+def _shift(x, group: str, tag: int, overlap: bool):
+    """Start one ring step of ``x``; the function returned waits for the received tensor.
+    Blocking (the graph op) when the step cannot overlap compute (shape-only trace, compile)."""
+    if overlap:
+        return C.ring_shift_start(x, group, tag)
+    got = C.ring_shift(x, group)
+    return lambda: got
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, group: str, scale: float):
         r, p = C.group_rank_size(group)
+        R = 2 if C.is_balanced(group) else 1
         heads, kv_heads = q.shape[1], k.shape[1]
+        hq, hk = q.shape[-2] // R, k.shape[-2] // R
+        vis = _visible(mask, R, p, hq, hk)
+        overlap = _overlap(q)
         m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         o = torch.zeros_like(q)
         kv = torch.stack([k, v])
         for step in range(p):
             j = (r - step) % p                  # the block held now started on rank j
-            nxt = C.ring_shift(kv, group) if step < p - 1 else None
-            kj, vj = _expand_kv(kv[0], heads), _expand_kv(kv[1], heads)
-            s = _block_scores(q, kj, mask, j, scale)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            e = torch.exp(s - base)
-            alpha = torch.exp(m - base)
-            l = l * alpha + e.sum(-1, keepdim=True)
-            o = o * alpha + e @ vj
-            m = m_new
+            nxt = _shift(kv, group, 0, overlap) if step < p - 1 else None
+            for a, b, c in _sub_blocks(R, p, j, vis):
+                rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
+                kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
+                s = _masked((q[..., rows, :] @ kj.transpose(-2, -1)) * scale, _sub_mask(mask, a, c, hq, hk))
+                for box in _RING_WORK:
+                    box["scores"] += s.numel()
+                m_old = m[..., rows, :]
+                m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+                base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                e = torch.exp(s - base)
+                alpha = torch.exp(m_old - base)
+                l[..., rows, :] = l[..., rows, :] * alpha + e.sum(-1, keepdim=True)
+                o[..., rows, :] = o[..., rows, :] * alpha + e @ vj
+                m[..., rows, :] = m_new
             if nxt is not None:
-                kv = nxt
+                kv = nxt()
         base = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         # a row no key may see (a padding query under a causal mask) is 0, as the dense op's
         # safe softmax makes it; its log-sum-exp +inf makes its probabilities 0 in backward
@@ -531,40 +592,54 @@ class _RingAttention(torch.autograd.Function):
         mask = mask[0] if mask else None
         group, scale = ctx.group, ctx.scale
         r, p = C.group_rank_size(group)
-        n, heads = k.shape[-2], q.shape[1]
+        R = 2 if C.is_balanced(group) else 1
+        heads = q.shape[1]
+        hq, hk = q.shape[-2] // R, k.shape[-2] // R
+        vis = _visible(mask, R, p, hq, hk)
+        overlap = _overlap(q)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         # a float mask with a gradient (T5's learned position bias): d(bias) = d(scores)
         dmask = torch.zeros_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
-        buf = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        kv = torch.stack([k, v])
+        partial = None          # the held block's dk/dv from the ranks that held it before, on its way
         for step in range(p):
             j = (r - step) % p
-            kj, vj = _expand_kv(buf[0], heads), _expand_kv(buf[1], heads)
-            prob = torch.exp(_block_scores(q, kj, mask, j, scale) - lse)
-            dv = _fold_kv(prob.transpose(-2, -1) @ dout, ctx.kv_heads)
-            dscores = prob * (dout @ vj.transpose(-2, -1) - delta)
-            if dmask is not None:       # summed over the dims the mask broadcasts on (none: as is)
-                cols = dmask[..., j * n:(j + 1) * n]
-                wide = [d for d in range(dscores.dim()) if cols.shape[d] == 1 and dscores.shape[d] != 1]
-                cols += dscores.sum(wide, keepdim=True) if wide else dscores
-            ds = dscores * scale
-            dq = dq + ds @ kj
-            dk = _fold_kv(ds.transpose(-2, -1) @ q, ctx.kv_heads)
-            buf[2] += dk            # buf is this step's own tensor (stacked, or received)
-            buf[3] += dv
-            if step < p - 1:
-                buf = C.ring_shift(buf, group)
-        # the gradients of the block held last belong to the next rank: one more step home
-        home = C.ring_shift(buf[2:], group) if p > 1 else buf[2:]
+            nxt = _shift(kv, group, 0, overlap) if step < p - 1 else None
+            d = torch.zeros_like(kv)            # this rank's dk, dv of block j
+            for a, b, c in _sub_blocks(R, p, j, vis):
+                rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
+                qa, da = q[..., rows, :], dout[..., rows, :]
+                kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
+                prob = torch.exp(_masked((qa @ kj.transpose(-2, -1)) * scale, _sub_mask(mask, a, c, hq, hk))
+                                 - lse[..., rows, :])
+                d[1][..., cols, :] += _fold_kv(prob.transpose(-2, -1) @ da, ctx.kv_heads)
+                dscores = prob * (da @ vj.transpose(-2, -1) - delta[..., rows, :])
+                if dmask is not None:   # summed over the dims the mask broadcasts on (none: as is)
+                    sub = _sub_mask(dmask, a, c, hq, hk)
+                    wide = [x for x in range(dscores.dim()) if sub.shape[x] == 1 and dscores.shape[x] != 1]
+                    sub += dscores.sum(wide, keepdim=True) if wide else dscores
+                ds = dscores * scale
+                dq[..., rows, :] += ds @ kj
+                d[0][..., cols, :] += _fold_kv(ds.transpose(-2, -1) @ qa, ctx.kv_heads)
+            if partial is not None:
+                d += partial()
+            # block j's sums move on with the block (after the last step: home, to rank j)
+            partial = _shift(d, group, 1, overlap) if p > 1 else (lambda d=d: d)
+            if nxt is not None:
+                kv = nxt()
+        home = partial()
         return dq, home[0], home[1], dmask, None, None
 
 
 def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
     """Attention of this rank's queries over the keys and values of every rank of
-    ``group``, each rank holding one contiguous block of the sequence (block index =
-    its rank in ``group``); ``mask`` has this rank's query rows and every key column.
-    Exact: the blocks' partial softmax results are merged through their log-sum-exp."""
+    ``group``, each rank holding one block of the sequence (its rank's contiguous block,
+    or chunks r and 2p-1-r in the balanced order, :func:`~autoshard.runtime.collectives.is_balanced`);
+    ``mask`` has this rank's query rows and every key column. Exact: the blocks' partial
+    softmax results are merged through their log-sum-exp; a block the mask hides entirely
+    is not computed, and the next block travels while this one is (asynchronous send/recv)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _RingAttention.apply(q, k, v, mask, group, float(scale))
