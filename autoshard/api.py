@@ -66,8 +66,6 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
             pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
         except ConfigError as e:
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
-    if cp != 1 and mode == "auto":
-        problems.append(Problem("mode", f"cp={cp} is not searched yet: name the mode (e.g. mode='1d', cp={cp})"))
     problems += check_model(model, weights_given=weights_given)
     config = getattr(model, "config", None)
     if pol is not None:
@@ -234,8 +232,9 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         from .planning.cost import Cluster, default_cluster
 
         search_with = dict(cluster=Cluster.preset(cluster) if cluster is not None else default_cluster(),
-                           depth=depth, dp=dp)
-        layout = dict(policy="auto", cluster=repr(search_with["cluster"]), depth=depth, dp=dp)
+                           depth=depth, dp=dp, cp=cp, cp_attention=cp_attention, cp_order=cp_order)
+        layout = dict(policy="auto", cluster=repr(search_with["cluster"]), depth=depth, dp=dp,
+                      **({"cp": cp, "cp_attention": cp_attention, "cp_order": cp_order} if cp > 1 else {}))
     else:
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes),
                       **({"cp_attention": pol.cp_attention, "cp_order": pol.cp_order} if pol.cp > 1 else {}))
@@ -460,9 +459,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
 
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
-    dp are searched unless given (dp > 1 pins dp). ``sequence_parallel=True`` with
-    ``mode="1d"`` is ``mode="1d-sp"`` (see :func:`shard`). ``cp=C`` adds a context-parallel
-    axis (see :func:`shard`).
+    dp are searched unless given (dp > 1 pins dp), and so is the context-parallel size
+    (cp > 1 pins it). ``sequence_parallel=True`` with ``mode="1d"`` is ``mode="1d-sp"``
+    (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`).
 
     ``step="decode"`` (or ``"prefill"``) plans what :meth:`ShardedModule.generate` runs
     per token (per prompt) instead: the model's step with a static KV cache of
@@ -490,7 +489,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
 
         return search(model_or_config, world_size=world_size, cluster=cluster or "dgx-a100", depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
-                      example_inputs=example_inputs).plan
+                      example_inputs=example_inputs, cp=cp if cp != 1 else None, cp_attention=cp_attention,
+                      cp_order=cp_order).plan
     pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first

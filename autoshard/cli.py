@@ -87,7 +87,7 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
                    help="2.5d depth d (world = dp·d·q²); with --mode auto it pins d")
     p.add_argument("--dp", type=int, default=None, metavar="R",
                    help="data-parallel replicas outside the TP mesh (default 1; searched with --mode auto)")
-    p.add_argument("--cp", type=int, default=1, metavar="C",
+    p.add_argument("--cp", type=int, default=None, metavar="C",
                    help="context-parallel ranks: each replica's sequence is split C ways (world = dp·cp·the "
                         "mode's mesh; --seq-len a multiple of 2·C, or of C with --cp-order contiguous); "
                         "with --mode auto it pins cp (default: searched)")
@@ -246,7 +246,7 @@ def _default_batch(args) -> None:
               f"--batch-size to choose another", file=sys.stderr)
         return
     try:
-        pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1, getattr(args, "cp", 1))
+        pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1, getattr(args, "cp", None) or 1)
     except ConfigError:
         args.batch_size = args.dp or 1          # the mesh itself is the finding
         return
@@ -443,10 +443,12 @@ def _plan_or_search(args, cluster):
                          max_len=args.max_len), None
     if args.mode == "auto":
         res = search(model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
-                     dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True)
+                     dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True,
+                     cp=getattr(args, "cp", None), cp_attention=getattr(args, "cp_attention", "ring"),
+                     cp_order=getattr(args, "cp_order", "balanced"))
         return res.plan, res
     p = make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
-                  batch_size=args.batch_size, seq_len=args.seq_len, cp=getattr(args, "cp", 1),
+                  batch_size=args.batch_size, seq_len=args.seq_len, cp=getattr(args, "cp", None) or 1,
                   cp_attention=getattr(args, "cp_attention", "ring"), cp_order=getattr(args, "cp_order", "balanced"))
     return p, None
 
@@ -511,7 +513,7 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
     pol = None
     if args.mode != "auto":
         try:
-            pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1, getattr(args, "cp", 1))
+            pol = make_policy(args.mode, args.world_size, args.depth, args.dp or 1, getattr(args, "cp", None) or 1)
         except ConfigError as e:
             problems.append(f"ConfigError: {e}")
     dp = args.dp or 1

@@ -639,10 +639,11 @@ def zero_vs_fsdp(rank: int, world: int, cfg_kw: dict, mode: str, dp: int, b: int
 
 def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cps: list, steps: int,
                      warmup: int) -> dict:
-    """Per sequence length, ``cp`` (world = cp × tp, mode 1d) and attention (ring, gather): the bytes this rank saves
-    for backward in one forward (measured with ``saved_tensors_hooks``) and the plan's
-    prediction of them, and training-step times (forward + backward + AdamW), the cp
-    layouts of one length timed alternately step by step."""
+    """Per sequence length, ``cp`` (world = cp × tp, mode 1d) and attention (ring in the balanced and in the
+    contiguous order, gather): the bytes this rank saves for backward in one forward (measured with
+    ``saved_tensors_hooks``) and the plan's prediction of them, the attention scores the ring computed
+    on this rank, and training-step times (forward + backward + AdamW), the cp layouts of one length
+    timed alternately step by step."""
     import copy
     import warnings
 
@@ -651,6 +652,7 @@ def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cp
 
     import autoshard
     from autoshard.planning.activations import SavedBytes, saved_bytes
+    from autoshard.runtime.parallel_ops import ring_work
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -660,13 +662,16 @@ def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cp
         inputs = _batch(cfg_kw["vocab_size"], b, s)
         runs = {}
         for cp in cps:
-            for att in ("ring", "gather") if cp > 1 else ("ring",):
-                m = autoshard.shard(copy.deepcopy(base), mode="1d", cp=cp, cp_attention=att, example_inputs=inputs)
-                with SavedBytes(m.parameters()) as sv:
+            for att, order in (("ring", "balanced"), ("ring", "contiguous"), ("gather", "balanced")) if cp > 1 \
+                    else (("ring", "balanced"),):
+                m = autoshard.shard(copy.deepcopy(base), mode="1d", cp=cp, cp_attention=att, cp_order=order,
+                                    example_inputs=inputs)
+                with SavedBytes(m.parameters()) as sv, ring_work() as work:
                     m(**inputs).loss.backward()
                 m.zero_grad(set_to_none=True)
-                key = f"{s}:{cp}:{att}"
-                out["bytes"][key] = {"measured": sv.nbytes, "predicted": saved_bytes(m.plan, "cpu")}
+                key = f"{s}:{cp}:{att}:{order}"
+                out["bytes"][key] = {"measured": sv.nbytes, "predicted": saved_bytes(m.plan, "cpu"),
+                                     "scores": work["scores"]}
                 runs[key] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
         for key in runs:
             out["times"][key] = []

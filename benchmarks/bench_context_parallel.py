@@ -8,7 +8,10 @@ plan's prediction (:func:`autoshard.planning.activations.saved_bytes`). Step tim
 forward + backward + AdamW, the slowest rank's, median over steps, the cp layouts of
 one length timed alternately. Each cp > 1 runs both attentions: ``ring`` (key/value
 blocks sent around the cp ring, nothing whole) and ``gather`` (keys and values gathered
-whole on every rank, so its saved bytes fall by less).
+whole on every rank, so its saved bytes fall by less); the ring in both orders of the
+sequence's blocks: ``balanced`` (rank r holds chunks r and 2C-1-r) and ``contiguous``
+(rank r holds block r). "scores" is the most attention scores any rank's ring computed
+in one forward (blocks the causal mask hides are skipped): the balanced order evens them.
 
     python benchmarks/bench_context_parallel.py                          # Llama hidden 256, 2 layers
     python benchmarks/bench_context_parallel.py --seqs 128 256 --cps 1 2 --world 2 --steps 2
@@ -44,21 +47,26 @@ def main(argv=None) -> int:
     med = _common.slowest_medians(per_rank)
     rows = []
     for s in args.seqs:
-        ref = per_rank[0]["bytes"][f"{s}:{args.cps[0]}:ring"]["measured"]
+        ref = per_rank[0]["bytes"][f"{s}:{args.cps[0]}:ring:balanced"]["measured"]
         for key, by in per_rank[0]["bytes"].items():
-            seq, cp, att = key.split(":")
+            seq, cp, att, order = key.split(":")
             if int(seq) != s:
                 continue
             cp = int(cp)
+            scores = [r["bytes"][key]["scores"] for r in per_rank]
             rows.append({"seq": s, "cp": cp, "tp": args.world // cp, "attention": att if cp > 1 else "-",
-                         "step_s": med[key], **by, "measured_vs_first_cp": by["measured"] / ref})
+                         "order": order if cp > 1 and att == "ring" else "-", "step_s": med[key], **by,
+                         "scores_max": max(scores), "scores_min": min(scores),
+                         "measured_vs_first_cp": by["measured"] / ref})
     t = Table(title=f"Context parallelism at {args.world} ranks: step time and saved activations per rank (rank 0)",
               header_style="bold")
-    for c in ("seq", "cp × tp", "attention", "step ms", "saved (measured)", "saved (plan)", "plan / measured",
-              f"vs cp={args.cps[0]}"):
+    for c in ("seq", "cp × tp", "attention", "order", "step ms", "scores max/min rank", "saved (measured)",
+              "saved (plan)", "plan / measured", f"vs cp={args.cps[0]}"):
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(str(r["seq"]), f"{r['cp']} × {r['tp']}", r["attention"], f"{r['step_s'] * 1e3:.0f}",
+        ring = r["attention"] == "ring"
+        t.add_row(str(r["seq"]), f"{r['cp']} × {r['tp']}", r["attention"], r["order"], f"{r['step_s'] * 1e3:.0f}",
+                  f"{r['scores_max']:,} / {r['scores_min']:,}" if r["scores_max"] and ring else "-",
                   _common.human_bytes(r["measured"]),
                   _common.human_bytes(r["predicted"]), f"{r['predicted'] / r['measured']:.3f}",
                   f"{r['measured_vs_first_cp']:.3f}")

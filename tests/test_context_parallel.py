@@ -82,6 +82,13 @@ def test_balanced_order_gives_every_rank_the_same_causal_work():
     print(f"attention scores per rank at cp4: balanced {b}, contiguous {c}")
 
 
+def test_auto_with_cp_searches_the_layouts_that_take_it():
+    """``shard(mode="auto", cp=2)`` on 2 ranks: the search keeps cp = 2 (the one layout,
+    ``1d [1] × cp2``) and the module is exact."""
+    res = get_pool(2).run(models.check, "llama", "auto", cp=2, share_capture=True)
+    _assert_exact(res)
+
+
 def test_with_dp():
     """dp2 × cp2 (tp 1): each replica its own rows, each row's sequence split over cp."""
     _assert_exact(get_pool(4).run(models.check, "llama", "1d", cp=2, dp=2, share_capture=True))

@@ -201,8 +201,33 @@ def test_plan_auto_routes_through_search(cap):
     cfg = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
     p = autoshard.plan(cfg, world_size=4, mode="auto", batch_size=B, seq_len=S, cluster="dgx-a100")
     assert p.mode in POLICIES and p.mesh.world_size == 4
-    ref = search(cap, world_size=4, cluster="dgx-a100", batch_size=B, seq_len=S).best
+    ref = search(cap, world_size=4, cluster="dgx-a100", batch_size=B, seq_len=S, cp=None).best
     assert (p.mode, p.mesh) == (ref.candidate.mode, ref.candidate.mesh)
+
+
+def test_search_takes_context_parallel_candidates(cap):
+    """``cp=None`` searches the cp size: cp candidates are planned and costed beside the
+    others (their activations fall with cp); where the batch cannot split further and
+    only a cp layout's activations fit the memory, the search picks it, and
+    ``plan(mode="auto")`` does the same. A sequence that does not cut into a
+    candidate's blocks drops it with the reason."""
+    res = search(cap, world_size=4, cluster="dgx-a100", batch_size=1, seq_len=1024, cp=None)
+    by = {e.candidate.label: e for e in res.results}
+    assert {"1d [2] × cp2", "1d [1] × cp4"} <= set(by), sorted(by)
+    cp4, tp4 = by["1d [1] × cp4"], by["1d [4]"]
+    assert cp4.ok and tp4.ok and cp4.plan.mesh.cp == 4
+    assert cp4.cost.activation_bytes < tp4.cost.activation_bytes
+    # a memory that only the cp layouts' activations fit: the search picks one of them
+    leanest = min(e.cost.memory_bytes for e in res.results if e.cost is not None and e.candidate.cp == 1)
+    tight = Cluster.preset("dgx-a100").replace(memory_bytes=int(leanest * 0.99))
+    small = search(cap, world_size=4, cluster=tight, batch_size=1, seq_len=1024, cp=None)
+    assert small.best.candidate.cp > 1, small.best.candidate.label
+    assert all(not e.ok for e in small.results if e.candidate.cp == 1)
+    cfg = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
+    p = autoshard.plan(cfg, world_size=4, mode="auto", batch_size=1, seq_len=1024, cluster=tight)
+    assert p.mesh == small.best.candidate.mesh
+    odd = search(cap, world_size=4, cluster="dgx-a100", batch_size=1, seq_len=1028, cp=None)
+    assert "seq 1028 does not cut into 8 blocks (cp=4, balanced)" in {e.reason for e in odd.results}
 
 
 # ------------------------------------------------------------------ measured overheads (issue 22)

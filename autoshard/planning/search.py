@@ -1,10 +1,12 @@
 """``mode="auto"``: enumerate every mesh the registered modes accept, plan each
 on one captured graph, and rank them by the cost model's predicted step time.
 
-Candidates are every ``(mode, q, d, dp)`` for which the mode's own
-``make_mesh(world, depth=, dp=)`` accepts the factorisation (modes come from
+Candidates are every ``(mode, q, d, dp, cp)`` for which the mode's own
+``make_mesh(world / cp, depth=, dp=)`` accepts the factorisation (modes come from
 :data:`~autoshard.policies.POLICIES`, so a new mode joins the search by being
-registered). A candidate is dropped when its global batch does not split over
+registered); ``cp`` (context parallelism: the sequence split over a ``cp`` axis) is
+searched with ``cp=None``, for the modes that take it, and dropped where the
+sequence does not cut into its blocks. A candidate is dropped when its global batch does not split over
 its batch axes, when planning fails, or when parameters + gradients + optimizer
 state + activations exceed the cluster's memory per rank; the rest are ranked by
 predicted step time (ties: less communication, then the registry order). If
@@ -52,6 +54,9 @@ class Candidate:
     dp: int
     depth: int | None
     mesh: Mesh
+    cp: int = 1
+    cp_attention: str = "ring"
+    cp_order: str = "balanced"
 
     @property
     def label(self) -> str:
@@ -62,7 +67,10 @@ class Candidate:
     def policy(self):
         from ..policies import POLICIES
 
-        return POLICIES[self.mode](self.mesh)
+        pol = POLICIES[self.mode](self.mesh)
+        if self.cp > 1:
+            pol.cp_attention, pol.cp_order = self.cp_attention, self.cp_order
+        return pol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,15 +103,20 @@ def _describe(mode: str, mesh: Mesh) -> tuple[int, int, int]:
     return q, d, mesh.dp
 
 
-def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None) -> list[Candidate]:
-    """Every ``(mode, q, d, dp)`` the registered modes accept for ``world_size``.
+def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None,
+               cp: int | None = 1, cp_attention: str = "ring", cp_order: str = "balanced") -> list[Candidate]:
+    """Every ``(mode, q, d, dp, cp)`` the registered modes accept for ``world_size``.
 
-    ``depth`` / ``dp`` pin those values; ``modes`` restricts the modes. A mesh with a
+    ``depth`` / ``dp`` / ``cp`` pin those values (``cp=None``: every cp dividing the world,
+    for the modes that take a cp axis); ``modes`` restricts the modes. A mesh with a
     size-1 axis (2.5d with d = 1 is 2d; a 1-rank TP axis) is kept only where it is
-    the one way to express the layout: pure data parallelism is ``1d [1] × dp``.
+    the one way to express the layout: pure data parallelism is ``1d [1] × dp``, pure
+    context parallelism ``1d [1] × cp``.
 
     >>> [c.label for c in candidates(4)]
     ['1d [4]', '1d [2] × dp2', '1d [1] × dp4', '1d-sp [4]', '1d-sp [2] × dp2', '2d [2,2]']
+    >>> [c.label for c in candidates(4, cp=None) if c.cp > 1]
+    ['1d [2] × cp2', '1d [1] × cp2 × dp2', '1d [1] × cp4']
     """
     from ..policies import POLICIES
 
@@ -114,7 +127,28 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
         if m not in POLICIES:
             raise ConfigError(f"unknown mode {m!r}; valid modes: {', '.join(POLICIES)}")
     out: list[Candidate] = []
-    seen: set = set()
+    cps = _divisors(world_size) if cp is None else [cp]
+    for c in cps:
+        if world_size % c:
+            continue
+        for mode, mesh, dd in _meshes(world_size // c, [m for m in names if c == 1 or POLICIES[m].composes_with_cp],
+                                      depth, dp):
+            if c > 1:       # the cp axis after dp, before the mode's own (as make_policy places it)
+                at = 1 if mesh.axes[:1] == ("dp",) else 0
+                mesh = Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (c,) + mesh.sizes[at:])
+            q, d, rr = _describe(mode, mesh)
+            out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh, cp=c,
+                                 cp_attention=cp_attention, cp_order=cp_order))
+    order = {m: i for i, m in enumerate(POLICIES)}
+    out.sort(key=lambda c: (c.cp, order[c.mode], c.dp, c.d, c.q))
+    return out
+
+
+def _meshes(world_size: int, names, depth, dp) -> list[tuple[str, Mesh, int | None]]:
+    """``(mode, mesh, depth)`` of every factorisation of ``world_size`` the modes ``names`` accept."""
+    from ..policies import POLICIES
+
+    out, seen = [], set()
     dps = [dp] if dp is not None else _divisors(world_size)
     for mode in names:
         cls = POLICIES[mode]
@@ -143,10 +177,7 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
                 seen.add(key)
                 if pure_dp:
                     seen.add(("pure_dp", r))
-                q, d, rr = _describe(mode, mesh)
-                out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh))
-    order = {m: i for i, m in enumerate(POLICIES)}
-    out.sort(key=lambda c: (order[c.mode], c.dp, c.d, c.q))
+                out.append((mode, mesh, dd))
     return out
 
 
@@ -225,7 +256,7 @@ class SearchResult:
                 "seq_len": self.seq_len, "cluster": self.cluster.name,
                 "candidates": [{"rank": e.rank, "label": e.candidate.label, "mode": e.candidate.mode,
                                 "q": e.candidate.q, "d": e.candidate.d, "dp": e.candidate.dp,
-                                "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
+                                "cp": e.candidate.cp, "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
                                 "cost": e.cost.to_dict() if e.cost else None} for e in self.results]}
 
 
@@ -249,7 +280,7 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     from ..passes.pipeline import plan_captured
     from .validate import check_dims
 
-    tp = cand.mesh.world_size // cand.dp
+    tp = cand.mesh.world_size // cand.dp // cand.cp
     if static / tp > cluster.memory_bytes:          # lower bound, no plan needed
         return Evaluated(candidate=cand, reason=f"params+grads+opt ≥ {_gib(static / tp)} GiB > "
                                                 f"{_gib(cluster.memory_bytes)}")
@@ -260,6 +291,9 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     refused = [p for p in check_dims(cap.config, pol) if p.error]
     if refused:      # the same verdict as `autoshard check` / shard(): one validity function
         return Evaluated(candidate=cand, reason=str(refused[0]).split(". Valid")[0])
+    if seq_len % pol.seq_split():
+        return Evaluated(candidate=cand, reason=f"seq {seq_len} does not cut into {pol.seq_split()} blocks"
+                                                + (f" (cp={cand.cp}, {cand.cp_order})" if cand.cp > 1 else ""))
     axes = (("dp",) if cand.dp > 1 else ()) + tuple(a for a in pol.batch_axes if a != "dp")
     if batch_size % cand.mesh.size(axes):
         return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
@@ -281,10 +315,10 @@ def _rank(evals: list[Evaluated]) -> list[Evaluated]:
     order = {m: i for i, m in enumerate(POLICIES)}
     ok = [e for e in evals if not e.reason]
     bad = [e for e in evals if e.reason]
-    ok.sort(key=lambda e: (float(f"{e.cost.step_s:.9g}"), round(e.cost.comm_bytes), order[e.candidate.mode],
-                           e.candidate.dp, e.candidate.d, e.candidate.q))
-    bad.sort(key=lambda e: (e.cost is None, e.cost.memory_bytes if e.cost else 0, order[e.candidate.mode],
-                            e.candidate.dp, e.candidate.d, e.candidate.q))
+    ok.sort(key=lambda e: (float(f"{e.cost.step_s:.9g}"), round(e.cost.comm_bytes), e.candidate.cp,
+                           order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q))
+    bad.sort(key=lambda e: (e.cost is None, e.cost.memory_bytes if e.cost else 0, e.candidate.cp,
+                            order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q))
     ranked = [Evaluated(candidate=e.candidate, plan=e.plan, cost=e.cost, rank=i + 1) for i, e in enumerate(ok)]
     return ranked + bad
 
@@ -305,12 +339,17 @@ def _captured(model_or_config, example_inputs):
 def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a100", batch_size: int = 8,
            seq_len: int = 128, modes=None, depth: int | None = None, dp: int | None = None,
            optimizer: str | None = "adamw", example_inputs: dict | None = None,
-           raise_if_none: bool = True, zero: int = 0) -> SearchResult:
-    """Rank every valid ``(mode, q, d, dp)`` for ``world_size`` on ``cluster``.
+           raise_if_none: bool = True, zero: int = 0, cp: int | None = 1, cp_attention: str = "ring",
+           cp_order: str = "balanced") -> SearchResult:
+    """Rank every valid ``(mode, q, d, dp, cp)`` for ``world_size`` on ``cluster``.
 
     ``model_or_config`` is a model, a config, a local path, or a
     :class:`~autoshard.passes.capture.Captured` graph (captured once, reused by
-    every candidate). ``depth`` / ``dp`` pin those values. Raises ConfigError naming
+    every candidate). ``depth`` / ``dp`` pin those values; ``cp`` pins the context-parallel
+    size (default 1: none), ``cp=None`` searches it (context parallelism wins where the
+    batch cannot be split further and activations or compute per rank must fall: a long
+    sequence, a batch of one), the candidates using ``cp_attention`` and ``cp_order``
+    (see :func:`autoshard.shard`). Raises ConfigError naming
     the smallest world size that fits when nothing fits (unless ``raise_if_none``
     is False). ``zero=1|2`` prices the optimizer state (and with 2 the gradients)
     split over each candidate's dp replicas (:class:`autoshard.training.zero.ZeroAdamW`);
@@ -320,20 +359,23 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
     kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero)
-    cands = candidates(world_size, modes=modes, depth=depth, dp=dp)
+    cands = candidates(world_size, modes=modes, depth=depth, dp=dp, cp=cp, cp_attention=cp_attention,
+                       cp_order=cp_order)
     if not cands:
         raise ConfigError(f"no mode accepts {world_size} ranks"
                           + (f" with depth={depth}" if depth is not None else "")
-                          + (f" and dp={dp}" if dp is not None else ""))
+                          + (f" and dp={dp}" if dp is not None else "")
+                          + (f" and cp={cp}" if cp not in (None, 1) else ""))
     results = _rank([_evaluate(cap, c, **kw) for c in cands])
     res = SearchResult(model=cap.model_name, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
                        cluster=cluster, results=tuple(results))
     if res.ranked or not raise_if_none:
         return res
-    raise ConfigError(_nothing_fits(cap, res, modes=modes, depth=depth, dp=dp, static=static, kw=kw))
+    raise ConfigError(_nothing_fits(cap, res, modes=modes, depth=depth, dp=dp, static=static, kw=kw,
+                                    cp=dict(cp=cp, cp_attention=cp_attention, cp_order=cp_order)))
 
 
-def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw) -> str:
+def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw, cp: dict) -> str:
     world, cluster = res.world_size, res.cluster
     costed = [e for e in res.results if e.cost is not None]
     head = f"nothing fits in {human_bytes(cluster.memory_bytes)} per rank on {world} ranks ({cluster.name})"
@@ -348,7 +390,7 @@ def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw) -> st
             continue
         if dp is not None and w % dp:
             continue
-        for c in candidates(w, modes=modes, depth=depth, dp=dp):
+        for c in candidates(w, modes=modes, depth=depth, dp=dp, **cp):
             e = _evaluate(cap, c, **kw)
             if not e.reason:
                 return (f"{head}. The smallest world size that fits is {w} "
