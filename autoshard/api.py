@@ -30,7 +30,7 @@ from .io.hf_fill import open_folder
 from .runtime.device import comm_device, init_process_group, rank_device
 from .runtime.groups import check_same_rng, plan_groups, timeout_seconds
 from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
-                       check_model, check_seq, raise_problems)
+                       check_min_seq, check_model, check_seq, raise_problems)
 
 __all__ = ["shard", "plan", "validate", "MODES"]
 
@@ -501,7 +501,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     model.train()
     cap = capture_for_plan(model, example_inputs=example_inputs)
     try:
-        return plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+        planned = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+        raise_problems(check_min_seq(seq_len, planned, source="seq_len"), f"autoshard.plan(mode={mode!r})")
+        return planned
     except ShardingError as e:
         name, most = _input_limits(getattr(model, "config", None)).get("max_positions", ("", seq_len))
         if seq_len > most and _plans_at(cap, pol, batch_size, most, dropout):

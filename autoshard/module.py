@@ -611,6 +611,9 @@ class ShardedModule(nn.Module):
             if self._seq_split > 1 and s % self._seq_split:
                 from .planning.validate import check_seq
                 problems += check_seq(s, self._seq_split, source="input_ids", why=self._seq_why)
+            if s < self.plan.min_seq_len:
+                from .planning.validate import check_min_seq
+                problems += check_min_seq(s, self.plan, source="input_ids")
             lim = self._limits.get("max_positions")
             if lim and s > lim[1]:
                 problems.append(_P("input_ids", f"sequence length {s} exceeds the model's {lim[0]}={lim[1]}"))

@@ -12,9 +12,13 @@ has a ``cp`` axis) computes the same values without the merge:
   a Linear on the unflattened tokens (its rules then apply as to any ``matmul`` with a
   parameter operand);
 - ``cross_entropy_loss(view(x, [-1, V]), view(t, [-1]), ...)`` →
-  :func:`autoshard.ir.tokens.token_cross_entropy` ``(x, t, ...)``, which flattens locally.
+  :func:`autoshard.ir.tokens.token_cross_entropy` ``(x, t, ...)``, which flattens locally;
+- ``slice(conv1d(x, W, b, stride 1, padding p), -1, 0, T)`` of an ``x`` ``[B, C, T]`` whose
+  time dim is symbolic (LFM2's causal convolution: both ends padded, the first ``T``
+  kept) → :func:`autoshard.ir.tokens.sequence_conv` ``(x, W, b, p, d·(k-1) - p, d, g)``,
+  whose output keeps the sequence's length, so a cp split passes through it.
 
-Both are matched on ATen ops and shapes only.
+All three are matched on ATen ops and shapes only.
 
 >>> import torch, transformers
 >>> from autoshard.passes.capture import capture
@@ -33,7 +37,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from autoshard.ir.tokens import token_cross_entropy
+from autoshard.ir.tokens import sequence_conv, token_cross_entropy
 
 from .capture import Captured, copy_sharing
 
@@ -89,6 +93,35 @@ def _conv1d(n) -> tuple | None:
     return x, w, b
 
 
+def _same(a, b) -> bool:
+    """Two sizes, symbolic or not, known equal (a symbolic size compared by its expression)."""
+    return str(a) == str(b)
+
+
+def _seq_conv(n) -> tuple | None:
+    """``(x, W, b, left, right, dilation, groups)`` where ``n`` is ``slice(conv1d(x, ...), -1, 0, T)``
+    keeping the first ``T`` outputs of a stride-1 padded convolution of an ``x`` ``[B, C, T]`` over a
+    symbolic ``T``; else None."""
+    if not (n.op == "call_function" and n.target == aten.slice.Tensor and not n.kwargs):
+        return None
+    a = list(n.args) + [0, None, None, 1][len(n.args) - 1:]
+    conv, dim, start, _, step = a[:5]
+    if not (isinstance(conv, fx.Node) and conv.op == "call_function" and conv.target == aten.conv1d.default
+            and len(conv.users) == 1 and not conv.kwargs and dim in (2, -1) and start in (None, 0) and step == 1):
+        return None
+    c = list(conv.args) + [None, [1], [0], [1], 1][len(conv.args) - 2:]
+    x, w, b, stride, pad, dil, groups = c[:7]
+    sx, sw, sn = _shape(x), _shape(w), _shape(n)
+    if sx is None or sw is None or len(sx) != 3 or isinstance(sx[-1], int) or not isinstance(pad, (list, tuple)) \
+            or list(stride) != [1] or len(pad) != 1 or len(dil) != 1 or not isinstance(pad[0], int):
+        return None
+    reach = dil[0] * (sw[-1] - 1)
+    if not (sn is not None and len(sn) == 3 and all(_same(p, q) for p, q in zip(sn, sx[:1] + (sw[0], sx[2])))
+            and 0 <= pad[0] <= reach):
+        return None
+    return x, w, b, pad[0], reach - pad[0], dil[0], groups
+
+
 def fold_token_flattens(cap: Captured) -> Captured:
     """``cap`` with its token flattens folded (see the module doc); ``cap`` itself where
     there is none. ``cap`` is not changed: the result holds a copy of the graph module
@@ -100,7 +133,7 @@ def fold_token_flattens(cap: Captured) -> Captured:
         t = _flattened_rows(n.args[1], _shape(x)[:-1]) if x is not None else None
         return (x, t) if t is not None else None
 
-    if not any(n.op == "call_function" and (_conv1d(n) or ce(n)) for n in cap.module.graph.nodes):
+    if not any(n.op == "call_function" and (_conv1d(n) or ce(n) or _seq_conv(n)) for n in cap.module.graph.nodes):
         return cap
     gm = copy_sharing(cap.module)
     g = gm.graph
@@ -117,6 +150,9 @@ def fold_token_flattens(cap: Captured) -> Captured:
         elif (pair := ce(n)) is not None:
             with g.inserting_before(n):
                 r = g.call_function(token_cross_entropy, pair + tuple(n.args[2:]))
+        elif (conv := _seq_conv(n)) is not None:
+            with g.inserting_before(n):
+                r = g.call_function(sequence_conv, conv)
         else:
             continue
         r.meta = dict(n.meta)
@@ -134,7 +170,8 @@ def _erase_unused(g: fx.Graph) -> None:
     while changed:
         changed = False
         for n in reversed(list(g.nodes)):
-            if n.op == "call_function" and (n.target in _VIEWS + _SAME_VALUES + (aten.addmm.default,)) and \
+            if n.op == "call_function" and (n.target in _VIEWS + _SAME_VALUES + (aten.addmm.default,
+                                                                                 aten.conv1d.default)) and \
                     all(u.target == aten._assert_tensor_metadata.default for u in n.users):
                 for u in list(n.users):
                     g.erase_node(u)

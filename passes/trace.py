@@ -53,6 +53,7 @@ class _Trace:
     def __init__(self, plan: ShardingPlan, gm: fx.GraphModule, local_shape):
         self.plan, self.gm, self.local_shape = plan, gm, local_shape
         self.mesh = plan.mesh
+        self.balanced = plan.mesh.cp > 1 and plan.cp_order == "balanced"
         self.by_name = {n.name: n for n in plan.nodes}
         self.params = {}
         for p in plan.params:
@@ -71,7 +72,8 @@ class _Trace:
 
     # ---- helpers
     def _group(self, axes) -> str:
-        return sim_group(self.mesh.size(tuple(axes)))
+        axes = tuple(axes)
+        return sim_group(self.mesh.size(axes), balanced=axes == ("cp",) and self.balanced)
 
     def _register(self, t: torch.Tensor, key: str) -> str:
         sid = _sid(t)

@@ -18,9 +18,9 @@ from torch import fx
 from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec, replicated
-from autoshard.ir.tokens import token_cross_entropy
+from autoshard.ir.tokens import sequence_conv, token_cross_entropy
 
-from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout, RingAttention
+from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout, RingAttention, SequenceConv
 
 from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
@@ -965,6 +965,33 @@ def convolution(ctx: RuleContext) -> Choice:
                          + "; weight whole",))
 
 
+def sequence_conv_rule(ctx: RuleContext) -> Choice:
+    """:func:`autoshard.ir.tokens.sequence_conv` (a convolution along the sequence whose
+    output keeps its length, e.g. a causal one): as :func:`convolution`, and a time dim
+    split over ``cp`` keeps its split: the :class:`~autoshard.ir.kernels.SequenceConv`
+    kernel exchanges the halo, the rows the kernel reaches past each block's edges."""
+    node = ctx.node
+    x = node.args[0]
+    s = ctx.spec(x)
+    rows = _batch_rows(ctx, x, s)
+    lead = rows.dims[0] if rows else ()
+    time = ("cp",) if s.ndim == 3 and s.dims[2] == ("cp",) and not s.partial else ()
+    if not time:
+        return convolution(ctx)
+    spec = ShardSpec(dims=(lead, (), time))
+    inputs = {(0,): spec}
+    for path, a in _tensor_args(ctx):
+        if path != (0,):
+            inputs[path] = replicated(ctx.spec(a).ndim)
+    left, right = node.args[3], node.args[4]
+    if left + right == 0:           # a pointwise convolution: no row crosses a block's edge
+        return Choice(out=spec, inputs=inputs, notes=("convolution along the sequence, pointwise: cp split kept",))
+    k = SequenceConv(axes=time, left=left, right=right, chunks=2 if ctx.cp_order == "balanced" else 1,
+                     in_specs=tuple(inputs.items()), out_spec=spec)
+    return Choice.run(k, notes=(f"convolution along the cp-split sequence: halo of {left} row(s) before and "
+                                f"{right} after each block, gathered over cp",))
+
+
 def cross_entropy(ctx: RuleContext) -> Choice:
     """``cross_entropy_loss`` (mean or sum, ``ignore_index``): the
     :class:`~autoshard.ir.kernels.CrossEntropy` kernel, vocab-parallel when the logits
@@ -1080,7 +1107,7 @@ RULES = {
     aten.layer_norm.default: layer_norm,
     aten.conv1d.default: convolution, aten.conv2d.default: convolution, aten.conv3d.default: convolution,
     aten.conv1d.padding: convolution, aten.conv2d.padding: convolution, aten.conv3d.padding: convolution,
-    aten.convolution.default: convolution,
+    aten.convolution.default: convolution, sequence_conv: sequence_conv_rule,
     aten.cross_entropy_loss.default: cross_entropy, token_cross_entropy: cross_entropy,
     aten.arange.default: creation, aten.arange.start: creation, aten.arange.start_step: creation,
     aten.full.default: creation, aten.zeros.default: creation, aten.ones.default: creation,

@@ -69,6 +69,7 @@ class OneDSP(OneD):
         return self.mesh.size(self.tp_axes) * self.cp
 
     def seq_split_why(self) -> str:
+        """What cuts the sequence: tp, between the blocks' Linears."""
         return f"1d-sp cuts it into tp={self.mesh.size(self.tp_axes)} blocks between the blocks' Linears"
 
     # ------------------------------------------------------------------ linear

@@ -42,6 +42,10 @@ TINY["jamba"] = ("JambaForCausalLM", "JambaConfig",
                       num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
                       expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
                       mamba_d_conv=4, mamba_expand=2, use_cache=False))
+# a short causal convolution over the tokens (LFM2's conv layers: padded both sides, the first S kept)
+# beside attention layers
+TINY["lfm2"] = ("Lfm2ForCausalLM", "Lfm2Config",
+                {**TINY["llama"][2], "layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "use_cache": False})
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

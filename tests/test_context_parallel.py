@@ -34,19 +34,19 @@ CASES = [
 ]
 
 
-def _assert_exact(res: list[dict], attention: str = "ring", balanced: bool = True) -> None:
+def _assert_exact(res: list[dict], attention: str = "ring", balanced: bool = True, layers: int = 2) -> None:
     for rank, r in enumerate(res):
         assert r["balanced"] == balanced, (rank, "the cp group's order")
         assert not r["failures"], f"rank {rank}: {r['failures']}"
         assert r["ledger_bytes"] == r["plan_bytes"] and r["ledger_calls"] == r["plan_calls"], (rank, r)
         assert r["param_bytes"] == r["plan_param_bytes"], (rank, r)
         assert r["fallbacks"] == [], (rank, r["fallbacks"])
-        # the split really holds: values laid out on cp, and every attention (2 layers) keeps it
+        # the split really holds: values laid out on cp, and every attention (of ``layers``) keeps it
         assert r["cp_nodes"] > 10, (rank, r["cp_nodes"])
         if attention == "ring":
-            assert r["ring_attention"] >= 2 and r["sdpa_cp_gathers"] == 0, (rank, r)
+            assert r["ring_attention"] >= layers and r["sdpa_cp_gathers"] == 0, (rank, r)
         else:
-            assert r["ring_attention"] == 0 and r["sdpa_cp_gathers"] >= 2 * 2, (rank, r)
+            assert r["ring_attention"] == 0 and r["sdpa_cp_gathers"] >= 2 * layers, (rank, r)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}-w{c[1]}-cp{c[3]}-{c[4]}")
@@ -87,6 +87,40 @@ def test_auto_with_cp_searches_the_layouts_that_take_it():
     ``1d [1] × cp2``) and the module is exact."""
     res = get_pool(2).run(models.check, "llama", "auto", cp=2, share_capture=True)
     _assert_exact(res)
+
+
+def _seq_conv_check(rank: int, world: int, cp: int, seq: int, order: str) -> dict:
+    r = models.check(rank, world, "lfm2", "1d", cp=cp, seq=seq, cp_order=order)
+    import autoshard
+
+    plan = autoshard.plan(models.build("lfm2"), world_size=world, mode="1d", cp=cp, batch_size=4, seq_len=seq,
+                          cp_order=order)
+    convs = [n for n in plan.nodes if n.kernel is not None and n.kernel.name == "sequence_conv"]
+    r["halo"] = [(n.kernel.left, n.kernel.right, n.out_spec.dims[2]) for n in convs]
+    r["halo_buffers"] = sorted((c.kind, c.buffer_bytes) for n in convs for c in n.comms if c.kind != "all_reduce")
+    r["min_seq"] = plan.min_seq_len
+    return r
+
+
+@pytest.mark.parametrize("world,cp,seq,order", [
+    (2, 2, 8, "balanced"),
+    pytest.param(4, 4, 16, "balanced", marks=EXT), pytest.param(4, 2, 8, "contiguous", marks=EXT)],
+    ids=["cp2", "cp4-seq16", "tp2-cp2-contiguous"])
+def test_convolution_along_the_sequence_exchanges_its_halo(world, cp, seq, order):
+    """LFM2's causal convolution over the tokens (padded both ends, the first S kept:
+    ``passes/token_fold.py`` makes it ``ir.tokens.sequence_conv``) keeps the cp split: each
+    block takes the 2 rows before it from the block that holds them (one all-gather of
+    every block's edge rows, their gradients reduce-scattered home), in either order;
+    exact, ledger = plan, the gathered buffer every block's 2 edge rows of 4 sequences × 64
+    channels."""
+    res = get_pool(world).run(_seq_conv_check, cp, seq, order)
+    _assert_exact(res, balanced=order == "balanced", layers=1)     # a conv layer, then an attention layer
+    for r in res:
+        assert r["halo"] == [(2, 0, ("cp",))], r["halo"]
+        blocks = cp * (2 if order == "balanced" else 1)
+        edges = 4 * 64 * 2 * blocks * 4
+        assert r["halo_buffers"] == [("all_gather", edges), ("reduce_scatter", edges)], r["halo_buffers"]
+        assert r["min_seq"] == 2 * cp * (2 if order == "balanced" else 1)
 
 
 def test_with_dp():
@@ -144,6 +178,9 @@ def test_bad_cp_and_sequence_lengths_are_refused_naming_the_valid_choices():
         autoshard.plan(cfg, world_size=4, mode="1d", cp=4, batch_size=4, seq_len=12)
     assert autoshard.plan(cfg, world_size=4, mode="1d", cp=4, batch_size=4, seq_len=12,
                           cp_order="contiguous").cp_order == "contiguous"
+    with pytest.raises(ConfigError, match=r"sequence length 8 of seq_len is shorter than 16: a convolution along the "
+                                          r"sequence reaches 2 row\(s\) past the edge of each of its 8 cp blocks"):
+        autoshard.plan(models.build("lfm2"), world_size=4, mode="1d", cp=4, batch_size=4, seq_len=8)
     with pytest.raises(ConfigError, match=r"cp_order='zigzag'; valid: 'balanced', 'contiguous'"):
         autoshard.plan(cfg, world_size=4, mode="1d", cp=2, batch_size=4, seq_len=8, cp_order="zigzag")
     p = autoshard.plan(cfg, world_size=8, mode="1d", cp=2, dp=2, batch_size=4, seq_len=16)
@@ -155,7 +192,8 @@ def test_bad_cp_and_sequence_lengths_are_refused_naming_the_valid_choices():
 
 def test_token_fold_keeps_the_dense_values():
     """passes/token_fold.py: GPT-2's Conv1D and the causal-LM loss without their token
-    flattens compute the dense logits and loss bit for bit."""
+    flattens, and LFM2's causal convolution as a sequence convolution, compute the dense
+    logits, loss and gradients bit for bit."""
     from autoshard.passes.capture import capture
     from autoshard.passes.token_fold import fold_token_flattens
 
@@ -165,6 +203,16 @@ def test_token_fold_keeps_the_dense_values():
     folded = fold_token_flattens(cap)
     assert folded is not cap
     models.assert_same_values(cap, folded, {**inputs, "use_cache": False} if "use_cache" in cap.constants else inputs)
+    # LFM2's causal convolution (conv1d padded both ends, then its first S outputs)
+    from autoshard.ir.tokens import sequence_conv
+
+    model = models.build("lfm2")
+    inputs = models.batch("lfm2")
+    cap = capture(model, example_inputs=inputs)
+    folded = fold_token_flattens(cap)
+    assert sum(n.target is sequence_conv for n in folded.module.graph.nodes) == 1
+    assert not any(n.target == torch.ops.aten.conv1d.default for n in folded.module.graph.nodes)
+    models.assert_same_values(cap, folded, inputs)
 
 
 @pytest.mark.slow

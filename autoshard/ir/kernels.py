@@ -471,9 +471,45 @@ class RingAttention(Kernel):
         return operands, {"group": group(self.axes), "scale": a[6] if a[6] is not None else kw.get("scale")}
 
 
+@dataclass(frozen=True, kw_only=True)
+class SequenceConv(Kernel):
+    """:func:`autoshard.ir.tokens.sequence_conv` with its time dim split over ``axes``
+    (context parallelism): each rank convolves its own blocks, the ``left`` rows before
+    each block and the ``right`` rows after it (its halo) taken from the blocks that hold
+    them. Every block's edge rows are all-gathered over ``axes`` in one call (backward:
+    their gradients reduce-scattered home), ``chunks`` blocks per rank (2 in the balanced
+    order)."""
+
+    axes: tuple[str, ...]
+    left: int
+    right: int
+    chunks: int = 1
+    name: ClassVar[str] = "sequence_conv"
+
+    @property
+    def halo(self) -> int:
+        """The most rows past a block's edge one output reads (a block must be at least as long)."""
+        return max(self.left, self.right)
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        p = io.mesh.size(self.axes)
+        shape = io.in_shapes[(0,)]
+        edges = math.prod(shape[:-1]) * self.chunks * (self.left + self.right) * p     # gathered
+        return (KComm("fwd", "all_gather", self.axes, edges),
+                KComm("bwd", "reduce_scatter", self.axes, edges, ((0,),)))
+
+    def call_args(self, node, group, size):
+        a = list(node.args) + [1, 1][len(node.args) - 5:]
+        return (a[0], a[1], a[2]), {"group": group(self.axes), "left": self.left, "right": self.right,
+                                    "dilation": a[5], "groups": a[6]}
+
+
 KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (
     RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy, Dropout,
-    AttentionDropout, RingAttention)}
+    AttentionDropout, RingAttention, SequenceConv)}
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:

@@ -278,6 +278,17 @@ class ShardingPlan:
         return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer)
 
     @property
+    def min_seq_len(self) -> int:
+        """The shortest sequence this plan's convolutions along a cp-split sequence take:
+        each block of the sequence (``cp``, twice that in the balanced order) at least as
+        long as the farthest row a kernel reaches past a block's edge (its ``halo``); 0
+        when none."""
+        reach = max((getattr(n.kernel, "halo", 0) for n in self.nodes if n.kernel is not None), default=0)
+        if not reach or self.mesh.cp <= 1:
+            return 0
+        return reach * self.mesh.cp * (2 if self.cp_order == "balanced" else 1)
+
+    @property
     def trainable_bytes_per_rank(self) -> int:
         """Bytes of the trainable parameters one rank holds."""
         return sum(p.local_bytes(self.mesh) for p in self.params if not p.is_buffer and p.trainable)

@@ -34,7 +34,7 @@ from ..ir.log import warn
 from ..ir.mesh import Mesh
 
 __all__ = ["Problem", "smallest_batch", "check_environment", "check_group", "check_model", "check_dims", "check_example_inputs",
-           "raise_problems", "dims_of", "check_batch", "check_seq"]
+           "raise_problems", "dims_of", "check_batch", "check_seq", "check_min_seq"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -318,3 +318,16 @@ def smallest_batch(policy, dp: int = 1, rows: int = 1) -> tuple[int, str]:
     least = f", at least {rows} rows per replica" if rows > 1 else ""
     return b, f"batch {b}: the smallest global batch that splits ({why}" + (f", × dp{dp}" if dp > 1 else "") + \
         f"{least}); pass --batch-size to choose another"
+
+
+def check_min_seq(seq: int, plan, *, source: str) -> list[Problem]:
+    """A sequence of ``seq`` tokens against :attr:`~autoshard.ir.plan.ShardingPlan.min_seq_len`:
+    a convolution along a cp-split sequence reads its halo from the neighbouring block only,
+    so each block must be at least as long as the halo."""
+    need = plan.min_seq_len
+    if seq >= need:
+        return []
+    blocks = plan.mesh.cp * (2 if plan.cp_order == "balanced" else 1)
+    return [Problem("seq", f"sequence length {seq} of {source} is shorter than {need}: a convolution along the "
+                           f"sequence reaches {need // blocks} row(s) past the edge of each of its {blocks} cp blocks, "
+                           f"so each needs {need // blocks}; valid lengths: multiples of {blocks} from {need}")]

@@ -141,17 +141,19 @@ def _pg(group: str):
 _SIM = "autoshard-sim:"
 
 
-def sim_group(size: int) -> str:
+def sim_group(size: int, balanced: bool = False) -> str:
     """Name of a shape-only group of ``size`` ranks (this process is its rank 0):
-    the fake kernels and :func:`group_rank_size` accept it, a real collective does not."""
-    return f"{_SIM}{int(size)}"
+    the fake kernels and :func:`group_rank_size` accept it, a real collective does not;
+    ``balanced``: its blocks in the balanced order (:func:`is_balanced`), as the cp group
+    of a balanced plan (the trace then runs the kernels as they run)."""
+    return f"{_SIM}{int(size)}" + (":balanced" if balanced else "")
 
 
 @torch.compiler.assume_constant_result      # torch.compile: a constant of the traced graph, no break
 def group_rank_size(group: str) -> tuple[int, int]:
     """(this process's rank in ``group``, its size); ``(0, n)`` for :func:`sim_group` names."""
     if group.startswith(_SIM):
-        return 0, int(group[len(_SIM):])
+        return 0, int(group[len(_SIM):].split(":")[0])
     pg = _pg(group)
     return dist.get_rank(pg), pg.size()
 
@@ -326,7 +328,7 @@ def mark_balanced(group: str) -> None:
 
 def is_balanced(group: str) -> bool:
     """Whether ``group``'s blocks are in the balanced order (rank r: chunks r and 2p-1-r)."""
-    return group in _BALANCED
+    return group in _BALANCED or (group.startswith(_SIM) and group.endswith(":balanced"))
 
 
 def balanced_chunks(rank: int, p: int) -> tuple[int, int]:

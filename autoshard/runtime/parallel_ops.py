@@ -645,12 +645,39 @@ def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
     return _RingAttention.apply(q, k, v, mask, group, float(scale))
 
 
+def sequence_conv(x, w, b, *, group: str, left: int, right: int, dilation: int = 1, groups: int = 1):
+    """:func:`autoshard.ir.tokens.sequence_conv` of this rank's blocks of the sequence (the last
+    dim of ``x``, split over ``group``: one block, or chunks r and 2p-1-r in the balanced order).
+    The ``right`` first and ``left`` last rows of every block are all-gathered (one call,
+    in sequence order: the group's own order); each block is convolved with the ``left``
+    rows before it and the ``right`` after it (zeros at the sequence's ends). Backward:
+    autograd, the edge rows' gradients reduce-scattered back to their blocks."""
+    r, p = C.group_rank_size(group)
+    R = 2 if C.is_balanced(group) else 1
+    n, h = x.shape[-1] // R, left + right
+    if n < max(left, right):
+        raise ValueError(f"a convolution over the sequence reaches {left} rows back and {right} ahead, past the "
+                         f"{n} rows of a cp block: use a sequence of at least {max(left, right) * R * p} tokens")
+    blocks = [x[..., a * n:(a + 1) * n] for a in range(R)]
+    edges = torch.cat([torch.cat([blk[..., :right], blk[..., n - left:]], -1) for blk in blocks], -1)
+    every = C.gather_partial(edges, edges.dim() - 1, group)        # [..., R·p·h]: each block's edges in order
+    last = R * p - 1
+    index = C.balanced_chunks(r, p) if R == 2 else (r,)
+    outs = []
+    for a, g in enumerate(index):
+        before = every[..., (g - 1) * h + right:g * h] if g > 0 else x.new_zeros(x.shape[:-1] + (left,))
+        after = every[..., (g + 1) * h:(g + 1) * h + right] if g < last else x.new_zeros(x.shape[:-1] + (right,))
+        outs.append(F.conv1d(torch.cat([before, blocks[a], after], -1), w, b, 1, 0, dilation, groups))
+    return torch.cat(outs, -1) if R > 1 else outs[0]
+
+
 # The implementation of each kernel class of autoshard.ir.kernels: the IR says what a
 # kernel needs (Kernel.call_args), this table says what runs it.
 _IMPLEMENTATIONS = {
     K.RowLinear: row_linear, K.Summa: summa, K.ThreeDLinear: three_d, K.PartialHead: partial_head,
     K.VocabEmbedding: vocab_embedding, K.DistLayerNorm: dist_layer_norm, K.CrossEntropy: cross_entropy,
     K.Dropout: dropout, K.AttentionDropout: attention_dropout, K.RingAttention: ring_attention,
+    K.SequenceConv: sequence_conv,
 }
 
 
