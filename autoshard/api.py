@@ -185,7 +185,9 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     call's sequence length must be a multiple of ``cp`` (docs/design.md, "Context parallelism").
     ``cp_attention="ring"`` (default) keeps keys and values split too: their blocks travel
     around the cp ring (send/recv) and the partial results merge through their
-    log-sum-exp, so no rank holds the whole keys and values; ``"gather"`` all-gathers them.
+    log-sum-exp, so no rank holds the whole keys and values; ``"gather"`` all-gathers them;
+    ``"auto"`` plans both and keeps the one the cost model predicts faster on ``cluster``
+    (default: this machine's), ring on a tie (it saves less).
     ``cp_order="balanced"`` (default) cuts the sequence into ``2·C`` chunks and gives rank
     ``r`` chunks ``r`` and ``2C-1-r``: ring attention skips the blocks a mask hides, and
     under a causal mask every rank then computes as many (the sequence must be a multiple
@@ -246,7 +248,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     else:
         launched = _launch_full(model, captured or capture_shared(model, example_inputs=example_inputs), pol,
                                 search_with=search_with, example_inputs=example_inputs,
-                                gather_logits=gather_logits, dropout=dropout, rank=rank, world=world)
+                                gather_logits=gather_logits, dropout=dropout, rank=rank, world=world, cluster=cluster)
         if key is not None:
             launch_cache.store(key, launched.gm, launched.plan, launched.groups, launched.facts.to_dict())
     # with fsdp the blocks are checkpointed as the FSDP units they become (fully_shard_dp), not outlined here
@@ -267,13 +269,15 @@ def _relaunch(entry, model, pol, *, mode: str, example_inputs, rank: int, world:
     if mode == "auto":
         pol = POLICIES[facts.mode](p.mesh)
         _report_auto(model, pol, example_inputs, world)
+    if p.mesh.cp > 1:       # what was planned (an "auto" attention chosen, a searched layout's order)
+        pol.cp_attention, pol.cp_order = p.cp_attention, p.cp_order
     groups = _setup_groups(p, rank, world)
     return Launched(gm=launch_cache.rebuild(entry, model, rank, groups), plan=p, policy=pol, groups=groups,
                     facts=facts, from_cache=True)
 
 
 def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example_inputs, gather_logits: bool,
-                 dropout: str, rank: int, world: int) -> Launched:
+                 dropout: str, rank: int, world: int, cluster=None) -> Launched:
     """The launch the whole way: ``cap`` planned under ``pol`` (``search_with``: the
     cluster, depth and dp ``mode="auto"`` searches the layout with instead) and
     rewritten for this rank."""
@@ -298,6 +302,12 @@ def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example
                        f"autoshard.shard(mode={pol.name!r})")
     s = s or 1              # no token sequence (an image or audio model): nothing scales with it
     b += -b % split         # an example batch that does not divide plans as its padded size
+    if pol.cp > 1 and pol.cp_attention == "auto":       # the cost model picks ring or gathered keys and values
+        from .planning.cost import Cluster, default_cluster
+        from .planning.search import choose_cp_attention
+
+        pol = choose_cp_attention(cap, pol, batch_size=b * pol.dp, seq_len=s, dropout=dropout,
+                                  cluster=Cluster.preset(cluster) if cluster is not None else default_cluster())[0]
     # each dp replica holds its own rows: the plan reasons on the global batch
     p = plan_captured(cap, pol, batch_size=b * pol.dp, seq_len=s,
                       gather_outputs=gather_logits, dropout=dropout, frozen=_frozen(model))
@@ -501,7 +511,13 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     model.train()
     cap = capture_for_plan(model, example_inputs=example_inputs)
     try:
-        planned = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+        if pol.cp > 1 and pol.cp_attention == "auto":   # the cost model picks ring or gathered keys and values
+            from .planning.search import choose_cp_attention
+
+            planned = choose_cp_attention(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout,
+                                          cluster=cluster or "dgx-a100")[1]
+        else:
+            planned = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
         raise_problems(check_min_seq(seq_len, planned, source="seq_len"), f"autoshard.plan(mode={mode!r})")
         return planned
     except ShardingError as e:

@@ -91,9 +91,9 @@ def _add_common(p: argparse.ArgumentParser, *, mode_default: str | None) -> None
                    help="context-parallel ranks: each replica's sequence is split C ways (world = dp·cp·the "
                         "mode's mesh; --seq-len a multiple of 2·C, or of C with --cp-order contiguous); "
                         "with --mode auto it pins cp (default: searched)")
-    p.add_argument("--cp-attention", default="ring", choices=("ring", "gather"),
+    p.add_argument("--cp-attention", default="ring", choices=("ring", "gather", "auto"),
                    help="attention over the split sequence: 'ring' sends key/value blocks around the cp ring "
-                        "(default), 'gather' all-gathers them")
+                        "(default), 'gather' all-gathers them, 'auto' keeps the one the cost model predicts faster")
     p.add_argument("--cp-order", default="balanced", choices=("balanced", "contiguous"),
                    help="the sequence's cp blocks: 'balanced' gives rank r chunks r and 2C-1-r of 2C (the same "
                         "causal-attention work on every rank; default), 'contiguous' gives rank r block r")

@@ -104,6 +104,9 @@ class ShardedModule(nn.Module):
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
         self.set_grad_sync()
+        from .training.train import track
+
+        track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (training/train.py)
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
         """Take ``gm``'s children and the model's top-level tensors as this module's, in

@@ -570,6 +570,7 @@ class _Engine:
                             tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
                             params=tuple(params), dp=self.policy.dp, cp_order=self.policy.cp_order,
+                            cp_attention=self.policy.cp_attention,
                             local_shapes=local)
 
     def _state_nodes(self) -> list[NodePlan]:

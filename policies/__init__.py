@@ -54,7 +54,7 @@ def _discover() -> None:
 _discover()
 
 
-CP_ATTENTION = ("ring", "gather")
+CP_ATTENTION = ("ring", "gather", "auto")
 CP_ORDER = ("balanced", "contiguous")
 
 
@@ -64,7 +64,9 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     each split ``cp`` ways on the sequence: context parallelism, a ``cp`` axis after
     ``dp`` and before the mode's own axes; see docs/design.md, "Context parallelism"), its
     attention ``cp_attention``: ``"ring"`` (key/value blocks sent around the cp ring) or
-    ``"gather"`` (keys and values all-gathered over cp), the order of the sequence's blocks
+    ``"gather"`` (keys and values all-gathered over cp) or ``"auto"`` (the one the cost model
+    predicts faster, chosen when the graph is planned:
+    :func:`autoshard.planning.search.choose_cp_attention`), the order of the sequence's blocks
     ``cp_order``: ``"balanced"`` (the sequence cut into 2·cp chunks, rank r holding chunks r
     and 2·cp-1-r, so a causal mask leaves every rank the same work; the sequence must be a
     multiple of 2·cp) or ``"contiguous"`` (rank r holds block r; a multiple of cp).

@@ -162,6 +162,12 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
                                  and n.kernel.name == "ring_attention"),
            "batch_split": sharded.batch_split,
            "ring_scores": work["scores"],       # attention scores ring attention computed here (forward)
+           # convolutions along a cp-split sequence: their halo and its collectives' buffers
+           "halo": [(n.kernel.left, n.kernel.right, n.out_spec.dims[2]) for n in plan.nodes
+                    if n.kernel is not None and n.kernel.name == "sequence_conv"],
+           "halo_buffers": sorted((c.kind, c.buffer_bytes) for n in plan.nodes if n.kernel is not None
+                                  and n.kernel.name == "sequence_conv" for c in n.comms if c.kind != "all_reduce"),
+           "min_seq": plan.min_seq_len,
            "balanced": cp > 1 and is_balanced(sharded.groups["cp"])}
     if steps and dp == 1:
         res["losses"], res["dense_losses"] = _train(sharded, dense, inputs, steps)

@@ -89,19 +89,6 @@ def test_auto_with_cp_searches_the_layouts_that_take_it():
     _assert_exact(res)
 
 
-def _seq_conv_check(rank: int, world: int, cp: int, seq: int, order: str) -> dict:
-    r = models.check(rank, world, "lfm2", "1d", cp=cp, seq=seq, cp_order=order)
-    import autoshard
-
-    plan = autoshard.plan(models.build("lfm2"), world_size=world, mode="1d", cp=cp, batch_size=4, seq_len=seq,
-                          cp_order=order)
-    convs = [n for n in plan.nodes if n.kernel is not None and n.kernel.name == "sequence_conv"]
-    r["halo"] = [(n.kernel.left, n.kernel.right, n.out_spec.dims[2]) for n in convs]
-    r["halo_buffers"] = sorted((c.kind, c.buffer_bytes) for n in convs for c in n.comms if c.kind != "all_reduce")
-    r["min_seq"] = plan.min_seq_len
-    return r
-
-
 @pytest.mark.parametrize("world,cp,seq,order", [
     (2, 2, 8, "balanced"),
     pytest.param(4, 4, 16, "balanced", marks=EXT), pytest.param(4, 2, 8, "contiguous", marks=EXT)],
@@ -113,7 +100,7 @@ def test_convolution_along_the_sequence_exchanges_its_halo(world, cp, seq, order
     every block's edge rows, their gradients reduce-scattered home), in either order;
     exact, ledger = plan, the gathered buffer every block's 2 edge rows of 4 sequences × 64
     channels."""
-    res = get_pool(world).run(_seq_conv_check, cp, seq, order)
+    res = get_pool(world).run(models.check, "lfm2", "1d", cp=cp, seq=seq, cp_order=order)
     _assert_exact(res, balanced=order == "balanced", layers=1)     # a conv layer, then an attention layer
     for r in res:
         assert r["halo"] == [(2, 0, ("cp",))], r["halo"]

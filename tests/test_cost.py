@@ -205,6 +205,32 @@ def test_plan_auto_routes_through_search(cap):
     assert (p.mode, p.mesh) == (ref.candidate.mode, ref.candidate.mesh)
 
 
+def test_cp_attention_auto_keeps_what_the_cost_model_predicts_faster(cap):
+    """``cp_attention="auto"``: ring attention and gathered keys and values are both planned
+    and the faster by ``estimate()`` is kept (ring on a tie); ``plan()`` records the choice,
+    and the search lists both variants of a cp layout."""
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.planning.search import choose_cp_attention
+    from autoshard.policies import make_policy
+
+    cfg = transformers.LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
+    picked = {}
+    for cluster in ("dgx-a100", "cpu-gloo"):
+        steps = {a: estimate(plan_captured(cap, make_policy("1d", 4, cp=2, cp_attention=a), batch_size=2, seq_len=256),
+                             cluster).step_s for a in ("ring", "gather")}
+        want = "gather" if steps["gather"] < steps["ring"] else "ring"
+        pol, plan = choose_cp_attention(cap, make_policy("1d", 4, cp=2, cp_attention="auto"), batch_size=2,
+                                        seq_len=256, cluster=cluster)
+        assert pol.cp_attention == plan.cp_attention == want, (cluster, steps)
+        p = autoshard.plan(cfg, world_size=4, mode="1d", cp=2, cp_attention="auto", batch_size=2, seq_len=256,
+                           cluster=cluster)
+        assert p.cp_attention == want
+        picked[cluster] = (want, steps)
+    print("cp_attention='auto' picks:", picked)
+    res = search(cap, world_size=4, cluster="dgx-a100", batch_size=1, seq_len=256, cp=2, cp_attention="auto")
+    assert {"1d [2] × cp2", "1d [2] × cp2 · gathered kv"} <= {e.candidate.label for e in res.results}
+
+
 def test_search_takes_context_parallel_candidates(cap):
     """``cp=None`` searches the cp size: cp candidates are planned and costed beside the
     others (their activations fall with cp); where the batch cannot split further and

@@ -136,3 +136,55 @@ def test_resume_continues_the_same_curve(tmp_path):
         assert len(r["resumed"]) == len(r["full"]) == 10
         for i, (a, b) in enumerate(zip(r["resumed"], r["full"])):
             assert abs(a - b) <= 1e-6, f"rank {rank} step {i + 11}: resumed {a} vs uninterrupted {b}"
+
+
+def _torch_clip(rank: int, world: int, mode: str) -> dict:
+    import autoshard
+    import autoshard.training.train as T
+    from autoshard.ir.errors import ConfigError
+
+    torch.set_num_threads(1)
+    dense = models.build("llama")
+    batch = models.batch("llama")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=batch)
+    dense(**batch).loss.backward()
+    ref = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1)
+    sharded(**batch).loss.backward()
+    params = [p for p in sharded.parameters() if p.grad is not None]
+    saved = [p.grad.clone() for p in params]
+    theirs = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1)
+    clipped = [p.grad.clone() for p in params]
+    for p, g in zip(params, saved):
+        p.grad.copy_(g)
+    ours = T.clip_grad_norm_(sharded, 0.1)
+    out = {"ref": ref.item(), "theirs": theirs.item(), "ours": ours.item(),
+           "grads": max((a - p.grad).abs().max().item() for a, p in zip(clipped, params)),
+           "local": sum(g.double().pow(2).sum() for g in saved).sqrt().item()}
+    errors = []
+    extra = torch.nn.Parameter(torch.ones(2))
+    extra.grad = torch.ones(2)
+    for kw, ps in (({}, list(sharded.parameters()) + [extra]), ({"norm_type": "inf"}, list(sharded.parameters()))):
+        try:
+            torch.nn.utils.clip_grad_norm_(ps, 0.1, **kw)
+        except ConfigError as e:
+            errors.append(str(e))
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 2.0)
+    out["plain"] = torch.nn.utils.clip_grad_norm_([plain], 100.0).item()      # not ours: torch's own
+    out["errors"] = errors
+    return out
+
+
+def test_torch_clip_grad_norm_on_sharded_parameters_is_the_global_norm():
+    """torch's ``clip_grad_norm_`` over a sharded module's parameters returns the global
+    norm (the dense model's, not this rank's local one) and clips every gradient as
+    ``autoshard.training.train.clip_grad_norm_`` does; mixing in other tensors or asking
+    another norm is refused naming ours; other tensors keep torch's own behaviour."""
+    for rank, r in enumerate(get_pool(2).run(_torch_clip, "1d")):
+        assert abs(r["theirs"] - r["ours"]) <= 1e-6 * r["ours"] and abs(r["ours"] - r["ref"]) <= 1e-5 * r["ref"], r
+        assert abs(r["local"] - r["ref"]) > 1e-3 * r["ref"], r        # the local norm alone would be wrong
+        assert r["grads"] <= 1e-7, r
+        assert r["plain"] == pytest.approx(12 ** 0.5)
+        assert len(r["errors"]) == 2, r["errors"]
+        assert "and 1 other tensors" in r["errors"][0] and "clip_grad_norm_(sharded" in r["errors"][0], r["errors"]
+        assert "only the L2 norm is global" in r["errors"][1] and "clip_grad_norm_(sharded" in r["errors"][1]

@@ -247,6 +247,7 @@ class ShardingPlan:
     # the order of the sequence's blocks over cp (docs/design.md, "Context parallelism"):
     # "balanced" (rank r: chunks r and 2·cp-1-r) or "contiguous"; read only with a cp axis
     cp_order: str = "balanced"
+    cp_attention: str = "ring"          # "ring" | "gather": attention over the cp-split sequence
     # local shape of every graph value by node name (a tuple of shapes for a
     # multi-output node): what the activation-trace pass runs the rank's forward
     # with. Made by propagation; not serialised, not compared.
@@ -553,7 +554,7 @@ class ShardingPlan:
             "model": self.model, "mode": self.mode, "mesh": self.mesh.to_dict(),
             "tp_axes": list(self.tp_axes), "batch_axes": list(self.batch_axes),
             "batch_size": self.batch_size, "seq_len": self.seq_len, "dp": self.dp,
-            "cp_order": self.cp_order, "nodes": [node_d(n) for n in self.nodes],
+            "cp_order": self.cp_order, "cp_attention": self.cp_attention, "nodes": [node_d(n) for n in self.nodes],
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
                         "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable}
@@ -591,7 +592,7 @@ class ShardingPlan:
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
                    nodes=tuple(nodes), params=params, dp=d.get("dp", 1),
-                   cp_order=d.get("cp_order", "balanced"))
+                   cp_order=d.get("cp_order", "balanced"), cp_attention=d.get("cp_attention", "ring"))
 
 
 def _shape(s) -> str:

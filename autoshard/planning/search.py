@@ -35,7 +35,7 @@ from ..ir.errors import AutoshardError, ConfigError
 from ..ir.mesh import Mesh
 from ..ir.plan import ShardingPlan
 
-__all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search"]
+__all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "choose_cp_attention"]
 
 _MAX_UPWARD = 1 << 16
 
@@ -62,7 +62,8 @@ class Candidate:
     def label(self) -> str:
         from ..policies import POLICIES
 
-        return POLICIES[self.mode].label(self.mesh)
+        return POLICIES[self.mode].label(self.mesh) + (" · gathered kv" if self.cp > 1 and
+                                                        self.cp_attention == "gather" else "")
 
     def policy(self):
         from ..policies import POLICIES
@@ -128,6 +129,7 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
             raise ConfigError(f"unknown mode {m!r}; valid modes: {', '.join(POLICIES)}")
     out: list[Candidate] = []
     cps = _divisors(world_size) if cp is None else [cp]
+    attentions = ("ring", "gather") if cp_attention == "auto" else (cp_attention,)
     for c in cps:
         if world_size % c:
             continue
@@ -137,11 +139,35 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
                 at = 1 if mesh.axes[:1] == ("dp",) else 0
                 mesh = Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (c,) + mesh.sizes[at:])
             q, d, rr = _describe(mode, mesh)
-            out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh, cp=c,
-                                 cp_attention=cp_attention, cp_order=cp_order))
+            for att in attentions if c > 1 else ("ring",):
+                out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh, cp=c, cp_attention=att,
+                                     cp_order=cp_order))
     order = {m: i for i, m in enumerate(POLICIES)}
-    out.sort(key=lambda c: (c.cp, order[c.mode], c.dp, c.d, c.q))
+    out.sort(key=lambda c: (c.cp, order[c.mode], c.dp, c.d, c.q, c.cp_attention != "ring"))
     return out
+
+
+def choose_cp_attention(cap, pol, *, batch_size: int, seq_len: int, cluster, dropout: str = "sharded",
+                        optimizer: str | None = "adamw"):
+    """``(policy, plan)`` for ``pol`` with ``cp_attention="auto"`` resolved by the cost model:
+    ring attention and gathered keys and values planned on ``cap``, the one whose plan fits
+    ``cluster`` and is predicted faster kept (a tie: the ring, which saves less). The ring
+    sends more in backward (each block, then its key/value gradients: ``2C-1`` steps of
+    ``k+v`` against the reduce-scatter's ``C-1``), the gathered form saves whole keys and values."""
+    import copy
+
+    from ..passes.pipeline import plan_captured
+
+    best = None
+    for att in ("ring", "gather"):
+        p = copy.copy(pol)
+        p.cp_attention = att
+        plan = plan_captured(cap, p, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+        cost = estimate(plan, Cluster.preset(cluster), optimizer=optimizer)
+        key = (not cost.fits, float(f"{cost.step_s:.9g}"), cost.memory_bytes)
+        if best is None or key < best[0]:
+            best = (key, p, plan)
+    return best[1], best[2]
 
 
 def _meshes(world_size: int, names, depth, dp) -> list[tuple[str, Mesh, int | None]]:
@@ -316,7 +342,8 @@ def _rank(evals: list[Evaluated]) -> list[Evaluated]:
     ok = [e for e in evals if not e.reason]
     bad = [e for e in evals if e.reason]
     ok.sort(key=lambda e: (float(f"{e.cost.step_s:.9g}"), round(e.cost.comm_bytes), e.candidate.cp,
-                           order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q))
+                           order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q,
+                           e.candidate.cp_attention != "ring"))
     bad.sort(key=lambda e: (e.cost is None, e.cost.memory_bytes if e.cost else 0, e.candidate.cp,
                             order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q))
     ranked = [Evaluated(candidate=e.candidate, plan=e.plan, cost=e.cost, rank=i + 1) for i, e in enumerate(ok)]
@@ -349,7 +376,8 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     size (default 1: none), ``cp=None`` searches it (context parallelism wins where the
     batch cannot be split further and activations or compute per rank must fall: a long
     sequence, a batch of one), the candidates using ``cp_attention`` and ``cp_order``
-    (see :func:`autoshard.shard`). Raises ConfigError naming
+    (see :func:`autoshard.shard`; ``cp_attention="auto"``: each cp layout twice, with ring
+    attention and with gathered keys and values). Raises ConfigError naming
     the smallest world size that fits when nothing fits (unless ``raise_if_none``
     is False). ``zero=1|2`` prices the optimizer state (and with 2 the gradients)
     split over each candidate's dp replicas (:class:`autoshard.training.zero.ZeroAdamW`);
