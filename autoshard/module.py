@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 from torch import fx, nn
@@ -104,9 +105,7 @@ class ShardedModule(nn.Module):
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
         self.set_grad_sync()
-        from .training.train import track
-
-        track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (training/train.py)
+        track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (see track)
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
         """Take ``gm``'s children and the model's top-level tensors as this module's, in
@@ -798,3 +797,100 @@ def replicas(pp, mesh) -> int:
     the mesh axes the parameter is not split over (dp included)."""
     split = set(pp.spec.axes)
     return math.prod(s for a, s in zip(mesh.axes, mesh.sizes) if a not in split)
+
+
+# ------------------------------------------------------ gradient norms
+def grad_norm(sharded, only=None) -> torch.Tensor:
+    """The global L2 norm of all gradients (``only``: of these parameters' gradients), each
+    dense entry counted once (collective: every rank passes the same parameters)."""
+    import torch.distributed as dist
+
+    total = torch.zeros((), dtype=torch.float64, device=sharded.device)     # NCCL reduces device tensors only
+    keep = None if only is None else {id(p) for p in only}
+    for pp, p in unique_params(sharded):
+        if p.grad is None or (keep is not None and id(p) not in keep):
+            continue
+        g, copies = local_grad(p), replicas(pp, sharded.mesh)
+        if g is not p.grad:         # FSDP2: this rank's dp chunk of the TP block, held once over dp
+            copies //= sharded.mesh.dp
+        total += g.detach().double().pow(2).sum() / copies
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def local_grad(p) -> torch.Tensor:
+    """``p.grad``, or its local tensor where FSDP2 made it a DTensor over ``dp``."""
+    g = p.grad
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+# ------------------------------------------------------ torch's clip_grad_norm_
+# torch.nn.utils.clip_grad_norm_ on a sharded module's parameters would compute the norm of
+# this rank's local gradients only (plain tensors: a TP block of some, a replica of others).
+# Its total norm comes from torch.nn.utils.clip_grad._get_total_norm and the scaling from
+# _clip_grads_with_norm_; the first ShardedModule wraps both so that gradients of a live sharded module
+# get their global norm (grad_norm, as autoshard.training.train.clip_grad_norm_) and are scaled as
+# ours are (FSDP2's DTensor gradients through their local chunks), every other call passing
+# through to torch.
+_SHARDED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(sharded) -> None:
+    """Let torch's ``clip_grad_norm_`` see ``sharded``'s gradients as sharded (see above)."""
+    _SHARDED.add(sharded)
+    import torch.nn.utils.clip_grad as cg
+
+    if getattr(cg, "_get_total_norm", None) is None or getattr(cg._get_total_norm, "_autoshard", False):
+        return
+    torch_total_norm = cg._get_total_norm
+
+    def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        found = _owner(ts)
+        if found is None:
+            return torch_total_norm(ts, norm_type, error_if_nonfinite, foreach)
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"torch.nn.utils.clip_grad_norm_(norm_type={norm_type}) on a sharded module's parameters: "
+                              f"only the L2 norm is global here; use norm_type=2 or "
+                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
+        norm = grad_norm(*found)
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(f"the total norm of order 2.0 for the gradients of the sharded module is non-finite "
+                               f"({norm.item()}), so it cannot be clipped")
+        return norm.float()
+
+    torch_clip_with_norm = cg._clip_grads_with_norm_
+
+    def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+        ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _owner([p.grad for p in ps if p.grad is not None]) is None:
+            return torch_clip_with_norm(ps, max_norm, total_norm, foreach)
+        coef = (float(max_norm) / (total_norm + 1e-6)).clamp(max=1.0)     # torch's coefficient
+        for p in ps:            # FSDP2's DTensor gradients: their local chunks, as clip_grad_norm_ above
+            if p.grad is not None:
+                local_grad(p).mul_(coef.to(p.grad.dtype))
+
+    _get_total_norm._autoshard = True
+    cg._get_total_norm = _get_total_norm
+    if getattr(cg, "_clip_grads_with_norm_", None) is not None:
+        cg._clip_grads_with_norm_ = _clip_grads_with_norm_
+
+
+def _owner(grads: list) -> tuple | None:
+    """``(sharded, params)`` when ``grads`` are gradients of one tracked sharded module's
+    parameters; None when none is; an error naming ours when they mix."""
+    if not grads:
+        return None
+    ids = {id(g) for g in grads}
+    for sharded in list(_SHARDED):
+        params = [p for p in sharded.parameters() if p.grad is not None and id(p.grad) in ids]
+        if not params:
+            continue
+        if len(params) != len(ids):
+            raise ConfigError(f"torch.nn.utils.clip_grad_norm_ got {len(params)} gradients of a sharded module and "
+                              f"{len(ids) - len(params)} other tensors: their total norm has no one meaning across "
+                              f"ranks; clip the sharded module's own with "
+                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
+        return sharded, params
+    return None

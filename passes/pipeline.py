@@ -48,15 +48,11 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
     node saves for backward (:func:`~autoshard.passes.trace.trace`). ``pinned``: parameter
     layouts fixed beforehand, ``frozen``: the names of the parameters with ``requires_grad=False``
     in the model (default: those of ``captured.module``; :func:`~autoshard.passes.propagate.propagate`).
-    A policy whose ``cp_attention`` is ``"auto"`` has it chosen by the cost model on this
-    machine's cluster (:func:`~autoshard.planning.search.choose_cp_attention`; ``plan()``
-    and ``shard()`` choose on the cluster they are given)."""
-    if policy.cp > 1 and policy.cp_attention == "auto":
-        from autoshard.planning.cost import default_cluster
-        from autoshard.planning.search import choose_cp_attention
-
-        policy = choose_cp_attention(captured, policy, batch_size=batch_size, seq_len=seq_len, dropout=dropout,
-                                     cluster=default_cluster())[0]
+    A policy's ``cp_attention="auto"`` is chosen before, by the cost model
+    (:func:`autoshard.planning.search.choose_cp_attention`, which ``plan()`` and ``shard()`` call)."""
+    if policy.cp > 1 and policy.cp_attention not in ("ring", "gather"):
+        raise ValueError(f"cp_attention={policy.cp_attention!r} reaches the planner unresolved: choose it first "
+                         f"(autoshard.planning.search.choose_cp_attention)")
     _check_batch_dynamic(captured, policy)
     captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,

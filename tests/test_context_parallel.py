@@ -59,6 +59,7 @@ def test_context_parallel_equals_dense(case):
         assert all(r["batch_split"] == 2 for r in res)
 
 
+@EXT
 def test_contiguous_order_equals_dense():
     """``cp_order="contiguous"`` (rank r holds block r, the sequence a multiple of cp only):
     exact too; under Llama's causal mask rank 0 computes fewer attention scores than rank 1."""

@@ -188,3 +188,37 @@ def test_torch_clip_grad_norm_on_sharded_parameters_is_the_global_norm():
         assert len(r["errors"]) == 2, r["errors"]
         assert "and 1 other tensors" in r["errors"][0] and "clip_grad_norm_(sharded" in r["errors"][0], r["errors"]
         assert "only the L2 norm is global" in r["errors"][1] and "clip_grad_norm_(sharded" in r["errors"][1]
+
+
+def _torch_clip_fsdp(rank: int, world: int) -> dict:
+    import autoshard
+    import autoshard.training.train as T
+
+    torch.set_num_threads(1)
+    dense = models.build("llama")
+    batch = models.batch("llama", b=8)
+    local = T.local_rows_for(2, rank // 2, batch)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=2, fsdp=True, example_inputs=local)
+    dense(**batch).loss.backward()
+    ref = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1).item()
+    sharded(**local).loss.backward()
+    params = [p for p in sharded.parameters() if p.grad is not None]
+    saved = [T.local_grad(p).clone() for p in params]
+    theirs = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 0.1).item()
+    clipped = [T.local_grad(p).clone() for p in params]
+    for p, g in zip(params, saved):
+        T.local_grad(p).copy_(g)
+    ours = T.clip_grad_norm_(sharded, 0.1).item()
+    return {"ref": ref, "theirs": theirs, "ours": ours,
+            "grads": max((a - T.local_grad(p)).abs().max().item() for a, p in zip(clipped, params)),
+            "dtensor": type(params[0].grad).__name__}
+
+
+@pytest.mark.extended
+def test_torch_clip_grad_norm_with_fsdp2_over_dp():
+    """The same with FSDP2 over dp (tp2 × dp2): the gradients are DTensors over dp, torch's
+    ``clip_grad_norm_`` still gives the dense norm and clips their local chunks as ours does."""
+    for rank, r in enumerate(get_pool(4).run(_torch_clip_fsdp)):
+        assert r["dtensor"] == "DTensor", r
+        assert abs(r["theirs"] - r["ours"]) <= 1e-6 * r["ours"] and abs(r["ours"] - r["ref"]) <= 1e-5 * r["ref"], r
+        assert r["grads"] <= 1e-7, r

@@ -315,19 +315,20 @@ def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
     """LayerNorm over a hidden dim split over ``group``: Σx and Σ(x-μ)² all-reduced
     both ways (the statistics are used with split data, so their grads are partial).
 
-    Computed in float32, as the dense kernel does; the result has ``x``'s dtype, or
-    float32 under autocast (where ``layer_norm`` runs in float32)."""
+    Computed in float32 at least, as the dense kernel does (float64 stays float64); the
+    result has ``x``'s dtype, or float32 under autocast (where ``layer_norm`` runs in float32)."""
     dtype = torch.float32 if _autocast_on(x) else x.dtype
-    x = x.float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(acc)
     h = x.shape[-1] * count
     mean = C.all_reduce_both(x.sum(-1, keepdim=True), group) / h
     xc = x - mean
     var = C.all_reduce_both((xc * xc).sum(-1, keepdim=True), group) / h
     y = xc * torch.rsqrt(var + eps)
     if w is not None:
-        y = y * w.float()
+        y = y * w.to(acc)
     if b is not None:
-        y = y + b.float()
+        y = y + b.to(acc)
     return y.to(dtype)
 
 

@@ -16,14 +16,13 @@ import json
 import math
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..module import replicas, unique_params
+from ..module import grad_norm, local_grad, unique_params
 
 __all__ = ["clip_grad_norm_", "grad_norm", "replica_batches", "local_rows", "make_optimizer",
            "warmup_cosine", "train_step", "train", "local_rows_for", "save_state", "load_state",
@@ -64,23 +63,6 @@ def collectives_guard(what: str):
             f"{first[:300]}") from e
 
 
-def grad_norm(sharded, only=None) -> torch.Tensor:
-    """The global L2 norm of all gradients (``only``: of these parameters' gradients), each
-    dense entry counted once (collective: every rank passes the same parameters)."""
-    total = torch.zeros((), dtype=torch.float64, device=sharded.device)     # NCCL reduces device tensors only
-    keep = None if only is None else {id(p) for p in only}
-    for pp, p in unique_params(sharded):
-        if p.grad is None or (keep is not None and id(p) not in keep):
-            continue
-        g, copies = _local_grad(p), replicas(pp, sharded.mesh)
-        if g is not p.grad:         # FSDP2: this rank's dp chunk of the TP block, held once over dp
-            copies //= sharded.mesh.dp
-        total += g.detach().double().pow(2).sum() / copies
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
-
-
 def clip_grad_norm_(sharded, max_norm: float) -> torch.Tensor:
     """Like :func:`torch.nn.utils.clip_grad_norm_` on the dense model: computes the
     global gradient norm over all shards (see :func:`grad_norm`), scales every local
@@ -89,74 +71,8 @@ def clip_grad_norm_(sharded, max_norm: float) -> torch.Tensor:
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)     # on the device: no host sync
     for _, p in unique_params(sharded):
         if p.grad is not None:
-            _local_grad(p).mul_(coef.to(p.grad.dtype))
+            local_grad(p).mul_(coef.to(p.grad.dtype))
     return norm.float()
-
-
-# ------------------------------------------------------ torch's clip_grad_norm_
-# torch.nn.utils.clip_grad_norm_ on a sharded module's parameters would compute the norm of
-# this rank's local gradients only (plain tensors: a TP block of some, a replica of others).
-# Its total norm comes from torch.nn.utils.clip_grad._get_total_norm; shard() wraps that
-# function once so that gradients of a live sharded module get their global norm
-# (grad_norm, the same as clip_grad_norm_ above), every other call passing through to torch.
-_SHARDED: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def track(sharded) -> None:
-    """Let torch's ``clip_grad_norm_`` see ``sharded``'s gradients as sharded (see above)."""
-    _SHARDED.add(sharded)
-    import torch.nn.utils.clip_grad as cg
-
-    if getattr(cg, "_get_total_norm", None) is None or getattr(cg._get_total_norm, "_autoshard", False):
-        return
-    torch_total_norm = cg._get_total_norm
-
-    def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        found = _owner(ts)
-        if found is None:
-            return torch_total_norm(ts, norm_type, error_if_nonfinite, foreach)
-        from ..ir.errors import ConfigError
-
-        if float(norm_type) != 2.0:
-            raise ConfigError(f"torch.nn.utils.clip_grad_norm_(norm_type={norm_type}) on a sharded module's parameters: "
-                              f"only the L2 norm is global here; use norm_type=2 or "
-                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
-        norm = grad_norm(*found)
-        if error_if_nonfinite and not bool(torch.isfinite(norm)):
-            raise RuntimeError(f"the total norm of order 2.0 for the gradients of the sharded module is non-finite "
-                               f"({norm.item()}), so it cannot be clipped")
-        return norm.float()
-
-    _get_total_norm._autoshard = True
-    cg._get_total_norm = _get_total_norm
-
-
-def _owner(grads: list) -> tuple | None:
-    """``(sharded, params)`` when ``grads`` are gradients of one tracked sharded module's
-    parameters; None when none is; an error naming ours when they mix."""
-    if not grads:
-        return None
-    ids = {id(g) for g in grads}
-    for sharded in list(_SHARDED):
-        params = [p for p in sharded.parameters() if p.grad is not None and id(p.grad) in ids]
-        if not params:
-            continue
-        if len(params) != len(ids):
-            from ..ir.errors import ConfigError
-
-            raise ConfigError(f"torch.nn.utils.clip_grad_norm_ got {len(params)} gradients of a sharded module and "
-                              f"{len(ids) - len(params)} other tensors: their total norm has no one meaning across "
-                              f"ranks; clip the sharded module's own with "
-                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
-        return sharded, params
-    return None
-
-
-def _local_grad(p) -> torch.Tensor:
-    """``p.grad``, or its local tensor where FSDP2 made it a DTensor over ``dp``."""
-    g = p.grad
-    return g.to_local() if hasattr(g, "to_local") else g
 
 
 def local_rows(sharded, batch: dict) -> dict:
