@@ -85,7 +85,6 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     autoshard.ir.errors.ConfigError: unknown mode '4d'; valid modes: '1d', '1d-sp', '2d', '2.5d', '3d'
     """
     from autoshard.ir.errors import ConfigError
-    from autoshard.ir.mesh import Mesh
 
     if mode == "auto":
         raise ConfigError("mode='auto' is chosen by autoshard.search(...); here choose one of "
@@ -105,11 +104,25 @@ def make_policy(mode: str, world_size: int, depth: int | None = None, dp: int = 
     if not cls.composes_with_cp:
         raise ConfigError(f"mode={mode!r} does not take cp yet: {cls.composes_with_cp_why}; valid with cp: "
                           + ", ".join(repr(m) for m, c in POLICIES.items() if c.composes_with_cp))
-    mesh = cls.make_mesh(world_size // cp, depth=depth, dp=dp)
-    at = 1 if mesh.axes[:1] == ("dp",) else 0
-    pol = cls(Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:]))
+    pol = cls(with_cp(cls.make_mesh(world_size // cp, depth=depth, dp=dp), cp))
     pol.cp_attention, pol.cp_order = cp_attention, cp_order
     return pol
 
 
-__all__.append("make_policy")
+def with_cp(mesh, cp: int):
+    """``mesh`` with a ``cp`` axis of ``cp`` ranks after ``dp`` and before the mode's own axes
+    (``mesh`` itself for cp = 1).
+
+    >>> from autoshard.ir.mesh import Mesh
+    >>> with_cp(Mesh(axes=("dp", "tp"), sizes=(2, 2)), 2)
+    Mesh(axes=('dp', 'cp', 'tp'), sizes=(2, 2, 2))
+    """
+    from autoshard.ir.mesh import Mesh
+
+    if cp == 1:
+        return mesh
+    at = 1 if mesh.axes[:1] == ("dp",) else 0
+    return Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (cp,) + mesh.sizes[at:])
+
+
+__all__ += ["make_policy", "with_cp"]

@@ -285,9 +285,12 @@ class ShardingPlan:
         long as the farthest row a kernel reaches past a block's edge (its ``halo``); 0
         when none."""
         reach = max((getattr(n.kernel, "halo", 0) for n in self.nodes if n.kernel is not None), default=0)
-        if not reach or self.mesh.cp <= 1:
-            return 0
-        return reach * self.mesh.cp * (2 if self.cp_order == "balanced" else 1)
+        return reach * self.cp_blocks if self.mesh.cp > 1 else 0
+
+    @property
+    def cp_blocks(self) -> int:
+        """The blocks the sequence is cut into over cp: cp, twice that in the balanced order."""
+        return self.mesh.cp * (2 if self.mesh.cp > 1 and self.cp_order == "balanced" else 1)
 
     @property
     def trainable_bytes_per_rank(self) -> int:

@@ -119,7 +119,7 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
     >>> [c.label for c in candidates(4, cp=None) if c.cp > 1]
     ['1d [2] × cp2', '1d [1] × cp2 × dp2', '1d [1] × cp4']
     """
-    from ..policies import POLICIES
+    from ..policies import POLICIES, with_cp
 
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
@@ -135,9 +135,7 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
             continue
         for mode, mesh, dd in _meshes(world_size // c, [m for m in names if c == 1 or POLICIES[m].composes_with_cp],
                                       depth, dp):
-            if c > 1:       # the cp axis after dp, before the mode's own (as make_policy places it)
-                at = 1 if mesh.axes[:1] == ("dp",) else 0
-                mesh = Mesh(axes=mesh.axes[:at] + ("cp",) + mesh.axes[at:], sizes=mesh.sizes[:at] + (c,) + mesh.sizes[at:])
+            mesh = with_cp(mesh, c)
             q, d, rr = _describe(mode, mesh)
             for att in attentions if c > 1 else ("ring",):
                 out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh, cp=c, cp_attention=att,
@@ -158,12 +156,12 @@ def choose_cp_attention(cap, pol, *, batch_size: int, seq_len: int, cluster, dro
 
     from ..passes.pipeline import plan_captured
 
-    best = None
+    best, cluster = None, Cluster.preset(cluster)
     for att in ("ring", "gather"):
         p = copy.copy(pol)
         p.cp_attention = att
         plan = plan_captured(cap, p, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
-        cost = estimate(plan, Cluster.preset(cluster), optimizer=optimizer)
+        cost = estimate(plan, cluster, optimizer=optimizer)
         key = (not cost.fits, float(f"{cost.step_s:.9g}"), cost.memory_bytes)
         if best is None or key < best[0]:
             best = (key, p, plan)

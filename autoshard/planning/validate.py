@@ -327,7 +327,7 @@ def check_min_seq(seq: int, plan, *, source: str) -> list[Problem]:
     need = plan.min_seq_len
     if seq >= need:
         return []
-    blocks = plan.mesh.cp * (2 if plan.cp_order == "balanced" else 1)
+    blocks = plan.cp_blocks
     return [Problem("seq", f"sequence length {seq} of {source} is shorter than {need}: a convolution along the "
                            f"sequence reaches {need // blocks} row(s) past the edge of each of its {blocks} cp blocks, "
                            f"so each needs {need // blocks}; valid lengths: multiples of {blocks} from {need}")]

@@ -47,7 +47,7 @@ __all__ = [
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
-    "mark_balanced", "is_balanced", "balanced_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
+    "mark_balanced", "is_balanced", "balanced_chunks", "held_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
 ]
 
 
@@ -181,16 +181,7 @@ def ring_shift(x: torch.Tensor, group: str) -> torch.Tensor:
     receive the previous rank's tensor of the same shape (ring attention's K/V blocks,
     :mod:`autoshard.runtime.parallel_ops`). Counted by the ledger as one ``send_recv``
     of ``x``'s bytes."""
-    pg = _pg(group)
-    r, p = dist.get_rank(pg), pg.size()
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    _record("send_recv", group, src.numel() * src.element_size())
-    ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(pg, (r + 1) % p), pg),
-           dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (r - 1) % p), pg)]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-    return out
+    return ring_shift_start(x, group)()
 
 
 @ring_shift.register_fake
@@ -338,6 +329,13 @@ def balanced_chunks(rank: int, p: int) -> tuple[int, int]:
     [(0, 7), (1, 6), (2, 5), (3, 4)]
     """
     return rank, 2 * p - 1 - rank
+
+
+def held_chunks(group: str, rank: int) -> tuple[int, ...]:
+    """The chunks of the sequence rank ``rank`` of ``group`` holds, in its local order: its
+    block ``(rank,)`` of p, or ``(rank, 2p-1-rank)`` of 2p in the balanced order."""
+    p = group_rank_size(group)[1]
+    return balanced_chunks(rank, p) if is_balanced(group) else (rank,)
 
 
 def _chunk_order(p: int) -> list[int]:

@@ -521,11 +521,10 @@ def _visible(mask, R: int, p: int, hq: int, hk: int):
     return m.tolist()
 
 
-def _sub_blocks(R: int, p: int, j: int, vis):
-    """``(a, b, c)`` for each score block to compute while block ``j`` is held: query chunk
-    ``a``, the block's key chunk ``b`` (chunk ``c`` of the sequence), unless the mask hides it."""
-    cols = (j,) if R == 1 else C.balanced_chunks(j, p)
-    return [(a, b, c) for a in range(R) for b, c in enumerate(cols) if vis is None or vis[a][c]]
+def _sub_blocks(group: str, R: int, j: int, vis):
+    """``(a, b, c)`` for each score block to compute while rank ``j``'s block is held: query
+    chunk ``a``, the block's key chunk ``b`` (chunk ``c`` of the sequence), unless the mask hides it."""
+    return [(a, b, c) for a in range(R) for b, c in enumerate(C.held_chunks(group, j)) if vis is None or vis[a][c]]
 
 
 def _sub_mask(mask, a: int, c: int, hq: int, hk: int):
@@ -549,7 +548,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, group: str, scale: float):
         r, p = C.group_rank_size(group)
-        R = 2 if C.is_balanced(group) else 1
+        R = len(C.held_chunks(group, r))
         heads, kv_heads = q.shape[1], k.shape[1]
         hq, hk = q.shape[-2] // R, k.shape[-2] // R
         vis = _visible(mask, R, p, hq, hk)
@@ -561,7 +560,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(p):
             j = (r - step) % p                  # the block held now started on rank j
             nxt = _shift(kv, group, 0, overlap) if step < p - 1 else None
-            for a, b, c in _sub_blocks(R, p, j, vis):
+            for a, b, c in _sub_blocks(group, R, j, vis):
                 rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
                 kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
                 s = _masked((q[..., rows, :] @ kj.transpose(-2, -1)) * scale, _sub_mask(mask, a, c, hq, hk))
@@ -593,7 +592,7 @@ class _RingAttention(torch.autograd.Function):
         mask = mask[0] if mask else None
         group, scale = ctx.group, ctx.scale
         r, p = C.group_rank_size(group)
-        R = 2 if C.is_balanced(group) else 1
+        R = len(C.held_chunks(group, r))
         heads = q.shape[1]
         hq, hk = q.shape[-2] // R, k.shape[-2] // R
         vis = _visible(mask, R, p, hq, hk)
@@ -609,7 +608,7 @@ class _RingAttention(torch.autograd.Function):
             j = (r - step) % p
             nxt = _shift(kv, group, 0, overlap) if step < p - 1 else None
             d = torch.zeros_like(kv)            # this rank's dk, dv of block j
-            for a, b, c in _sub_blocks(R, p, j, vis):
+            for a, b, c in _sub_blocks(group, R, j, vis):
                 rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
                 qa, da = q[..., rows, :], dout[..., rows, :]
                 kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
@@ -654,7 +653,8 @@ def sequence_conv(x, w, b, *, group: str, left: int, right: int, dilation: int =
     rows before it and the ``right`` after it (zeros at the sequence's ends). Backward:
     autograd, the edge rows' gradients reduce-scattered back to their blocks."""
     r, p = C.group_rank_size(group)
-    R = 2 if C.is_balanced(group) else 1
+    index = C.held_chunks(group, r)           # the chunks this rank's blocks are, in the sequence
+    R = len(index)
     n, h = x.shape[-1] // R, left + right
     if n < max(left, right):
         raise ValueError(f"a convolution over the sequence reaches {left} rows back and {right} ahead, past the "
@@ -663,7 +663,6 @@ def sequence_conv(x, w, b, *, group: str, left: int, right: int, dilation: int =
     edges = torch.cat([torch.cat([blk[..., :right], blk[..., n - left:]], -1) for blk in blocks], -1)
     every = C.gather_partial(edges, edges.dim() - 1, group)        # [..., R·p·h]: each block's edges in order
     last = R * p - 1
-    index = C.balanced_chunks(r, p) if R == 2 else (r,)
     outs = []
     for a, g in enumerate(index):
         before = every[..., (g - 1) * h + right:g * h] if g > 0 else x.new_zeros(x.shape[:-1] + (left,))
