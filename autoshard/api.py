@@ -301,7 +301,8 @@ def _launch_full(model, cap: Captured, pol, *, search_with: dict | None, example
         raise_problems(check_seq(s, pol.seq_split(), source=f"example_inputs[{seq!r}]", why=pol.seq_split_why()),
                        f"autoshard.shard(mode={pol.name!r})")
     s = s or 1              # no token sequence (an image or audio model): nothing scales with it
-    b += -b % split         # an example batch that does not divide plans as its padded size
+    if cap.batch_symbol is not None:    # a static batch is kept whole (its rows are never split)
+        b += -b % split     # an example batch that does not divide plans as its padded size
     if pol.cp > 1 and pol.cp_attention == "auto":       # the cost model picks ring or gathered keys and values
         from .planning.cost import Cluster, default_cluster
         from .planning.search import choose_cp_attention

@@ -63,17 +63,20 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
 def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:
     """A graph whose batch torch.export had to make static (the model reads the batch
     size as a Python int: CLIP's contrastive loss takes ``len(logits)``, LLaVA lists its
-    image features per sample) is planned only
-    where nothing splits the batch: its rows would be cut without the plan knowing them
-    as rows (a silent wrong gradient), and a loss comparing every sample with every
-    other would turn block-local."""
-    axes = "·".join(f"{a}[{policy.mesh.size(a)}]" for a in policy.batch_axes)
-    if captured.batch_symbol is not None or not axes:
+    image features per sample) is planned with its batch whole on every rank: the
+    tensor-parallel modes keep the rows whole (SUMMA and 3D run with ``rows_whole``), so a
+    loss comparing every sample with every other sees them all. Data and context
+    parallelism hand each rank other rows or tokens of it, which such a graph cannot
+    take (a block-local contrastive loss would be a silent wrong answer): refused."""
+    if captured.batch_symbol is not None:
+        return
+    axes = [f"{a}[{policy.mesh.size(a)}]" for a in ("dp", "cp") if a in policy.mesh.axes and policy.mesh.size(a) > 1]
+    if not axes:
         return
     name = main_input(captured.example_inputs)
     node = next((n for n in captured.module.graph.nodes if n.op == "placeholder" and n.name == name), None)
     raise ShardingError(f"{captured.model_name}'s graph has a static batch: torch.export specialised it because the "
                         f"model reads the batch size as a Python int (e.g. len(logits) in a contrastive loss, or "
-                        f"image features listed per sample), so "
-                        f"its rows cannot be split over {axes} ({policy.name}). Valid here: mode='1d' or '1d-sp' "
-                        f"with dp=1, which keep the batch whole", node=node)
+                        f"image features listed per sample), so every rank must hold the whole batch and "
+                        f"{' and '.join(axes)} cannot split it. Valid here: mode={policy.name!r} (or any other) with "
+                        f"dp=1 and cp=1, which keep the batch whole", node=node)

@@ -466,6 +466,11 @@ class _Engine:
         # is split over dp before the graph starts; the policy's batch axes split it further
         self.dp_axes = ("dp",) if "dp" in self.mesh.axes else ()
         self.batch_axes = self.dp_axes + tuple(policy.batch_axes)
+        # a static batch (the model reads it as a Python int) is never split: every rank holds
+        # all its rows (docs/design.md, "Inputs"); the pipeline refuses it with dp or cp
+        self.static_batch = captured.batch_symbol is None
+        if self.static_batch:
+            self.batch_axes = ()
         # context parallelism: the sequence is split over cp from the token lookups on
         # (docs/design.md, "Context parallelism")
         self.cp_axes = ("cp",) if self.mesh.cp > 1 else ()
@@ -499,7 +504,8 @@ class _Engine:
                            for t in (v if isinstance(v, (list, tuple)) else [v]))
             if floating and any(a.name in out for a in n.all_input_nodes):
                 out.add(n.name)
-        return out & self._live()
+        self._live_nodes = self._live()
+        return out & self._live_nodes
 
     def _live(self) -> set[str]:
         """The nodes an output depends on: backward reaches no other (LLaVA's vision
@@ -567,7 +573,7 @@ class _Engine:
                                     dense_shape=dense, trainable=not self.frozen & set(names)))
         local = {n.name: self._local_shape(n) for n in self.gm.graph.nodes}
         return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
-                            tp_axes=self.policy.tp_axes, batch_axes=self.policy.batch_axes,
+                            tp_axes=self.policy.tp_axes, batch_axes=() if self.static_batch else self.policy.batch_axes,
                             batch_size=self.batch_size, seq_len=self.seq_len, nodes=tuple(nodes),
                             params=tuple(params), dp=self.policy.dp, cp_order=self.policy.cp_order,
                             cp_attention=self.policy.cp_attention,
@@ -881,6 +887,8 @@ class _Engine:
         nothing needs."""
         comms: list[Comm] = []
         for kc in self._kernel_comms(node, choice, in_specs):
+            if kc.phase == "bwd" and node.name not in self._live_nodes:    # backward never reaches it
+                continue
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad
                            for p in kc.needs_grad_of):

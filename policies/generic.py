@@ -326,11 +326,11 @@ def _permuted(s: ShardSpec, perm) -> ShardSpec:
 
 
 def transpose(ctx: RuleContext) -> Choice:
-    """``transpose`` / ``t``: the spec's dims swapped alike."""
+    """``transpose`` / ``t`` / ``numpy_T`` (``x.T``): the spec's dims swapped (reversed) alike."""
     x = ctx.node.args[0]
     s = ctx.spec(x)
     n = s.ndim
-    if ctx.node.target == aten.t.default:
+    if ctx.node.target in (aten.t.default, aten.numpy_T.default):
         perm = list(range(n))[::-1]
     else:
         a, b = (d % n for d in ctx.node.args[1:3])
@@ -453,6 +453,40 @@ def select(ctx: RuleContext) -> Choice:
     d = ctx.node.args[1] % s.ndim
     req = _need_unsplit(s, [d])
     return Choice(out=_without_dim(req, d), inputs={(0,): req})
+
+
+def unbind(ctx: RuleContext) -> Choice:
+    """``unbind(x, d)`` (a tensor listed along one dim: LLaVA's image features per
+    sample): dim ``d`` must be whole; every piece keeps the other splits."""
+    node = ctx.node
+    s = ctx.spec(node.args[0])
+    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(s.ndim, 1)
+    req = _need_unsplit(s, [d])
+    return Choice(out=tuple(_without_dim(req, d) for _ in node.meta["val"]), inputs={(0,): req})
+
+
+def masked_scatter(ctx: RuleContext) -> Choice:
+    """``masked_scatter(x, mask, src)`` (image features written over their placeholder
+    tokens): ``src``'s elements fill ``x``'s masked places in order. A split of ``x``
+    passes where the mask is broadcast (size 1) along every split dim and ``src`` ends
+    with those dims, split alike: each rank fills its slice of every masked place from
+    its slice of ``src``. Otherwise all three whole."""
+    node = ctx.node
+    x, mask, src = node.args[:3]
+    s = ctx.spec(x).with_partial(())
+    xs, ms, ss = ctx.pshape(x), ctx.pshape(mask), ctx.pshape(src)
+    split = [d for d in range(s.ndim) if s.dims[d]]
+    t0 = min(split) if split else s.ndim
+    tail = len(xs) - t0
+    ms = (1,) * (len(xs) - len(ms)) + tuple(ms)
+    if split and all(ms[d] == 1 for d in range(t0, len(xs))) and len(ss) >= tail and tuple(ss[len(ss) - tail:]) == \
+            tuple(xs[t0:]):
+        lead = len(ss) - tail
+        sreq = ShardSpec(dims=((),) * lead + s.dims[t0:], segments=(1,) * lead + s.segments[t0:])
+        return Choice(out=s, inputs={(0,): s, (1,): replicated(ctx.spec(mask).ndim), (2,): sreq})
+    whole = replicated(s.ndim)
+    return Choice(out=whole, inputs={(0,): whole, (1,): replicated(ctx.spec(mask).ndim),
+                                     (2,): replicated(ctx.spec(src).ndim)})
 
 
 def split(ctx: RuleContext) -> Choice:
@@ -1077,7 +1111,8 @@ RULES = {
     aten.view.default: reshape, aten.reshape.default: reshape, aten._unsafe_view.default: reshape,
     aten.flatten.using_ints: flatten,
     aten.expand.default: expand,
-    aten.transpose.int: transpose, aten.t.default: transpose, aten.permute.default: permute,
+    aten.transpose.int: transpose, aten.t.default: transpose, aten.numpy_T.default: transpose,
+    aten.permute.default: permute,
     aten.unsqueeze.default: unsqueeze, aten.squeeze.dim: squeeze, aten.squeeze.dims: squeeze,
     aten.squeeze.default: squeeze,
     aten.alias.default: identity_like, aten.contiguous.default: identity_like, aten.clone.default: identity_like,
@@ -1091,6 +1126,7 @@ RULES = {
     aten.cumsum.default: cumsum, aten.diff.default: dimwise,
     aten.sort.default: sort, aten.sort.stable: sort, aten.topk.default: topk, aten.histc.default: histc,
     aten.max.dim: max_dim, aten.min.dim: max_dim,
+    aten.unbind.int: unbind, aten.masked_scatter.default: masked_scatter,
     aten.index_put_.default: index_put, aten.index_put.default: index_put,
     aten.index_copy_.default: index_copy, aten.index_copy.default: index_copy,
     aten.empty_like.default: like, aten.zeros_like.default: like, aten.ones_like.default: like,

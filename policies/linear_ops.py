@@ -19,7 +19,7 @@ from autoshard.ir.spec import ShardSpec
 
 aten = torch.ops.aten
 
-__all__ = ["grouped_offs_spec", "linear_operands"]
+__all__ = ["grouped_offs_spec", "linear_operands", "rows_whole"]
 
 
 def linear_operands(node):
@@ -45,3 +45,19 @@ def grouped_offs_spec(mesh, rows_axes) -> ShardSpec:
     this rank's counts (a partial sum over those axes of the dense offsets, as the
     ``histc`` rule gives them); whole rows need the dense offsets."""
     return ShardSpec(dims=((),), partial=tuple(a for a in mesh.axes if a in rows_axes))
+
+
+def rows_whole(rows, row_axes) -> bool:
+    """Whether a SUMMA Linear's input rows (the split axes of the dims before its
+    features) use none of the grid's ``row_axes``: every rank of the row group then
+    holds all the rows (a static batch kept whole), so dW is not summed over them.
+    Rows split over some of the axes but not all fit neither schedule.
+
+    >>> rows_whole(((), ()), ("row",)), rows_whole((("row",), ()), ("row",))
+    (True, False)
+    """
+    used = {a for d in rows for a in d} & set(row_axes)
+    if used and used != set(row_axes):
+        raise ValueError(f"the input rows are split over {sorted(used)}, part of the SUMMA row axes "
+                         f"{list(row_axes)}: all of them or none")
+    return not used

@@ -31,7 +31,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext, tied_head_choice
-from .linear_ops import grouped_offs_spec, linear_operands
+from .linear_ops import grouped_offs_spec, linear_operands, rows_whole
 
 __all__ = ["Tesseract", "TwoD"]
 
@@ -160,10 +160,12 @@ class Tesseract(Policy):
         if bp:
             ins.append((bp, ShardSpec(dims=(C,), segments=(m,))))
         out = ShardSpec(dims=rows + (C,), segments=rseg + (m,))
+        whole = rows_whole(rows, R)
         k = Summa(row=R, col=C, x=xp, w=wp, b=bp, n_dim=nd, k_dim=kd, in_specs=tuple(ins), out_spec=out,
-                  **(dict(offs=(2,), impl=node.args[4]) if grouped else {}))
+                  rows_whole=whole, **(dict(offs=(2,), impl=node.args[4]) if grouped else {}))
         return Choice.run(k, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
-                          + (", replicated over dep" if self.d > 1 else ""))
+                          + (", replicated over dep" if self.d > 1 else ""),
+                          notes=("rows whole over row: every row of the grid computes all rows",) if whole else ())
 
     def _tied_head(self, ctx, xp, wp, bp, rows, rseg, ws, n):
         return tied_head_choice(ctx, xp, wp, bp, rows, rseg, self.col, ws, self.q)

@@ -29,7 +29,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext, tied_head_choice
-from .linear_ops import grouped_offs_spec, linear_operands
+from .linear_ops import grouped_offs_spec, linear_operands, rows_whole
 
 __all__ = ["ThreeD"]
 
@@ -141,12 +141,14 @@ class ThreeD(Policy):
         if n % (q * q * m):
             m = 1
         grouped = node.target is grouped_linear
-        if grouped:
+        # the plan keeps the batch whole (a static batch): the rows stay whole, SUMMA on (A,B) × C
+        kept = not ctx.batch_axes and not {a for d in sx.dims[:-1] for a in d} & set(_AXES)
+        if grouped or kept:
             m = ctx.output_segments(node)
             m = m if n % (q * m) == 0 else 1
         if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or \
-                (k % (q * q) or n % q if grouped else k % q or n % (q * q)):
-            rows = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
+                (k % (q * q) or n % q if grouped or kept else k % q or n % (q * q)):
+            rows = sx.dims[:-1] if kept else tuple(outer + (A, B) if i == rd else () for i in range(nrow))
             req = ShardSpec(dims=rows + ((),))
             ins = {xp: req, wp: wspec()}
             if grouped:
@@ -154,8 +156,10 @@ class ThreeD(Policy):
             if bp:
                 ins[bp] = ShardSpec(dims=((),))
             return Choice(out=req, inputs=ins, weight="replicated",
-                          notes=(_whole_note(ctx, node, w, fixed, n, k, q, grouped),))
+                          notes=(_whole_note(ctx, node, w, fixed, n, k, q, grouped or kept),))
         rows_in = tuple(outer + (A, B) if i == rd else () for i in range(nrow))
+        if kept:
+            return self._grouped(ctx, node, xp, wp, sx.dims[:-1], wspec, m, A, B, C, grouped)
         if grouped:
             return self._grouped(ctx, node, xp, wp, rows_in, wspec, m, A, B, C)
         rows_out = tuple(outer + (A, C) if i == rd else () for i in range(nrow))
@@ -170,21 +174,30 @@ class ThreeD(Policy):
                           + (f", {m} fused blocks" if m > 1 else ""),
                           notes=(f"rows ({A},{B})→({A},{C}), features {C}→{B}",))
 
-    def _grouped(self, ctx, node, xp, wp, rows, wspec, m, A, B, C):
+    def _grouped(self, ctx, node, xp, wp, rows, wspec, m, A, B, C, grouped=True):
         """A grouped (per-expert) Linear keeps its rows where they are: they are the
         rank's tokens sorted by expert, a rank-local order that the 3D swap of the row
         axes would mix. SUMMA on the ``(A,B) × C`` grid keeps them: X gathered over
         ``C``, W (``k`` over ``(A,B)``, ``n`` over ``C``: still split q³ ways) gathered
-        over ``(A,B)``; the output has the input's layout."""
+        over ``(A,B)``; the output has the input's layout. So does any Linear whose rows
+        the plan keeps whole (``grouped=False``: a static batch, never split), with dW
+        kept as a block rather than summed over ``(A,B)``."""
         q = self.q
+        xp_, wp_, bp, nd, kd = linear_operands(node)
         xreq = ShardSpec(dims=rows + ((C,),))
-        ins = ((xp, xreq), (wp, wspec((C,), (A, B), m)), ((2,), grouped_offs_spec(self.mesh, rows[0])))
+        ins = [(xp, xreq), (wp, wspec((C,), (A, B), m))]
+        if grouped:
+            ins.append(((2,), grouped_offs_spec(self.mesh, rows[0])))
+        elif bp:
+            ins.append((bp, ShardSpec(dims=((C,),), segments=(m,))))
         out = ShardSpec(dims=rows + ((C,),), segments=(1,) * len(rows) + (m,))
-        kern = Summa(row=(A, B), col=(C,), x=xp, w=wp, b=None, n_dim=linear_operands(node)[3],
-                     k_dim=linear_operands(node)[4], offs=(2,), impl=node.args[4], in_specs=ins, out_spec=out)
-        return Choice.run(kern, weight=f"[k/{q * q} over ({A},{B}), n/{q} over {C}] per expert"
+        kern = Summa(row=(A, B), col=(C,), x=xp, w=wp, b=None if grouped else bp, n_dim=nd, k_dim=kd,
+                     in_specs=tuple(ins), out_spec=out, rows_whole=rows_whole(rows, (A, B)),
+                     **(dict(offs=(2,), impl=node.args[4]) if grouped else {}))
+        return Choice.run(kern, weight=f"[k/{q * q} over ({A},{B}), n/{q} over {C}]" + (" per expert" if grouped else "")
                           + (f", {m} fused blocks" if m > 1 else ""),
-                          notes=("grouped: rows stay in the rank's sorted order",))
+                          notes=("grouped: rows stay in the rank's sorted order",) if grouped else
+                          (f"rows whole over ({A},{B}): the plan keeps the batch whole",))
 
     def _tied_head(self, ctx, xp, wp, bp, sx, ws, C):
         rows = tuple(tuple(a for a in d if a != C) for d in sx.dims[:-1])

@@ -319,10 +319,12 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
         lines += _table("Images, audio, image-text",
                         "Models led by `pixel_values` or `input_features` (configs in `tests/modality.py`), planned as "
                         "`shard(model)` plans them with no example inputs: the inputs come from the model's forward and "
-                        "config (a batch of 4). `tests/test_modality.py` runs ViT and Whisper in every mode (1d on 2 "
-                        "ranks, 2d on 4, 2.5d and 3d on 8) and CLIP in 1d on gloo ranks against the dense model, "
-                        "starting from `shard(model)` (ViT 1d and 2d and CLIP 1d in `make test`, the rest slow), and "
-                        "checks the refusals.",
+                        "config (a batch of 4). `tests/test_modality.py` runs each of them in every mode (1d on 2 "
+                        "ranks, 2d on 4, 2.5d and 3d on 8) on gloo ranks against the dense model, starting from "
+                        "`shard(model)` (ViT 1d and 2d, CLIP 1d and 2d, LLaVA 1d in `make test`, the rest slow). "
+                        "CLIP and LLaVA read their batch as a Python int, so their graphs have a static batch: every "
+                        "mode keeps it whole on every rank (weights still split; the Linears' rows whole, so the "
+                        "FLOPs share counts split weights, not split rows), and dp or cp is refused.",
                         modality_cells, modes, lambda n: (modality.FAMILIES[n][0], modality.PATTERNS[n]))
         cells = {**cells, **modality_cells}
     if recent_cells:

@@ -201,9 +201,9 @@ def test_a_batch_that_does_not_split_is_refused():
 @pytest.mark.slow      # a CLIP capture and plans (15 s)
 def test_a_refusal_past_the_maximum_positions_keeps_its_own_reason():
     """``plan()`` at a sequence longer than the model's positions blames the length only when
-    the model plans at its maximum; CLIP's 2d refusal (its static batch) is its own."""
+    the model plans at its maximum; CLIP's refusal with dp (its static batch) is its own."""
     import modality
 
     with pytest.raises(autoshard.ShardingError) as e:
-        autoshard.plan(modality.build_meta("clip"), world_size=4, mode="2d", seq_len=64, batch_size=4)
+        autoshard.plan(modality.build_meta("clip"), world_size=8, mode="2d", dp=2, seq_len=64, batch_size=4)
     assert "static batch" in str(e.value) and "max_position_embeddings" not in str(e.value), str(e.value)

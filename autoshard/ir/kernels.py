@@ -197,7 +197,8 @@ class RowLinear(_SumsOutput, _Linear):
 @dataclass(frozen=True, kw_only=True)
 class Summa(_Linear):
     """SUMMA Linear on a ``row × col`` grid: all-gather X over ``col`` and W over
-    ``row``; backward reduce-scatters dX over ``col`` and dW over ``row``."""
+    ``row``; backward reduce-scatters dX over ``col`` and dW over ``row`` (with
+    ``rows_whole``, X's rows not split over ``row``, dW's block is kept instead)."""
 
     row: tuple[str, ...]
     col: tuple[str, ...]
@@ -205,6 +206,7 @@ class Summa(_Linear):
     k_dim: int
     offs: Path | None = None          # a grouped (per-expert) Linear: its group offsets
     impl: str = ""                    # ... and the grouped matmul it runs (autoshard.ir.grouped)
+    rows_whole: bool = False          # X's rows whole over ``row`` (a static batch kept whole)
     name: ClassVar[str] = "summa"
     paired: ClassVar[bool] = True
 
@@ -217,10 +219,13 @@ class Summa(_Linear):
         C, R, xp, wp = self.col, self.row, self.x, self.w
         return (KComm("fwd", "all_gather", C, xg), KComm("fwd", "all_gather", R, wg),
                 KComm("bwd", "all_gather", R, wg, (xp,)), KComm("bwd", "all_gather", C, xg, (wp,)),
-                KComm("bwd", "reduce_scatter", C, xg, (xp,)), KComm("bwd", "reduce_scatter", R, wg, (wp,)))
+                KComm("bwd", "reduce_scatter", C, xg, (xp,))) + \
+            (() if self.rows_whole else (KComm("bwd", "reduce_scatter", R, wg, (wp,)),))
 
     def call_args(self, node, group, size):
         kw = {"row": group(self.row), "col": group(self.col), "n_dim": self.n_dim, "k_dim": self.k_dim}
+        if self.rows_whole:
+            kw["rows_whole"] = True
         if self.offs is not None:
             kw.update(offs=_get(node, self.offs), impl=self.impl)
         return self.operands(node), kw

@@ -368,6 +368,11 @@ def from_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return _reorder(x, dim, inverse)
 
 
+def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """This rank's block of a whole ``dim`` (no communication, outside autograd)."""
+    return _local_block(x, dim, group)
+
+
 def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
     if group in _BALANCED:

@@ -134,9 +134,10 @@ def _two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: str, m_
 
 class _Summa(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
+    def forward(ctx, x, w, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None,
+                rows_whole: bool = False):
         ctx.save_for_backward(x, w, offs)
-        ctx.cfg = (row, col, n_dim, k_dim, impl)
+        ctx.cfg = (row, col, n_dim, k_dim, impl, rows_whole)
         # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together;
         # W already on its way when a prefetch launched it (passes.prefetch)
         if ready is not None:
@@ -150,8 +151,10 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        row, col, n_dim, k_dim, impl = ctx.cfg
+        row, col, n_dim, k_dim, impl, rows_whole = ctx.cfg
         dx = dw = None
+        if rows_whole:      # every rank of the row group holds all rows: dW is whole here, keep the block
+            return _summa_rows_whole_grads(ctx, x, w, dy)
         # re-gather instead of saving the gathered copies (docs/design.md, "Pitfalls"); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
         # under autocast dy is low precision while x / w are not: compute in dy's
@@ -167,9 +170,9 @@ class _Summa(torch.autograd.Function):
                 if _overlap(dxg):      # dX's scatter travels while dW is computed
                     dx = C.reduce_scatter_start(dxg, dxg.dim() - 1, col)
                     dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, w.dtype), k_dim, row)
-                    return (dx(), dw) + (None,) * 7
+                    return (dx(), dw) + (None,) * 8
                 dwg = _summa_dw(dy, xg, n_dim, w.dtype)
-            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 7
+            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 8
         if offs is not None:
             wg = C.all_gather(w, k_dim, row) if nx else w
             xg = C.all_gather(x, x.dim() - 1, col) if nw else x
@@ -178,14 +181,34 @@ class _Summa(torch.autograd.Function):
                 dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
             if nw:
                 dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
-            return dx, dw, None, None, None, None, None, None, None
+            return dx, dw, None, None, None, None, None, None, None, None
         if nx:
             dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
             dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
         if nw:
             dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
             dw = C.reduce_scatter(dwg, k_dim, row)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+def _summa_rows_whole_grads(ctx, x, w, dy):
+    """_Summa's gradients when X's rows are not split over ``row`` (a static batch kept
+    whole, docs/design.md, "Inputs"): the row group's ranks compute the same dW, so each
+    keeps its own block of it instead of summing q copies."""
+    row, col, n_dim, k_dim, impl, _ = ctx.cfg
+    (x, w, offs), (nx, nw) = ctx.saved_tensors, ctx.needs_input_grad[:2]
+    wg = C.all_gather(w, k_dim, row) if nx else w
+    xg = C.all_gather(x, x.dim() - 1, col) if nw else x
+    if offs is not None:
+        dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
+        dxg = dxg.to(x.dtype) if nx else None
+        dwg = dwg.to(w.dtype) if nw else None
+    else:
+        dxg = _summa_dx(dy, wg, n_dim, x.dtype) if nx else None
+        dwg = _summa_dw(dy, xg, n_dim, w.dtype) if nw else None
+    dx = C.reduce_scatter(dxg, dxg.dim() - 1, col) if nx else None
+    dw = C.local_block(dwg, k_dim, row) if nw else None
+    return (dx, dw) + (None,) * 8
 
 
 def _summa_dx(dy, wg, n_dim: int, dtype):
@@ -201,12 +224,15 @@ def _summa_dw(dy, xg, n_dim: int, dtype):
     return (dy2.t() @ x2 if n_dim == 0 else x2.t() @ dy2).to(dtype)
 
 
-def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None):
+def summa(x, w, b, *, row: str, col: str, n_dim: int, k_dim: int, offs=None, impl: str = "", ready=None,
+          rows_whole: bool = False):
     """SUMMA Linear on a ``row × col`` grid (one depth layer of Tesseract). With
     ``offs`` a grouped Linear (per expert, :mod:`autoshard.ir.grouped`): the rows are
     this rank's tokens sorted by expert, the same on every rank of the row group.
-    ``ready``: W's gather launched earlier by :func:`gather_weight_start`."""
-    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl, ready)
+    ``ready``: W's gather launched earlier by :func:`gather_weight_start`.
+    ``rows_whole``: X's rows are not split over ``row`` (every rank of it holds them
+    all): dW is kept as a block instead of summed over ``row``."""
+    y = _Summa.apply(x, w, row, col, n_dim, k_dim, offs, impl, ready, rows_whole)
     return y if b is None else y + b
 
 
