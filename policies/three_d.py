@@ -183,7 +183,7 @@ class ThreeD(Policy):
         the plan keeps whole (``grouped=False``: a static batch, never split), with dW
         kept as a block rather than summed over ``(A,B)``."""
         q = self.q
-        xp_, wp_, bp, nd, kd = linear_operands(node)
+        _, _, bp, nd, kd = linear_operands(node)
         xreq = ShardSpec(dims=rows + ((C,),))
         ins = [(xp, xreq), (wp, wspec((C,), (A, B), m))]
         if grouped:
