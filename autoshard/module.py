@@ -360,10 +360,33 @@ class ShardedModule(nn.Module):
         :mod:`autoshard.ir.signature`); a call with another one captures a new graph."""
         return [g.signature.describe() for g in self._graphs]
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, **kwargs):
         """Run the graph captured for this call's inputs (capturing one first if no
         graph has them). A batch that does not divide the batch split is padded and
-        the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`)."""
+        the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`).
+
+        ``torch.compile(sharded)`` compiles the graph in one piece, with no break: this
+        method and the input checks, graph lookup and padding it runs are outside the
+        compiled region by design (dynamo skips their frames, not a break), so the first
+        frame it compiles is the graph module's own, one per captured signature."""
+        g, full, b, padded, run = self._prepare(kwargs)
+        with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
+            out = run(**full)
+        return self._trim(out, b, padded) if padded != b else out
+
+    @staticmethod
+    @torch.compiler.disable
+    def _trim(out, b: int, padded: int):
+        return trim_rows(out, b, padded)
+
+    @torch.compiler.disable
+    def _prepare(self, kwargs: dict):
+        """The eager half of :meth:`forward`: inputs moved to the module's device and
+        checked, the graph for them found (or captured), the batch padded; returns
+        ``(graph, its keyword arguments, batch, padded batch, what to run)``. The first
+        call of each graph runs under the self-check (every node's local shape against
+        the plan), eagerly."""
         kwargs = _on_device({k: v for k, v in kwargs.items() if v is not None}, self.device)
         if kwargs.get("use_cache"):
             raise ConfigError("use_cache=True: a sharded module's forward runs without a KV cache (its graphs are "
@@ -383,13 +406,11 @@ class ShardedModule(nn.Module):
             full = pad_rows(full, b, padded, g.batch_inputs)
         if self.debug:
             self._check_same_inputs(full, g.input_names)
-        with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
-            if self.self_check and (self.debug or id(g) not in self._checked):
-                out = run_checked(g.gm, self.mesh, full, self.plan.dp)      # every node's local shape vs the plan
-                self._checked.add(id(g))
-            else:
-                out = self._runner(g)(**full)
-        return trim_rows(out, b, padded) if padded != b else out
+        if self.self_check and (self.debug or id(g) not in self._checked):
+            self._checked.add(id(g))
+            return g, full, b, padded, torch.compiler.disable(
+                lambda **kw: run_checked(g.gm, self.mesh, kw, self.plan.dp))
+        return g, full, b, padded, self._runner(g)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,

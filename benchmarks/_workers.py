@@ -687,3 +687,53 @@ def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cp
                     out["times"][key].append(time.perf_counter() - t0)
         del runs
     return out
+
+
+def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, backend: str) -> dict:
+    """Cold ``torch.compile`` of one path on this pool (a fresh process, a fresh inductor
+    cache): ``dense`` (rank 0 compiles the dense model; the other ranks wait),
+    ``method`` (``sharded.compile()``) or ``module`` (``torch.compile(sharded)``, what users
+    write). The sharded module runs one eager step first (capture, launch and the first
+    call's self-check are not compile time). Returns the first two compiled steps'
+    times (forward + backward; the first compiles) and dynamo's graph, break and
+    recompile counts."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    import warnings
+
+    import autoshard
+    import models
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dense = models.build(name)
+    inputs = models.batch(name)
+    if path == "dense":
+        m = torch.compile(dense, backend=backend) if rank == 0 else None
+    else:
+        sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+        sharded(**inputs).loss.backward()
+        sharded.zero_grad(set_to_none=True)
+        if path == "method":
+            sharded.compile(backend=backend)
+            m = sharded
+        else:
+            m = torch.compile(sharded, backend=backend)
+    torch._dynamo.reset() if path == "dense" else None
+    counters.clear()
+    times = []
+    for _ in range(2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if m is not None:
+            m(**inputs).loss.backward()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return {"times": times, "graphs": int(counters["stats"]["unique_graphs"]),
+            "breaks": int(sum(counters["graph_break"].values())),
+            "break_reasons": sorted(k.splitlines()[0] for k in counters["graph_break"]),
+            "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}

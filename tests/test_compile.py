@@ -2,7 +2,8 @@
 
 ``ShardedModule.compile()`` compiles the rewritten graph modules (the input
 checks and batch padding around them stay eager); ``torch.compile(sharded)`` of
-the whole module works too, with graph breaks at those checks. Loss, logits and
+the whole module compiles to one graph with no break (the checks stay outside the
+compiled region by design). Loss, logits and
 every local gradient of the compiled run are compared with the eager run of the
 same sharded module, and dynamo must find no graph break in the rewritten graph.
 """
@@ -89,3 +90,49 @@ def test_compiled_equals_eager(case):
         assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
     print(f"\n{name} {mode}@{world} ({backend}): compile (first call) {res[0]['first_call_s']:.1f} s; step "
           f"eager {res[0]['times']['eager'] * 1e3:.1f} ms, compiled {res[0]['times']['compiled'] * 1e3:.1f} ms")
+
+
+def _module_compiled_vs_eager(rank, world, name, mode):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    dense = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    compiled = torch.compile(sharded, backend="aot_eager")     # before any call: the first call self-checks eagerly
+    out_e = sharded(**inputs)
+    out_e.loss.backward()
+    ref = {"loss": out_e.loss.detach(), "logits": out_e.logits.detach(),
+           **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}}
+    counters.clear()
+    fails = []
+    for _ in range(2):                   # the first compiles, the second reuses the graph
+        sharded.zero_grad(set_to_none=True)
+        out_c = compiled(**inputs)
+        out_c.loss.backward()
+        got = {"loss": out_c.loss.detach(), "logits": out_c.logits.detach(),
+               **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
+        for what, b in ref.items():
+            try:
+                torch.testing.assert_close(got[what], b, atol=1e-5, rtol=1e-5)
+            except AssertionError as e:
+                fails.append(f"{what}: {str(e).splitlines()[0]}")
+    return {"failures": fails, "graphs": int(counters["stats"]["unique_graphs"]),
+            "breaks": dict(counters["graph_break"]), "recompiles": dict(counters.get("recompiles", {}))}
+
+
+@pytest.mark.parametrize("case", [("llama", "1d", 2), pytest.param(("gpt2", "2d", 4), marks=pytest.mark.slow)],
+                         ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+def test_torch_compile_of_the_module_is_one_graph(case):
+    """``torch.compile(sharded)``, what users write: the module's input checks, graph
+    lookup and padding stay outside the compiled region by design (dynamo skips their
+    frames), so dynamo compiles one graph with no break and no recompile, and the
+    compiled steps equal eager (loss, logits, every local gradient)."""
+    name, mode, world = case
+    for rank, r in enumerate(get_pool(world, timeout=900).run(_module_compiled_vs_eager, name, mode)):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["graphs"] == 1 and r["breaks"] == {} and r["recompiles"] == {}, r
