@@ -100,7 +100,8 @@ class ShardedModule(nn.Module):
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
-        self._prefetched: dict | None = None     # id(graph) -> its prefetching copy, after prefetch_weights()
+        self._prefetched: dict | None = None     # id(graph) -> its eager copy after prefetch_weights() / async_tp()
+        self._prefetch_on, self._async_chunks = False, 1
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
@@ -524,7 +525,7 @@ class ShardedModule(nn.Module):
             raise ConfigError(f"split_blocks() on a module with {len(self._graphs)} graphs: call it right after "
                               f"shard(), before calls with other input signatures")
         if self._compile_kw is not None or self._prefetched is not None:
-            raise ConfigError("split_blocks() after compile() or prefetch_weights(): split the blocks first")
+            raise ConfigError("split_blocks() after compile(), prefetch_weights() or async_tp(): split the blocks first")
         keys = split_blocks(self._graphs[0].gm, checkpoint=checkpoint)
         self._blocks_split = True
         self.block_paths = tuple(keys)
@@ -566,18 +567,52 @@ class ShardedModule(nn.Module):
 
             sharded = autoshard.shard(model, mode="2d").prefetch_weights()
         """
-        self._prefetched = {} if on else None
+        self._prefetch_on = bool(on)
+        self._prefetched = {} if self._prefetch_on or self._async_chunks > 1 else None
         return self
+
+    def async_tp(self, chunks: int = 2) -> "ShardedModule":
+        """Asynchronous tensor parallelism (1d): cut each row-parallel Linear's rows
+        into ``chunks`` blocks and launch each block's all-reduce while the next block
+        multiplies (:mod:`autoshard.passes.async_tp`). Exact; the plan is unchanged,
+        the ledger counts ``chunks`` calls per such Linear (the plan's bytes in all).
+        Eager only: after :meth:`compile` the graphs run without it. ``chunks=1``
+        turns it off. Whether it pays is the host's: ``benchmarks/bench_async_tp.py``
+        times it, :func:`autoshard.planning.cost.estimate` (``async_tp=``) predicts it.
+        Returns the module.
+
+        Example (under ``torchrun``)::
+
+            sharded = autoshard.shard(model, mode="1d").async_tp(2)
+        """
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ConfigError(f"async_tp(chunks={chunks!r}): a whole number of row blocks >= 1 (1 turns it off; "
+                              f"2 is the usual choice)")
+        self._async_chunks = chunks
+        self._prefetched = {} if self._prefetch_on or chunks > 1 else None
+        return self
+
+    def _eager_copy(self, gm):
+        """``gm`` with the eager passes this module has on: weight prefetching, then
+        asynchronous row-parallel Linears."""
+        if self._prefetch_on:
+            from .passes.prefetch import prefetch_weights
+
+            gm = prefetch_weights(gm)[0]
+        if self._async_chunks > 1:
+            from .passes.async_tp import async_row_linears
+
+            gm = async_row_linears(gm, self._async_chunks)[0]
+        return gm
 
     def _runner(self, g):
         """``g``'s graph module, compiled once per graph after :meth:`compile` (with its
-        weight gathers launched early after :meth:`prefetch_weights`)."""
+        weight gathers launched early after :meth:`prefetch_weights`, its row-parallel
+        Linears pipelined after :meth:`async_tp`)."""
         if self._compile_kw is None:
             if self._prefetched is not None:
                 if id(g) not in self._prefetched:
-                    from .passes.prefetch import prefetch_weights
-
-                    self._prefetched[id(g)] = prefetch_weights(g.gm)[0]
+                    self._prefetched[id(g)] = self._eager_copy(g.gm)
                 return self._prefetched[id(g)]
             return g.gm
         fn = self._compiled.get(id(g))

@@ -514,11 +514,12 @@ def step_breakdown(prof, step_s: float, opt_s: float) -> dict:
 
 
 def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int,
-               modes: list) -> dict:
+               modes: list, async_tp: int = 1) -> dict:
     """TP efficiency on this pool: the dense model on one thread (rank 0; the others
     wait) and each mode of ``modes`` on every rank, one thread each, timed step by step
     alternately (forward + backward + AdamW); then one profiled step of each for the
-    breakdown (:func:`step_breakdown`)."""
+    breakdown (:func:`step_breakdown`). ``async_tp > 1``: 1d runs once more with
+    ``sharded.async_tp(async_tp)``."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -537,6 +538,10 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
             runs[mode] = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, example_inputs=inputs)
         except autoshard.AutoshardError as e:        # raised alike on every rank, before any collective
             errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    extra = []
+    if async_tp > 1 and "1d" in runs:
+        extra = [f"1d async_tp({async_tp})"]
+        runs[extra[0]] = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs).async_tp(async_tp)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in runs.items()}
 
     def one(name):
@@ -548,7 +553,7 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
         opt.step()
         return loss, time.perf_counter() - t0
 
-    names = ["dense"] + [m for m in modes if m not in errors]
+    names = ["dense"] + [m for m in modes if m not in errors] + extra
     times = {n: [] for n in names}
     losses = {}
     for i in range(warmup + steps):          # alternate, so drift in host load hits every run alike
@@ -737,3 +742,91 @@ def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, 
             "breaks": int(sum(counters["graph_break"].values())),
             "break_reasons": sorted(k.splitlines()[0] for k in counters["graph_break"]),
             "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
+
+
+def async_tp_primitive(rank: int, world: int, rows: int, ks: list, n: int, chunks: list, steps: int,
+                       warmup: int) -> dict:
+    """The row-parallel Linear's forward (local ``[rows, k] @ [k, n]`` partial product, sum
+    all-reduce over the ranks) as autoshard runs it (one product, one blocking all-reduce)
+    and micro-pipelined (the rows in ``c`` chunks, each chunk's all-reduce launched
+    asynchronously while the next chunk multiplies), timed alternately per ``k``; the
+    largest difference from the plain result is returned too."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.runtime import collectives as C
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD.group_name
+    out = {}
+    for k in ks:
+        g = torch.Generator().manual_seed(rank)
+        x, w = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g)
+
+        def plain():
+            return C.all_reduce(x @ w, group, "sum")
+
+        def chunked(c):
+            y = torch.empty(rows, n)
+            works = []
+            for part_x, part_y in zip(x.tensor_split(c), y.tensor_split(c)):
+                torch.mm(part_x, w, out=part_y)
+                works.append(C.all_reduce_async(part_y, group))
+            for wk in works:
+                wk.wait()
+            return y
+
+        runs = {"plain": plain, **{f"chunks={c}": (lambda c=c: chunked(c)) for c in chunks}}
+        ref = plain()
+        err = max(float((f() - ref).abs().max()) for f in runs.values())
+        times = {name: [] for name in runs}
+        for i in range(warmup + steps):
+            for name, f in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                f()
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    times[name].append(dt)
+        out[k] = {"times": times, "max_abs_diff": err,
+                  "median": {name: statistics.median(ts) for name, ts in times.items()}}
+    return out
+
+
+def async_tp_step(rank: int, world: int, cfg_kw: dict, b: int, s: int, chunks: list, steps: int,
+                  warmup: int) -> dict:
+    """A 1d training step (forward + backward + AdamW) plain and with
+    ``sharded.async_tp(c)`` for each ``c`` of ``chunks``: one module per variant, the same
+    weights and batch, timed alternately step by step; their losses too."""
+    import torch
+    import torch.distributed as dist
+
+    import warnings
+
+    import autoshard
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    inputs = _batch(cfg_kw["vocab_size"], b, s)
+    runs = {"plain": autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs)}
+    for c in chunks:
+        runs[f"async_tp({c})"] = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs).async_tp(c)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in runs.items()}
+    times = {k: [] for k in runs}
+    losses = {}
+    for i in range(warmup + steps):
+        for name, m in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            opts[name].zero_grad(set_to_none=True)
+            loss = m(**inputs).loss
+            loss.backward()
+            opts[name].step()
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            if i == 0:
+                losses[name] = float(loss.detach())
+    return {"times": times, "losses": losses}

@@ -13,6 +13,7 @@ down; its shares, not its absolute times, are the breakdown.
 
     python benchmarks/bench_efficiency.py                       # Llama hidden 512, 4 layers, batch 8 × 128
     python benchmarks/bench_efficiency.py --world 2 --modes 1d --hidden 256 --layers 2 --seq 64 --steps 3
+    python benchmarks/bench_efficiency.py --world 2 --modes 1d --async-tp 2   # 1d plain and asynchronous
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
     _common.add_llama_args(ap, batch=8, hidden=512, layers=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--async-tp", type=int, default=1, metavar="C",
+                    help="also run 1d with sharded.async_tp(C): its row-parallel all-reduces in C chunks")
     args = ap.parse_args(argv)
     cfg = {**_common.llama_config(args), "vocab_size": args.vocab, "max_position_embeddings": max(256, args.seq)}
     con = _common.console(200)
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
         # 2d needs a square world of at least 4
         modes = [m for m in args.modes if m != "2d" or (world >= 4 and math.isqrt(world) ** 2 == world)]
         per_rank = get_pool(world, timeout=3600).run(_workers.efficiency, cfg, args.batch, args.seq, args.steps,
-                                                     args.warmup, modes)
+                                                     args.warmup, modes, args.async_tp)
         r0 = per_rank[0]
         dense = statistics.median(r0["times"]["dense"])
         for mode, err in r0["errors"].items():

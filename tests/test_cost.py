@@ -333,3 +333,26 @@ def test_paired_collectives_are_charged_the_longer_and_what_the_pair_does_not_hi
     unpaired = sum(collective_time(c, plan.mesh, cluster)[0] for c in plan.comms())   # + grad sync
     assert e.comm_s == pytest.approx(unpaired - hidden)
     assert (hidden > 0) == (overlap > 0)
+
+
+def test_async_tp_term():
+    """``estimate(async_tp=c)``: each 1d row-parallel all-reduce becomes ``c`` calls (the
+    same bytes); with the overlap a cluster allows, the chunks hide behind the next
+    chunk's product where they are long (a large model on cpu-gloo), and only add
+    calls where nothing overlaps or the latency dominates."""
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=1024)
+    plan = autoshard.plan(cfg, world_size=2, mode="1d", batch_size=8, seq_len=128)
+    rows = sum(1 for n in plan.nodes if type(n.kernel).__name__ == "RowLinear")
+    assert rows == 4
+    base, two = estimate(plan, "cpu-gloo"), estimate(plan, "cpu-gloo", async_tp=2)
+    assert two.collective_calls == base.collective_calls + rows
+    assert two.comm_bytes == pytest.approx(base.comm_bytes)
+    assert two.comm_s_fwd < base.comm_s_fwd and two.comm_s_bwd == base.comm_s_bwd
+    assert "4 row-parallel all-reduce(s) in 2 chunks" in two.notes[-1]
+    none = CLUSTERS["cpu-gloo"].replace(compute_overlap=0.0)
+    assert estimate(plan, none, async_tp=2).comm_s_fwd > estimate(plan, none).comm_s_fwd
+    with pytest.raises(ConfigError, match="async_tp=0"):
+        estimate(plan, "cpu-gloo", async_tp=0)
+    with pytest.raises(ConfigError, match="compute_overlap"):
+        Cluster.preset("cpu-gloo").replace(compute_overlap=1.5)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from .activations import saved_bytes
 from ..ir.errors import ConfigError
+from ..ir.kernels import RowLinear
 from ..ir.mesh import Mesh
 from ..ir.plan import Comm, NodePlan, ShardingPlan
 from ..ir.spec import ShardSpec
@@ -96,6 +97,10 @@ class Cluster:
             (a SUMMA / 3D Linear's two operand gathers, ``Kernel.paired``) hidden behind
             the longer: 1 where they travel on links of their own (NCCL streams), about
             0 where both eat the same CPU cores (gloo on an oversubscribed host).
+        compute_overlap: the share (0-1) of a collective launched asynchronously that
+            hides behind compute running meanwhile (asynchronous TP's row chunks,
+            :func:`estimate` ``async_tp=``): 1 with NCCL's own streams; on gloo the
+            communication thread shares the cores (``benchmarks/bench_async_tp.py``).
     """
 
     ranks_per_node: int
@@ -111,6 +116,7 @@ class Cluster:
     op_overhead: float = 0.0
     flops_curve: tuple = ()
     pair_overlap: float = 1.0
+    compute_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("ranks_per_node", "intra_bw", "inter_bw", "flops", "memory_bytes"):
@@ -119,8 +125,9 @@ class Cluster:
         for f in ("intra_latency", "inter_latency", "call_overhead", "op_overhead"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
-        if not 0.0 <= self.pair_overlap <= 1.0:
-            raise ConfigError(f"Cluster.pair_overlap must be within 0-1, got {self.pair_overlap!r}")
+        for f in ("pair_overlap", "compute_overlap"):
+            if not 0.0 <= getattr(self, f) <= 1.0:
+                raise ConfigError(f"Cluster.{f} must be within 0-1, got {getattr(self, f)!r}")
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"Cluster.device must be 'cuda' or 'cpu', got {self.device!r}")
 
@@ -224,7 +231,7 @@ CLUSTERS: dict[str, Cluster] = {
     # Processes of one host talking over gloo/TCP loopback; "nodes" joined by 10 GbE.
     "cpu-gloo": Cluster(name="cpu-gloo", ranks_per_node=64, intra_bw=2e9, intra_latency=60e-6,
                         inter_bw=1.25e9, inter_latency=120e-6, flops=50e9, memory_bytes=16 * GiB,
-                        device="cpu", pair_overlap=0.0),
+                        device="cpu", pair_overlap=0.0, compute_overlap=0.5),
     # Tesseract paper (its §4, the experiments): MeluXina, 4 × A100-40GB per node, NVLink 200 GB/s
     # inside a node, InfiniBand 200 Gb/s (= 25 GB/s) between nodes. fp32 training with
     # TF32 matmuls (PyTorch's default in 2021): 156 TFLOP/s peak, 40% sustained assumed.
@@ -498,13 +505,42 @@ def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime
     return out
 
 
+def _async_row_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: int,
+                     params: dict) -> list[CommTime] | None:
+    """A 1d row-parallel Linear's collectives under asynchronous TP
+    (:meth:`autoshard.module.ShardedModule.async_tp`), or None for any other node: its
+    forward all-reduce in ``chunks`` calls of their own (each paying the call overhead
+    and the ring latency), every one but the last hidden behind the next chunk's
+    product for the share ``cluster.compute_overlap``."""
+    if not isinstance(n.kernel, RowLinear) or n.kernel.scatter_dim is not None:
+        return None
+    fwd = [c for c in n.comms if c.phase == "fwd" and c.kind == "all_reduce"]
+    if len(fwd) != 1:
+        return None
+    flops = node_flops(n, plan, params) / chunks
+    product = flops / cluster.rate(flops) if flops else 0.0      # one chunk's share of the matmul
+    part = dataclasses.replace(fwd[0], buffer_bytes=fwd[0].buffer_bytes / chunks)
+    t, link = collective_time(part, plan.mesh, cluster)
+    out = [CommTime(comm=part, seconds=t - (min(t, product) * cluster.compute_overlap if i < chunks - 1 else 0.0),
+                    link=link, node=n.name) for i in range(chunks)]
+    for c in n.comms:
+        if c is not fwd[0]:
+            secs, lk = collective_time(c, plan.mesh, cluster)
+            out.append(CommTime(comm=c, seconds=secs, link=lk, node=n.name))
+    return out
+
+
 def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
-             activation_dtype_bytes: int | None = None, zero: int = 0) -> CostEstimate:
+             activation_dtype_bytes: int | None = None, zero: int = 0, async_tp: int = 1) -> CostEstimate:
     """Predict one training step of ``plan`` on ``cluster`` for one rank.
 
     ``zero=1`` (:class:`autoshard.training.zero.ZeroAdamW`): the optimizer state is split
     over the ``dp`` replicas; ``zero=2``: the gradients too. The bytes on the wire
     stay those of the dp all-reduce (a reduce-scatter plus an all-gather).
+    ``async_tp=c`` (:meth:`autoshard.module.ShardedModule.async_tp`): each 1d
+    row-parallel Linear's all-reduce in ``c`` chunks, all but the last overlapping the
+    next chunk's product (``Cluster.compute_overlap``); more calls, less exposed time
+    where the overlap beats the extra calls' overhead.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -518,13 +554,21 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     """
     cluster = Cluster.preset(cluster)
     mesh = plan.mesh
+    if not isinstance(async_tp, int) or isinstance(async_tp, bool) or async_tp < 1:
+        raise ConfigError(f"async_tp={async_tp!r}: a whole number of row chunks >= 1 (1: off)")
     # backward ≈ 2 × forward; every node pays the dispatch overhead once per step
     # (forward and backward together)
     flops, compute_s = _compute(plan, cluster, passes=3.0)
     timed: list[CommTime] = []
-    for n in plan.nodes:
-        timed += _node_comm_times(n, mesh, cluster)
+    params = _param_index(plan)
     notes = []
+    chunked = 0
+    for n in plan.nodes:
+        rows = _async_row_times(n, plan, cluster, async_tp, params) if async_tp > 1 else None
+        chunked += rows is not None
+        timed += rows if rows is not None else _node_comm_times(n, mesh, cluster)
+    if chunked:
+        notes.append(f"asynchronous TP: {chunked} row-parallel all-reduce(s) in {async_tp} chunks")
     for c in plan.grad_sync_comms():
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))

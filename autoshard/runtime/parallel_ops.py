@@ -55,12 +55,48 @@ def _matmul(x, w, n_dim: int):
     return x @ (w.t() if n_dim == 0 else w)
 
 
-def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = None):
+def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = None, chunks: int = 1):
     """Row-parallel: local partial product, all-reduce (or reduce-scatter on
-    ``scatter_dim``: sequence parallelism), then the (replicated) bias."""
-    y = _matmul(x, w, n_dim)
-    y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
+    ``scatter_dim``: sequence parallelism), then the (replicated) bias. ``chunks > 1``
+    (asynchronous TP, :mod:`autoshard.passes.async_tp`): the rows in that many chunks,
+    each chunk's all-reduce launched while the next multiplies (eager, real tensors,
+    no autocast; the plain path otherwise)."""
+    if chunks > 1 and scatter_dim is None and x.device.type != "meta" and not _autocast_on(x) \
+            and not torch.compiler.is_compiling() and x.dtype == w.dtype:
+        y = _ChunkedRow.apply(x, w, group, n_dim, chunks)
+    else:
+        y = _matmul(x, w, n_dim)
+        y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
     return y if b is None else y + b
+
+
+class _ChunkedRow(torch.autograd.Function):
+    """The row-parallel product and its all-reduce, micro-pipelined over row chunks.
+    Backward as the plain path's: the all-reduce's gradient is the identity, so
+    dX = dY·W and dW = dYᵀ·X, no collective."""
+
+    @staticmethod
+    def forward(ctx, x, w, group: str, n_dim: int, chunks: int):
+        ctx.save_for_backward(x, w)
+        ctx.n_dim = n_dim
+        wm = w.t() if n_dim == 0 else w
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2.new_empty((x2.shape[0], wm.shape[1]))
+        works = []
+        for px, py in zip(x2.tensor_split(chunks), y.tensor_split(chunks)):
+            if py.numel():
+                torch.mm(px, wm, out=py)
+                works.append(C.all_reduce_async(py, group))
+        for work in works:
+            work.wait()
+        return y.reshape(*x.shape[:-1], wm.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
+        dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
 
 
 def _grouped(x, w, offs, n_dim: int, impl: str):
