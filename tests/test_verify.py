@@ -173,7 +173,9 @@ def _compare_job(rank, world, mode, corrupt):
             w = dict(sharded.named_parameters())["model.layers.1.mlp.down_proj.weight"]
             if rank == world - 1:
                 w.add_(0.5)
-    cmp = sharded.compare(dense, inputs)
+    # rtol 1e-4: node by node, fp32 drift grows through the layers and a square doubles it
+    # (the last norm's pow of the residual stream reached 1.2e-5 relative on one host)
+    cmp = sharded.compare(dense, inputs, rtol=1e-4)
     first = cmp.first_mismatch
     return {"first": None if first is None else (first.name, cmp.kinds[first.name][1]),
             "n": len(cmp.rows), "worst": max(r.max_abs for r in cmp.rows if r.status in ("ok", "mismatch")),
@@ -187,7 +189,7 @@ def test_sharded_compare_on_a_real_batch(mode, world):
     pool = get_pool(world, timeout=600)
     clean = pool.run(_compare_job, mode, False)
     assert all(r["first"] is None for r in clean), clean[0]
-    assert clean[0]["n"] > 50 and clean[0]["worst"] < 1e-3 and clean[0]["table"] == 5    # within rtol 1e-5
+    assert clean[0]["n"] > 50 and clean[0]["worst"] < 1e-3 and clean[0]["table"] == 5    # within rtol 1e-4
     broken = pool.run(_compare_job, mode, True)
     assert len({str(r["first"]) for r in broken}) == 1          # every rank reports the same merged table
     name, module = broken[0]["first"]
