@@ -356,3 +356,22 @@ def test_async_tp_term():
         estimate(plan, "cpu-gloo", async_tp=0)
     with pytest.raises(ConfigError, match="compute_overlap"):
         Cluster.preset("cpu-gloo").replace(compute_overlap=1.5)
+
+
+def test_search_costs_1d_with_async_tp_where_it_pays():
+    """The search costs every 1d candidate with asynchronous TP too and keeps the chunk
+    count the cost model prefers (``Evaluated.async_tp``; 1 where no overlap is possible)."""
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
+                                   architectures=["LlamaForCausalLM"])
+    res = search(cfg, world_size=2, cluster="cpu-gloo", batch_size=8, seq_len=128, modes=["1d"])
+    one = next(e for e in res.ranked if e.candidate.mode == "1d")
+    assert one.async_tp in (2, 4)
+    assert one.cost.step_s < estimate(one.plan, "cpu-gloo").step_s
+    assert res.to_dict()["candidates"][0]["async_tp"] == one.async_tp
+    buf = io.StringIO()
+    res.show(Console(file=buf, width=250))
+    assert f"async TP ×{one.async_tp}" in buf.getvalue() and f"sharded.async_tp({one.async_tp})" in buf.getvalue()
+    flat = CLUSTERS["cpu-gloo"].replace(compute_overlap=0.0)
+    res0 = search(cfg, world_size=2, cluster=flat, batch_size=8, seq_len=128, modes=["1d"])
+    assert next(e for e in res0.ranked if e.candidate.mode == "1d").async_tp == 1

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ from ..ir.plan import ShardingPlan
 __all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "choose_cp_attention"]
 
 _MAX_UPWARD = 1 << 16
+#: the row chunk counts of asynchronous TP (:meth:`autoshard.module.ShardedModule.async_tp`) a 1d
+#: candidate is also costed with; the cheapest is kept (``Evaluated.async_tp``)
+ASYNC_TP_CHUNKS = (2, 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +87,7 @@ class Evaluated:
     cost: CostEstimate | None = None
     reason: str = ""
     rank: int | None = None          # 1 = chosen; None = dropped
+    async_tp: int = 1                # row chunks that pay (1d; ShardedModule.async_tp), 1: none do
 
     @property
     def ok(self) -> bool:
@@ -257,7 +262,8 @@ class SearchResult:
                         _gib(k.activation_bytes), str(len(e.plan.fallbacks)))
             else:
                 nums = ("-",) * 9
-            t.add_row(*(escape(x) for x in (str(e.rank) if e.ok else "-", c.label, *nums, e.reason)),
+            label = c.label + (f" · async TP ×{e.async_tp}" if e.async_tp > 1 else "")
+            t.add_row(*(escape(x) for x in (str(e.rank) if e.ok else "-", label, *nums, e.reason)),
                       style="bold green" if e.rank == 1 else (None if e.ok else "dim"))
         hidden = len(self.results) - len(rows)
         if hidden > 0:
@@ -273,7 +279,8 @@ class SearchResult:
             b = self.best
             console.print(f"[bold]chosen:[/bold] {b.candidate.label} (mesh {b.candidate.mesh}) · predicted step "
                           f"{b.cost.step_s * 1e3:,.1f} ms · {human_bytes(b.cost.memory_bytes)}/rank of "
-                          f"{human_bytes(self.cluster.memory_bytes)}")
+                          f"{human_bytes(self.cluster.memory_bytes)}"
+                          + (f" · with sharded.async_tp({b.async_tp})" if b.async_tp > 1 else ""))
 
     def to_dict(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "batch_size": self.batch_size,
@@ -281,6 +288,7 @@ class SearchResult:
                 "candidates": [{"rank": e.rank, "label": e.candidate.label, "mode": e.candidate.mode,
                                 "q": e.candidate.q, "d": e.candidate.d, "dp": e.candidate.dp,
                                 "cp": e.candidate.cp, "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
+                                "async_tp": e.async_tp,
                                 "cost": e.cost.to_dict() if e.cost else None} for e in self.results]}
 
 
@@ -330,7 +338,13 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     if not cost.fits:
         return Evaluated(candidate=cand, plan=plan, cost=cost,
                          reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
-    return Evaluated(candidate=cand, plan=plan, cost=cost)
+    chunks = 1
+    if cand.mode == "1d":           # asynchronous TP where the cost model says it pays
+        for c in ASYNC_TP_CHUNKS:
+            alt = estimate(plan, cluster, optimizer=optimizer, zero=zero, async_tp=c)
+            if alt.step_s < cost.step_s:
+                cost, chunks = alt, c
+    return Evaluated(candidate=cand, plan=plan, cost=cost, async_tp=chunks)
 
 
 def _rank(evals: list[Evaluated]) -> list[Evaluated]:
@@ -344,7 +358,7 @@ def _rank(evals: list[Evaluated]) -> list[Evaluated]:
                            e.candidate.cp_attention != "ring"))
     bad.sort(key=lambda e: (e.cost is None, e.cost.memory_bytes if e.cost else 0, e.candidate.cp,
                             order[e.candidate.mode], e.candidate.dp, e.candidate.d, e.candidate.q))
-    ranked = [Evaluated(candidate=e.candidate, plan=e.plan, cost=e.cost, rank=i + 1) for i, e in enumerate(ok)]
+    ranked = [dataclasses.replace(e, rank=i + 1) for i, e in enumerate(ok)]
     return ranked + bad
 
 
