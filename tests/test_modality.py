@@ -212,7 +212,7 @@ def test_a_static_sequence_is_part_of_the_signature():
 def test_the_support_report_lists_every_family():
     """docs/support.md's modality table (regenerated with the architecture matrix; the slow
     test_support_md_is_generated_from_the_matrix compares it with the plans) has each
-    family in each mode: pass, or refused where the batch is static."""
+    family in each mode: pass (CLIP and LLaVA with their static batch kept whole)."""
     import arch_matrix as M
 
     for name in modality.FAMILIES:
