@@ -100,7 +100,7 @@ class ShardedModule(nn.Module):
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
-        self._prefetched: dict | None = None     # id(graph) -> its eager copy after prefetch_weights() / async_tp()
+        self._eager_copies: dict = {}   # id(graph) -> its copy with the eager passes (prefetch_weights, async_tp)
         self._prefetch_on, self._async_chunks = False, 1
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
@@ -236,8 +236,7 @@ class ShardedModule(nn.Module):
         for g in self._graphs:
             retarget(g.gm, device)
         self._compiled, self._generator = {}, None
-        if self._prefetched is not None:
-            self._prefetched = {}
+        self._eager_copies = {}
 
     def place(self, device: "torch.device | str") -> "ShardedModule":
         """Move this rank's slices to ``device`` and point every graph at it (its device
@@ -524,7 +523,7 @@ class ShardedModule(nn.Module):
         if len(self._graphs) > 1:
             raise ConfigError(f"split_blocks() on a module with {len(self._graphs)} graphs: call it right after "
                               f"shard(), before calls with other input signatures")
-        if self._compile_kw is not None or self._prefetched is not None:
+        if self._compile_kw is not None or self._eager_passes_on:
             raise ConfigError("split_blocks() after compile(), prefetch_weights() or async_tp(): split the blocks first")
         keys = split_blocks(self._graphs[0].gm, checkpoint=checkpoint)
         self._blocks_split = True
@@ -567,8 +566,7 @@ class ShardedModule(nn.Module):
 
             sharded = autoshard.shard(model, mode="2d").prefetch_weights()
         """
-        self._prefetch_on = bool(on)
-        self._prefetched = {} if self._prefetch_on or self._async_chunks > 1 else None
+        self._prefetch_on, self._eager_copies = bool(on), {}
         return self
 
     def async_tp(self, chunks: int = 2) -> "ShardedModule":
@@ -588,9 +586,12 @@ class ShardedModule(nn.Module):
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ConfigError(f"async_tp(chunks={chunks!r}): a whole number of row blocks >= 1 (1 turns it off; "
                               f"2 is the usual choice)")
-        self._async_chunks = chunks
-        self._prefetched = {} if self._prefetch_on or chunks > 1 else None
+        self._async_chunks, self._eager_copies = chunks, {}
         return self
+
+    @property
+    def _eager_passes_on(self) -> bool:
+        return self._prefetch_on or self._async_chunks > 1
 
     def _eager_copy(self, gm):
         """``gm`` with the eager passes this module has on: weight prefetching, then
@@ -610,10 +611,10 @@ class ShardedModule(nn.Module):
         weight gathers launched early after :meth:`prefetch_weights`, its row-parallel
         Linears pipelined after :meth:`async_tp`)."""
         if self._compile_kw is None:
-            if self._prefetched is not None:
-                if id(g) not in self._prefetched:
-                    self._prefetched[id(g)] = self._eager_copy(g.gm)
-                return self._prefetched[id(g)]
+            if self._eager_passes_on:
+                if id(g) not in self._eager_copies:
+                    self._eager_copies[id(g)] = self._eager_copy(g.gm)
+                return self._eager_copies[id(g)]
             return g.gm
         fn = self._compiled.get(id(g))
         if fn is None:

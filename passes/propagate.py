@@ -504,8 +504,7 @@ class _Engine:
                            for t in (v if isinstance(v, (list, tuple)) else [v]))
             if floating and any(a.name in out for a in n.all_input_nodes):
                 out.add(n.name)
-        self._live_nodes = self._live()
-        return out & self._live_nodes
+        return out & self._live()
 
     def _live(self) -> set[str]:
         """The nodes an output depends on: backward reaches no other (LLaVA's vision
@@ -887,14 +886,12 @@ class _Engine:
         nothing needs."""
         comms: list[Comm] = []
         for kc in self._kernel_comms(node, choice, in_specs):
-            if kc.phase == "bwd" and node.name not in self._live_nodes:    # backward never reaches it
+            if kc.phase == "bwd" and node.name not in self.needs_grad:    # backward never reaches it
                 continue
             if kc.phase == "bwd" and kc.needs_grad_of:
                 if not any(isinstance(_get(node, p), fx.Node) and _get(node, p).name in self.needs_grad
                            for p in kc.needs_grad_of):
                     continue
-            if kc.phase == "bwd" and not kc.needs_grad_of and node.name not in self.needs_grad:
-                continue
             comms.append(Comm(phase=kc.phase, kind=kc.kind, axes=kc.axes, group_size=self.mesh.size(kc.axes),
                               buffer_bytes=kc.numel * _elem_bytes(node)))
         return comms

@@ -523,11 +523,7 @@ def _async_row_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: 
     t, link = collective_time(part, plan.mesh, cluster)
     out = [CommTime(comm=part, seconds=t - (min(t, product) * cluster.compute_overlap if i < chunks - 1 else 0.0),
                     link=link, node=n.name) for i in range(chunks)]
-    for c in n.comms:
-        if c is not fwd[0]:
-            secs, lk = collective_time(c, plan.mesh, cluster)
-            out.append(CommTime(comm=c, seconds=secs, link=lk, node=n.name))
-    return out
+    return out + [ct for ct in _node_comm_times(n, plan.mesh, cluster) if ct.comm is not fwd[0]]
 
 
 def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
@@ -560,7 +556,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     # (forward and backward together)
     flops, compute_s = _compute(plan, cluster, passes=3.0)
     timed: list[CommTime] = []
-    params = _param_index(plan)
+    params = _param_index(plan) if async_tp > 1 else {}
     notes = []
     chunked = 0
     for n in plan.nodes:

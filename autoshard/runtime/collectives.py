@@ -370,10 +370,6 @@ def from_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     """This rank's block of a whole ``dim`` (no communication, outside autograd)."""
-    return _local_block(x, dim, group)
-
-
-def _local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     pg = _pg(group)
     if group in _BALANCED:
         p = pg.size()
@@ -438,7 +434,7 @@ def _rs(x, dim, group):
 
 
 def _keep(x, dim, group):
-    return _local_block(x, dim, group)
+    return local_block(x, dim, group)
 
 
 _reduce_from = _def_pair("reduce_from", _ar, _identity, has_dim=False)

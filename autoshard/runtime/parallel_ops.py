@@ -189,14 +189,16 @@ class _Summa(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         row, col, n_dim, k_dim, impl, rows_whole = ctx.cfg
         dx = dw = None
-        if rows_whole:      # every rank of the row group holds all rows: dW is whole here, keep the block
-            return _summa_rows_whole_grads(ctx, x, w, dy)
+        # X's rows whole over `row` (a static batch kept whole): the row group's ranks compute the
+        # same dW, so each keeps its block of it instead of summing q copies
+        reduce_dw = (lambda t: C.local_block(t, k_dim, row)) if rows_whole else \
+            (lambda t: C.reduce_scatter(t, k_dim, row))
         # re-gather instead of saving the gathered copies (docs/design.md, "Pitfalls"); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
         # under autocast dy is low precision while x / w are not: compute in dy's
         # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
         nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if nx and nw:       # both operands gathered together, both gradients scattered together
+        if nx and nw and not rows_whole:    # both operands gathered together, both gradients scattered together
             wg, xg = _two("all_gather", w, k_dim, row, x, x.dim() - 1, col)
             if offs is not None:
                 dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, True, True)
@@ -216,35 +218,15 @@ class _Summa(torch.autograd.Function):
             if nx:
                 dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
             if nw:
-                dw = C.reduce_scatter(dwg.to(w.dtype), k_dim, row)
+                dw = reduce_dw(dwg.to(w.dtype))
             return dx, dw, None, None, None, None, None, None, None, None
         if nx:
             dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
             dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
         if nw:
             dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
-            dw = C.reduce_scatter(dwg, k_dim, row)
+            dw = reduce_dw(dwg)
         return dx, dw, None, None, None, None, None, None, None, None
-
-
-def _summa_rows_whole_grads(ctx, x, w, dy):
-    """_Summa's gradients when X's rows are not split over ``row`` (a static batch kept
-    whole, docs/design.md, "Inputs"): the row group's ranks compute the same dW, so each
-    keeps its own block of it instead of summing q copies."""
-    row, col, n_dim, k_dim, impl, _ = ctx.cfg
-    (x, w, offs), (nx, nw) = ctx.saved_tensors, ctx.needs_input_grad[:2]
-    wg = C.all_gather(w, k_dim, row) if nx else w
-    xg = C.all_gather(x, x.dim() - 1, col) if nw else x
-    if offs is not None:
-        dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
-        dxg = dxg.to(x.dtype) if nx else None
-        dwg = dwg.to(w.dtype) if nw else None
-    else:
-        dxg = _summa_dx(dy, wg, n_dim, x.dtype) if nx else None
-        dwg = _summa_dw(dy, xg, n_dim, w.dtype) if nw else None
-    dx = C.reduce_scatter(dxg, dxg.dim() - 1, col) if nx else None
-    dw = C.local_block(dwg, k_dim, row) if nw else None
-    return (dx, dw) + (None,) * 8
 
 
 def _summa_dx(dy, wg, n_dim: int, dtype):
