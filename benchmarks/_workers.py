@@ -728,7 +728,6 @@ def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, 
             m = sharded
         else:
             m = torch.compile(sharded, backend=backend)
-    torch._dynamo.reset() if path == "dense" else None
     counters.clear()
     times = []
     for _ in range(2):
