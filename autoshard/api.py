@@ -28,7 +28,8 @@ from .runtime.heartbeat import stale_after
 from .runtime.heartbeat import start as start_heartbeat
 from .io.hf_fill import open_folder
 from .runtime.device import comm_device, init_process_group, rank_device
-from .runtime.groups import check_same_rng, plan_groups, timeout_seconds
+from .runtime.groups import check_same_rng, plan_groups
+from .runtime.timeout import timeout_seconds
 from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_min_seq, check_model, check_seq, raise_problems)
 
@@ -39,7 +40,7 @@ MODES = tuple(POLICIES)
 
 def _ensure_dist() -> None:
     """Join the torchrun job, with a bounded collective timeout (``AUTOSHARD_TIMEOUT``
-    seconds, default :data:`autoshard.runtime.groups.DEFAULT_TIMEOUT_S`): a dead or stuck rank
+    seconds, default :data:`autoshard.runtime.timeout.DEFAULT_TIMEOUT_S`): a dead or stuck rank
     becomes an error on the others instead of a hang. A process group the caller made
     keeps its own timeout. Under NCCL each rank binds its own GPU, ``cuda:LOCAL_RANK``
     (:func:`autoshard.runtime.device.init_process_group`)."""

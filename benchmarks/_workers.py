@@ -829,3 +829,41 @@ def async_tp_step(rank: int, world: int, cfg_kw: dict, b: int, s: int, chunks: l
             if i == 0:
                 losses[name] = float(loss.detach())
     return {"times": times, "losses": losses}
+
+
+def collectives_transport(rank: int, world: int, sizes: list, steps: int, warmup: int) -> dict:
+    """Per size (bytes of fp32 per rank) and collective (all-reduce, all-gather and
+    reduce-scatter on the last dim, as autoshard's kernels issue them): seconds of the
+    call on the process group (gloo) and on the shared-memory transport
+    (:mod:`autoshard.runtime.shm`), alternately, each after a barrier; and whether the
+    two gave the same tensor."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.runtime import collectives as C
+
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world))).group_name
+    calls = {"all_reduce": lambda x: C.all_reduce(x, group, "sum"),
+             "all_gather": lambda x: C.all_gather(x, x.dim() - 1, group),
+             "reduce_scatter": lambda x: C.reduce_scatter(x, x.dim() - 1, group)}
+    out = {}
+    for nbytes in sizes:
+        x = torch.randn(8, nbytes // 4 // 8, generator=torch.Generator().manual_seed(rank))
+        for kind, f in calls.items():
+            times = {"gloo": [], "shm": []}
+            res = {}
+            for i in range(warmup + steps):
+                for transport in times:
+                    os.environ["AUTOSHARD_SHM"] = "0" if transport == "gloo" else "1"
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    res[transport] = f(x)
+                    if i >= warmup:
+                        times[transport].append(time.perf_counter() - t0)
+            os.environ.pop("AUTOSHARD_SHM")
+            out[(nbytes, kind)] = {"times": times,
+                                   "max_abs_diff": float((res["gloo"] - res["shm"]).abs().max())}
+    return out

@@ -32,6 +32,7 @@ with no process group (:mod:`autoshard.planning.activations` traces a plan that 
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -40,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from . import shm
 
 __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
@@ -164,8 +167,11 @@ def group_rank_size(group: str) -> tuple[int, int]:
 # pairs below.
 @torch.library.custom_op("autoshard::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+    _record("all_reduce", group, x.numel() * x.element_size())
+    ch = shm.channel(group, x)
+    if ch is not None and ch.can_reduce(x.dtype):
+        return ch.all_reduce(x, op)
     out = x.contiguous().clone()
-    _record("all_reduce", group, out.numel() * out.element_size())
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_pg(group))
     return out
 
@@ -220,23 +226,46 @@ def all_reduce_async(x: torch.Tensor, group: str):
 
 def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
     """Run (``async_op``: launch) one all-gather / reduce-scatter of ``x`` on ``dim`` over
-    ``group``, counted now; return the function that waits and gives the result."""
+    ``group``, counted now; return the function that waits and gives the result.
+
+    The ranks' blocks travel as contiguous runs: a block is whole rows of ``x`` when every
+    dim before ``dim`` has size 1 (no copy at all); otherwise the gather lands in a
+    ``(p, *x.shape)`` stack copied once into place, and the scatter's input is laid out
+    block-major in one copy. Both travel as flat views (gloo checks dim 0 of each). Never a transpose of ``dim`` to the front, whose element
+    stride walks the whole tensor (a vocab-split logits gather paid two of them)."""
     pg = _pg(group)
     p = pg.size()
-    src = x.movedim(dim, 0).contiguous()
-    rows = p * src.shape[0] if kind == "all_gather" else src.shape[0] // p
-    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    dim = dim % x.dim()
+    shape = list(x.shape)
+    lead = math.prod(shape[:dim])
+    ch = None if async_op else shm.channel(group, x)
+    work = None
     if kind == "all_gather":
+        src = x.contiguous()
+        shape[dim] *= p
+        out = torch.empty(shape if lead == 1 else [p] + list(src.shape), dtype=x.dtype, device=x.device)
         _record(kind, group, out.numel() * out.element_size())
-        work = dist.all_gather_single(out, src, group=pg, async_op=async_op)
+        if ch is not None:
+            ch.all_gather(out, src)
+        else:
+            work = dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=pg, async_op=async_op)
     else:
+        shape[dim] //= p
+        src = x.contiguous() if lead == 1 else \
+            x.unflatten(dim, (p, shape[dim])).movedim(dim, 0).contiguous()
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
         _record(kind, group, src.numel() * src.element_size())
-        work = dist.reduce_scatter_single(out, src, group=pg, async_op=async_op)
+        if ch is not None and ch.can_reduce(x.dtype):
+            ch.reduce_scatter(out, src)
+        else:
+            work = dist.reduce_scatter_tensor(out.view(-1), src.view(-1), group=pg, async_op=async_op)
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
-        return out if dim == 0 else out.movedim(0, dim).contiguous()      # not a view of out (autograd)
+        if kind == "all_gather" and lead != 1:       # a copy, never a view of out (autograd)
+            return out.movedim(0, dim).reshape(shape)
+        return out
     return finish
 
 
@@ -285,6 +314,10 @@ def _def_two(kind: str, doc: str):
     same two calls and bytes as one after the other."""
     def impl(a: torch.Tensor, a_dim: int, a_group: str, b: torch.Tensor, b_dim: int,
              b_group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # on shared memory one after the other (each is a blocking copy); else both in flight
+        if shm.channel(a_group, a) is not None and shm.channel(b_group, b) is not None:
+            return (_launch(kind, a, a_dim, a_group, async_op=False)(),
+                    _launch(kind, b, b_dim, b_group, async_op=False)())
         fa = _launch(kind, a, a_dim, a_group, async_op=True)
         fb = _launch(kind, b, b_dim, b_group, async_op=True)
         return fa(), fb()
