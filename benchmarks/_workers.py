@@ -514,12 +514,12 @@ def step_breakdown(prof, step_s: float, opt_s: float) -> dict:
 
 
 def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, warmup: int,
-               modes: list, async_tp: int = 1) -> dict:
+               modes: list, async_tp: int = 1, gather_logits: bool = True) -> dict:
     """TP efficiency on this pool: the dense model on one thread (rank 0; the others
     wait) and each mode of ``modes`` on every rank, one thread each, timed step by step
     alternately (forward + backward + AdamW); then one profiled step of each for the
     breakdown (:func:`step_breakdown`). ``async_tp > 1``: 1d runs once more with
-    ``sharded.async_tp(async_tp)``."""
+    ``sharded.async_tp(async_tp)``; ``gather_logits``: as :func:`autoshard.shard`'s."""
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -535,13 +535,15 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
     errors = {}
     for mode in modes:
         try:
-            runs[mode] = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, example_inputs=inputs)
+            runs[mode] = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, example_inputs=inputs,
+                                         gather_logits=gather_logits)
         except autoshard.AutoshardError as e:        # raised alike on every rank, before any collective
             errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     extra = []
     if async_tp > 1 and "1d" in runs:
         extra = [f"1d async_tp({async_tp})"]
-        runs[extra[0]] = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs).async_tp(async_tp)
+        runs[extra[0]] = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs,
+                                         gather_logits=gather_logits).async_tp(async_tp)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in runs.items()}
 
     def one(name):

@@ -11,6 +11,10 @@ waits included), the optimizer, and the rest of the wall time — framework over
 (Python, dispatch, autograd bookkeeping, custom-op glue). The profiler slows a step
 down; its shares, not its absolute times, are the breakdown.
 
+The sharded models are made with ``gather_logits=False``, as a fine-tuning loop that reads
+only the loss makes them (the vocab-parallel loss needs no gathered logits; Megatron and
+torchtitan's ``loss_parallel`` keep them split too); ``--gather-logits`` gathers them.
+
     python benchmarks/bench_efficiency.py                       # Llama hidden 512, 4 layers, batch 8 × 128
     python benchmarks/bench_efficiency.py --world 2 --modes 1d --hidden 256 --layers 2 --seq 64 --steps 3
     python benchmarks/bench_efficiency.py --world 2 --modes 1d --async-tp 2   # 1d plain and asynchronous
@@ -44,17 +48,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--async-tp", type=int, default=1, metavar="C",
                     help="also run 1d with sharded.async_tp(C): its row-parallel all-reduces in C chunks")
+    ap.add_argument("--gather-logits", action="store_true",
+                    help="gather the vocab-split logits to every rank after each forward (shard()'s default)")
     args = ap.parse_args(argv)
     cfg = {**_common.llama_config(args), "vocab_size": args.vocab, "max_position_embeddings": max(256, args.seq)}
     con = _common.console(200)
     con.print(f"Llama {cfg}; batch {args.batch} × seq {args.seq}; fp32; forward + backward + AdamW; "
-              f"{args.steps} timed steps after {args.warmup} warm-up, alternating; 1 thread per rank")
+              f"{args.steps} timed steps after {args.warmup} warm-up, alternating; 1 thread per rank; "
+              f"logits {'gathered' if args.gather_logits else 'left split (gather_logits=False)'}")
     rows = []
     for world in args.world:
         # 2d needs a square world of at least 4
         modes = [m for m in args.modes if m != "2d" or (world >= 4 and math.isqrt(world) ** 2 == world)]
         per_rank = get_pool(world, timeout=3600).run(_workers.efficiency, cfg, args.batch, args.seq, args.steps,
-                                                     args.warmup, modes, args.async_tp)
+                                                     args.warmup, modes, args.async_tp,
+                                                     args.gather_logits)
         r0 = per_rank[0]
         dense = statistics.median(r0["times"]["dense"])
         for mode, err in r0["errors"].items():
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
                   *[f"{bd[j] / bd['step']:.0%}" for j in JOBS], f"{r['loss']:.4f}")
     con.print(t)
     path = _common.write_result("efficiency", {"model": cfg, "batch": args.batch, "seq": args.seq,
-                                               "steps": args.steps, "rows": rows})
+                                               "steps": args.steps, "gather_logits": args.gather_logits, "rows": rows})
     con.print(f"wrote {path}")
     return 0
 

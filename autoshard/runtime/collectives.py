@@ -228,37 +228,35 @@ def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
     """Run (``async_op``: launch) one all-gather / reduce-scatter of ``x`` on ``dim`` over
     ``group``, counted now; return the function that waits and gives the result.
 
-    The ranks' blocks travel as contiguous runs: a block is whole rows of ``x`` when every
-    dim before ``dim`` has size 1 (no copy at all); otherwise the gather lands in a
-    ``(p, *x.shape)`` stack copied once into place, and the scatter's input is laid out
-    block-major in one copy. Both travel as flat views (gloo checks dim 0 of each). Never a transpose of ``dim`` to the front, whose element
-    stride walks the whole tensor (a vocab-split logits gather paid two of them)."""
+    On the process group the ranks' blocks travel as contiguous runs: a block is whole
+    rows of ``x`` when every dim before ``dim`` has size 1 (no copy at all); otherwise the
+    gather lands in a ``(p, *x.shape)`` stack copied once into place, and the scatter's
+    input is laid out block-major in one copy (both as flat views: gloo checks dim 0 of
+    each). Never a transpose of ``dim`` to the front, whose element stride walks the whole
+    tensor (a vocab-split logits gather paid two of them). On shared memory
+    (:mod:`autoshard.runtime.shm`) the blocks are copied between the slots and their places
+    in ``x`` or the result directly."""
     pg = _pg(group)
     p = pg.size()
     dim = dim % x.dim()
     shape = list(x.shape)
-    lead = math.prod(shape[:dim])
+    shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
+    _record(kind, group, (math.prod(shape) if kind == "all_gather" else x.numel()) * x.element_size())
     ch = None if async_op else shm.channel(group, x)
-    work = None
+    if ch is not None and (kind == "all_gather" or ch.can_reduce(x.dtype)):
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        (ch.all_gather if kind == "all_gather" else ch.reduce_scatter)(out, x, dim)
+        return lambda: out
+    lead = math.prod(shape[:dim])
     if kind == "all_gather":
         src = x.contiguous()
-        shape[dim] *= p
         out = torch.empty(shape if lead == 1 else [p] + list(src.shape), dtype=x.dtype, device=x.device)
-        _record(kind, group, out.numel() * out.element_size())
-        if ch is not None:
-            ch.all_gather(out, src)
-        else:
-            work = dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=pg, async_op=async_op)
+        work = dist.all_gather_single(out.view(-1), src.view(-1), group=pg, async_op=async_op)
     else:
-        shape[dim] //= p
         src = x.contiguous() if lead == 1 else \
             x.unflatten(dim, (p, shape[dim])).movedim(dim, 0).contiguous()
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        _record(kind, group, src.numel() * src.element_size())
-        if ch is not None and ch.can_reduce(x.dtype):
-            ch.reduce_scatter(out, src)
-        else:
-            work = dist.reduce_scatter_tensor(out.view(-1), src.view(-1), group=pg, async_op=async_op)
+        work = dist.reduce_scatter_single(out.view(-1), src.view(-1), group=pg, async_op=async_op)
 
     def finish() -> torch.Tensor:
         if work is not None:

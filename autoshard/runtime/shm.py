@@ -220,39 +220,69 @@ class Channel:
             self._exchange(fill, take)
         return res
 
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> None:
-        """``out`` (contiguous, ``size`` × ``src``'s elements) := every rank's ``src`` in rank order."""
-        src, dst = src.reshape(-1).view(torch.uint8), out.view(-1).view(torch.uint8)
-        n = src.numel()
-        for s in range(0, n, self.slot):
-            e = min(n, s + self.slot)
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+        """``out`` (contiguous, ``x``'s shape with ``dim`` ``size`` times longer) := every
+        rank's ``x`` concatenated on ``dim`` in rank order. A block that fits a slot goes in
+        one round, read straight into its place in ``out``; a larger one in rounds of its
+        bytes, through a stack of the blocks when they are not whole rows of ``out``."""
+        blocks = out.unflatten(dim, (self.size, x.shape[dim]))
+        nbytes = x.numel() * x.element_size()
+        if nbytes <= self.slot:
+            def fill(mine):
+                mine[:nbytes].view(x.dtype).view(x.shape).copy_(x)
+
+            def take(slots):
+                for r, t in enumerate(slots):
+                    blocks.select(dim, r).copy_(t[:nbytes].view(x.dtype).view(x.shape))
+            self._exchange(fill, take)
+            return
+        whole_rows = all(n == 1 for n in x.shape[:dim])
+        stack = out if whole_rows else torch.empty((self.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        src, dst = x.contiguous().view(-1).view(torch.uint8), stack.view(-1).view(torch.uint8)
+        for s in range(0, nbytes, self.slot):
+            e = min(nbytes, s + self.slot)
 
             def fill(mine, s=s, e=e):
                 mine[:e - s].copy_(src[s:e])
 
             def take(slots, s=s, e=e):
                 for r, t in enumerate(slots):
-                    dst[r * n + s:r * n + e].copy_(t[:e - s])
+                    dst[r * nbytes + s:r * nbytes + e].copy_(t[:e - s])
             self._exchange(fill, take)
+        if not whole_rows:
+            out.copy_(stack.movedim(0, dim).reshape(out.shape))
 
-    def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor) -> None:
-        """``out`` (contiguous) := the sum over the group of block ``rank`` of ``src``
-        (``size`` equal blocks, contiguous)."""
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+        """``out`` (contiguous) := the sum over the group of this rank's block of ``x`` on
+        ``dim`` (``size`` equal blocks). ``x`` that fits a slot goes in one round, its blocks
+        copied straight from their places; a larger one block-major in rounds."""
         p = self.size
-        blocks = src.reshape(p, -1)
+        parts = x.unflatten(dim, (p, out.shape[dim])).movedim(dim, 0)       # view: [p, *out.shape]
         dst = out.view(-1)
-        n = dst.numel()
-        per = self.slot // (p * src.element_size())
-        for s in range(0, n, per):
-            e = min(n, s + per)
+        m = out.numel()
+        if m * p * x.element_size() <= self.slot:
+            def fill(mine):
+                mine.view(x.dtype)[:p * m].view(parts.shape).copy_(parts)
+
+            def take(slots):
+                ts = [t.view(x.dtype)[self.rank * m:(self.rank + 1) * m] for t in slots]
+                torch.add(ts[0], ts[1], out=dst)
+                for t in ts[2:]:
+                    dst.add_(t)
+            self._exchange(fill, take)
+            return
+        blocks = parts.reshape(p, m)                  # block-major (a copy unless ``x``'s blocks are rows)
+        per = self.slot // (p * x.element_size())
+        for s in range(0, m, per):
+            e = min(m, s + per)
 
             def fill(mine, s=s, e=e):
-                mine.view(src.dtype)[:p * (e - s)].view(p, e - s).copy_(blocks[:, s:e])
+                mine.view(x.dtype)[:p * (e - s)].view(p, e - s).copy_(blocks[:, s:e])
 
             def take(slots, s=s, e=e):
-                m = e - s
-                parts = [t.view(src.dtype)[self.rank * m:(self.rank + 1) * m] for t in slots]
-                torch.add(parts[0], parts[1], out=dst[s:e])
-                for t in parts[2:]:
+                k = e - s
+                ts = [t.view(x.dtype)[self.rank * k:(self.rank + 1) * k] for t in slots]
+                torch.add(ts[0], ts[1], out=dst[s:e])
+                for t in ts[2:]:
                     dst[s:e].add_(t)
             self._exchange(fill, take)
