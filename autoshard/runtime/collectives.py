@@ -165,8 +165,8 @@ def group_rank_size(group: str) -> tuple[int, int]:
 # Counted by the ledger, no autograd of their own: kernels with a hand-written
 # backward (parallel_ops) call these; everything else uses the autograd-aware
 # pairs below.
-@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+    """:func:`all_reduce`'s body (the conjugate pairs call it from inside their own op)."""
     _record("all_reduce", group, x.numel() * x.element_size())
     ch = shm.channel(group, x)
     if ch is not None and ch.can_reduce(x.dtype):
@@ -174,6 +174,11 @@ def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_pg(group))
     return out
+
+
+@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
+    return _all_reduce(x, group, op)
 
 
 @all_reduce.register_fake
@@ -433,12 +438,16 @@ def _def_pair(name, fwd, bwd, *, has_dim: bool):
     def setup(ctx, inputs, output):
         ctx.args = inputs[1:]
 
+    # an identity backward hands the gradient on as it is: only an op's forward output
+    # may not alias its input (reduce_from's backward cloned 2 MiB per call for nothing)
+    back = (lambda g, dim, group: g) if bwd is _identity else bwd
+
     def backward(ctx, grad):
         if has_dim:
             dim, group = ctx.args
-            return bwd(grad, dim, group), None, None
+            return back(grad, dim, group), None, None
         (group,) = ctx.args
-        return bwd(grad, None, group), None
+        return back(grad, None, group), None
 
     op.register_autograd(backward, setup_context=setup)
     return op
@@ -452,16 +461,17 @@ def _identity(x, dim, group):
     return x.clone()
 
 
+# the pairs' bodies call the raw collectives' bodies, not their ops: one dispatch per call
 def _ar(x, dim, group):
-    return all_reduce(x, group, "sum")
+    return _all_reduce(x, group, "sum")
 
 
 def _ag(x, dim, group):
-    return from_rank_blocks(all_gather(x, dim, group), dim, group)
+    return from_rank_blocks(_launch("all_gather", x, dim, group, async_op=False)(), dim, group)
 
 
 def _rs(x, dim, group):
-    return reduce_scatter(to_rank_blocks(x, dim, group), dim, group)
+    return _launch("reduce_scatter", to_rank_blocks(x, dim, group), dim, group, async_op=False)()
 
 
 def _keep(x, dim, group):
