@@ -166,18 +166,20 @@ def _probe(ranks_per_node: int | None, iters: int) -> _Probe:
 
 def _time_collectives(group, p: int, probe: _Probe, sizes, iters: int) -> list[tuple[int, float, float]]:
     """(ring steps, bytes sent, seconds) of an all-reduce and an all-gather of each of
-    ``sizes`` bytes over ``group`` (:func:`_between`)."""
+    ``sizes`` bytes over ``group`` (:func:`_between`), through
+    :mod:`autoshard.runtime.collectives` as a step runs them (shared memory between CPU
+    ranks of one host)."""
     out = []
+    name = group.group_name
     for nbytes in sizes:
         numel = max(p, nbytes // 4 // p * p)
         x = torch.ones(numel, dtype=torch.float32, device=probe.device)
-        y = torch.empty(numel, dtype=torch.float32, device=probe.device)
         for kind in ("all_reduce", "all_gather"):
             def once():
                 if kind == "all_reduce":
-                    dist.all_reduce(x, group=group)
+                    C.all_reduce(x, name, "sum")
                 else:
-                    dist.all_gather_single(y, x[: numel // p], group=group)
+                    C.all_gather(x[: numel // p], 0, name)
             dt = _between(once, probe, iters)
             steps = 2 * (p - 1) if kind == "all_reduce" else p - 1
             sent = (2 if kind == "all_reduce" else 1) * (p - 1) / p * numel * 4

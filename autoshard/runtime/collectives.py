@@ -418,6 +418,7 @@ def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 # ------------------------------------------------------ differentiable conjugates
 def _def_pair(name, fwd, bwd, *, has_dim: bool):
     """Register ``autoshard::<name>`` whose forward is ``fwd`` and backward ``bwd``."""
+    fwd = _BODIES.get(fwd, fwd)
     if has_dim:
         def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
             return fwd(x, dim, group)
@@ -461,17 +462,26 @@ def _identity(x, dim, group):
     return x.clone()
 
 
-# the pairs' bodies call the raw collectives' bodies, not their ops: one dispatch per call
 def _ar(x, dim, group):
-    return _all_reduce(x, group, "sum")
+    return all_reduce(x, group, "sum")
 
 
 def _ag(x, dim, group):
-    return from_rank_blocks(_launch("all_gather", x, dim, group, async_op=False)(), dim, group)
+    return from_rank_blocks(all_gather(x, dim, group), dim, group)
 
 
 def _rs(x, dim, group):
-    return _launch("reduce_scatter", to_rank_blocks(x, dim, group), dim, group, async_op=False)()
+    return reduce_scatter(to_rank_blocks(x, dim, group), dim, group)
+
+
+# A pair's forward runs inside its own op, on real tensors only: it calls the raw
+# collectives' bodies (one dispatch per call). Its backward is traced under
+# torch.compile, so it calls the ops, whose fake kernels the trace sees.
+_BODIES = {
+    _ar: lambda x, dim, group: _all_reduce(x, group, "sum"),
+    _ag: lambda x, dim, group: from_rank_blocks(_launch("all_gather", x, dim, group, async_op=False)(), dim, group),
+    _rs: lambda x, dim, group: _launch("reduce_scatter", to_rank_blocks(x, dim, group), dim, group, async_op=False)(),
+}
 
 
 def _keep(x, dim, group):

@@ -63,14 +63,17 @@ def _compare(rank, world, slot_mb):
             for dim in range(len(shape)):
                 if shape[dim] % world:
                     continue
-                got = C.all_gather(x, dim, g)
-                out["checks"].append((f"all_gather {dtype} {shape} dim {dim}",
-                                      torch.equal(got, torch.cat(xs, dim)), True, None))
-                if dtype == torch.int64:
-                    rs = C.reduce_scatter(x, dim, g)
-                    want = torch.stack(xs).sum(0).chunk(world, dim)[rank]
-                    out["checks"].append((f"reduce_scatter {dtype} {shape} dim {dim}",
-                                          torch.equal(rs, want), True, None))
+                for transport in ("shm", "process group"):       # both lay the blocks out alike
+                    os.environ["AUTOSHARD_SHM"] = "1" if transport == "shm" else "0"
+                    got = C.all_gather(x, dim, g)
+                    out["checks"].append((f"all_gather {dtype} {shape} dim {dim} ({transport})",
+                                          torch.equal(got, torch.cat(xs, dim)), True, None))
+                    if dtype == torch.int64:
+                        rs = C.reduce_scatter(x, dim, g)
+                        want = torch.stack(xs).sum(0).chunk(world, dim)[rank]
+                        out["checks"].append((f"reduce_scatter {dtype} {shape} dim {dim} ({transport})",
+                                              torch.equal(rs, want), True, None))
+                    del os.environ["AUTOSHARD_SHM"]
     dist.barrier()
     return out
 
