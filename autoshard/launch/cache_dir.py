@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ir import log
+from ..ir.env import positive_number
 from ..ir.errors import AutoshardWarning, ConfigError
 
 __all__ = ["KINDS", "SOURCE_PACKAGES", "DEFAULT_MAX_MB", "CacheEntry", "root", "folder", "enabled", "max_bytes",
@@ -105,17 +106,8 @@ def max_bytes(environ=None) -> int:
     Raises:
         ConfigError: the variable is not a positive number.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get("AUTOSHARD_CACHE_MAX_MB", "").strip()
-    if not raw:
-        return DEFAULT_MAX_MB * 2**20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ConfigError(f"AUTOSHARD_CACHE_MAX_MB={raw!r} is not a size: give a positive number of megabytes "
-                          f"(default {DEFAULT_MAX_MB})")
+    mb = positive_number("AUTOSHARD_CACHE_MAX_MB", DEFAULT_MAX_MB,
+                         what="is not a size: give a positive number of megabytes", environ=environ)
     return int(mb * 2**20)
 
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..ir.env import positive_number
 from .timeout import timeout_seconds
 
 __all__ = ["channel", "enabled", "Channel"]
@@ -64,7 +65,8 @@ def enabled() -> bool:
 
 
 def _slot_bytes() -> int:
-    mb = float(os.environ.get("AUTOSHARD_SHM_SLOT_MB", "4"))
+    mb = positive_number("AUTOSHARD_SHM_SLOT_MB", 4, what="must be a positive number of megabytes (one rank's "
+                         "slot of the shared-memory segment)")
     return max(4096, int(mb * (1 << 20)) // 4096 * 4096)
 
 

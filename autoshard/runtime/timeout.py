@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
-from ..ir.errors import ConfigError
+from ..ir.env import positive_number
 
 __all__ = ["DEFAULT_TIMEOUT_S", "timeout_seconds"]
 
@@ -18,15 +17,5 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
     """Collective timeout in seconds: ``AUTOSHARD_TIMEOUT`` or :data:`DEFAULT_TIMEOUT_S`."""
-    env = os.environ if environ is None else environ
-    raw = env.get("AUTOSHARD_TIMEOUT")
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        t = float(raw)
-    except ValueError:
-        t = -1.0
-    if not t > 0:
-        raise ConfigError(f"AUTOSHARD_TIMEOUT={raw!r} must be a positive number of seconds "
-                          f"(default {DEFAULT_TIMEOUT_S:g})")
-    return t
+    return positive_number("AUTOSHARD_TIMEOUT", DEFAULT_TIMEOUT_S, what="must be a positive number of seconds",
+                           environ=environ)
