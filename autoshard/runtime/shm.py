@@ -164,8 +164,10 @@ class Channel:
             if spins < 4096:
                 os.sched_yield()
                 continue
-            time.sleep(5e-5)
             now = time.monotonic()
+            # a short wait stays short (50 µs naps); a long one (a peer saving a checkpoint)
+            # naps longer, up to 1 ms, so that waiting ranks leave the cores to those that work
+            time.sleep(min(1e-3, 5e-5 * (1.0 + (now - start) / 0.01)))
             if now < next_check:
                 continue
             next_check = now + 0.1
@@ -177,7 +179,7 @@ class Channel:
                        f"rank(s) {late} of the group did not arrive within {limit:g} s (AUTOSHARD_TIMEOUT)")
                 raise dist.DistBackendError(
                     f"shared-memory collective on group {self.group!r} (this is its rank {self.rank} of "
-                    f"{self.size}): {why}; connection closed to the peer")
+                    f"{self.size}): {why}")
 
     def _exchange(self, fill: Callable[[torch.Tensor], None],
                   take: Callable[[list[torch.Tensor]], None]) -> None:
