@@ -4,8 +4,8 @@ gloo moves a CPU tensor between two processes on one machine through TCP loopbac
 the kernel copies it twice and wakes a gloo thread per message. Ranks that share a
 host can instead write their tensors into one shared-memory segment and read each
 other's. Measured on the 2-core development host (``python benchmarks/bench_collectives.py``):
-an all-reduce of 2 MiB over 2 ranks takes gloo 2.4 ms and this transport under 1 ms
-(the training step that issues 21 of them: docs/design.md, "Shared-memory collectives").
+an all-reduce of 2 MiB over 2 ranks takes gloo 6.0 ms and this transport 1.4 ms, and a 1d
+training step issues 21 of them (docs/design.md, "Shared-memory collectives").
 DeepSpeed's and vLLM's CPU backends keep a transport of this kind for the same reason.
 
 :mod:`autoshard.runtime.collectives` routes its blocking all-reduce, all-gather and
