@@ -570,9 +570,10 @@ class ShardedModule(nn.Module):
         return self
 
     def async_tp(self, chunks: int = 2) -> "ShardedModule":
-        """Asynchronous tensor parallelism (1d): cut each row-parallel Linear's rows
-        into ``chunks`` blocks and launch each block's all-reduce while the next block
-        multiplies (:mod:`autoshard.passes.async_tp`). Exact; the plan is unchanged,
+        """Asynchronous tensor parallelism (1d, 1d-sp): cut each row-parallel Linear's
+        rows into ``chunks`` blocks and launch each block's all-reduce (1d-sp: the
+        reduce-scatter of a block of the batch) while the next block multiplies
+        (:mod:`autoshard.passes.async_tp`). Exact; the plan is unchanged,
         the ledger counts ``chunks`` calls per such Linear (the plan's bytes in all).
         Eager only: after :meth:`compile` the graphs run without it. ``chunks=1``
         turns it off. Whether it pays is the host's: ``benchmarks/bench_async_tp.py``

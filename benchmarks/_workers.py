@@ -518,7 +518,7 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
     """TP efficiency on this pool: the dense model on one thread (rank 0; the others
     wait) and each mode of ``modes`` on every rank, one thread each, timed step by step
     alternately (forward + backward + AdamW); then one profiled step of each for the
-    breakdown (:func:`step_breakdown`). ``async_tp > 1``: 1d runs once more with
+    breakdown (:func:`step_breakdown`). ``async_tp > 1``: 1d and 1d-sp run once more with
     ``sharded.async_tp(async_tp)``; ``gather_logits``: as :func:`autoshard.shard`'s."""
     import torch
     import torch.distributed as dist
@@ -540,10 +540,11 @@ def efficiency(rank: int, world: int, cfg_kw: dict, b: int, s: int, steps: int, 
         except autoshard.AutoshardError as e:        # raised alike on every rank, before any collective
             errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     extra = []
-    if async_tp > 1 and "1d" in runs:
-        extra = [f"1d async_tp({async_tp})"]
-        runs[extra[0]] = autoshard.shard(_tiny_llama(cfg_kw), mode="1d", example_inputs=inputs,
-                                         gather_logits=gather_logits).async_tp(async_tp)
+    for mode in ("1d", "1d-sp") if async_tp > 1 else ():
+        if mode in runs:
+            extra.append(f"{mode} async_tp({async_tp})")
+            runs[extra[-1]] = autoshard.shard(_tiny_llama(cfg_kw), mode=mode, example_inputs=inputs,
+                                              gather_logits=gather_logits).async_tp(async_tp)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in runs.items()}
 
     def one(name):

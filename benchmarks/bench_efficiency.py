@@ -17,7 +17,7 @@ torchtitan's ``loss_parallel`` keep them split too); ``--gather-logits`` gathers
 
     python benchmarks/bench_efficiency.py                       # Llama hidden 512, 4 layers, batch 8 × 128
     python benchmarks/bench_efficiency.py --world 2 --modes 1d --hidden 256 --layers 2 --seq 64 --steps 3
-    python benchmarks/bench_efficiency.py --world 2 --modes 1d --async-tp 2   # 1d plain and asynchronous
+    python benchmarks/bench_efficiency.py --world 2 --modes 1d 1d-sp --async-tp 2   # plain and asynchronous
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--async-tp", type=int, default=1, metavar="C",
-                    help="also run 1d with sharded.async_tp(C): its row-parallel all-reduces in C chunks")
+                    help="also run 1d and 1d-sp with sharded.async_tp(C): their row-parallel all-reduces "
+                         "(1d-sp: reduce-scatters) in C chunks")
     ap.add_argument("--gather-logits", action="store_true",
                     help="gather the vocab-split logits to every rank after each forward (shard()'s default)")
     args = ap.parse_args(argv)

@@ -1,18 +1,20 @@
-"""Asynchronous (micro-pipelined) tensor parallelism for the 1d row-parallel Linears.
+"""Asynchronous (micro-pipelined) tensor parallelism for the row-parallel Linears of
+1d and 1d-sp.
 
 A row-parallel Linear (attention output, MLP down projection) multiplies its local
 features and all-reduces the partial product before anything can use it. Cut into
 ``chunks`` row blocks, each block's all-reduce is launched as soon as the block is
 multiplied and travels while the next block multiplies
 (:func:`autoshard.runtime.parallel_ops.row_linear` with ``chunks``); the last block's
-all-reduce is the only one left in the open. Exact: every row is the same product
-and the same sum (within the all-reduce's own summation order). The plan is not
-changed: the ledger counts ``chunks`` calls per row-parallel Linear, with the plan's
-bytes in all.
+all-reduce is the only one left in the open. In 1d-sp the product is reduce-scattered
+on the sequence dim instead; its chunks are chunks of the batch (dim 0), each
+reduce-scattered alike. Exact: every row is the same product and the same sum (within
+the collective's own summation order). The plan is not changed: the ledger counts
+``chunks`` calls per row-parallel Linear, with the plan's bytes in all.
 
 Applied to the rewritten graph by :meth:`autoshard.module.ShardedModule.async_tp`
-(eager only); 1d-sp's reduce-scatters are left as they are. Whether it pays is the
-host's: ``benchmarks/bench_async_tp.py`` times the primitive,
+(eager only). 1d-sp's all-gathers before its column-parallel Linears are left as they
+are. Whether it pays is the host's: ``benchmarks/bench_async_tp.py`` times the primitive,
 :func:`autoshard.planning.cost.estimate` (``async_tp=``) predicts it.
 """
 
@@ -28,8 +30,8 @@ __all__ = ["async_row_linears"]
 
 
 def async_row_linears(gm: fx.GraphModule, chunks: int) -> tuple[fx.GraphModule, int]:
-    """A graph module running ``gm``'s graph with every all-reducing row-parallel
-    Linear cut into ``chunks`` row blocks (sharing ``gm``'s parameters and
+    """A graph module running ``gm``'s graph with every row-parallel Linear (all-reducing,
+    or reduce-scattering in 1d-sp) cut into ``chunks`` row blocks (sharing ``gm``'s parameters and
     submodules), and how many Linears were changed.
 
     >>> import torch
@@ -46,8 +48,7 @@ def async_row_linears(gm: fx.GraphModule, chunks: int) -> tuple[fx.GraphModule, 
     graph = copy.deepcopy(gm.graph)
     count = 0
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is parallel_ops.row_linear \
-                and node.kwargs.get("scatter_dim") is None:
+        if node.op == "call_function" and node.target is parallel_ops.row_linear:
             node.kwargs = {**node.kwargs, "chunks": chunks}
             count += 1
     graph.lint()

@@ -352,6 +352,16 @@ def test_async_tp_term():
     assert "4 row-parallel all-reduce(s) in 2 chunks" in two.notes[-1]
     none = CLUSTERS["cpu-gloo"].replace(compute_overlap=0.0)
     assert estimate(plan, none, async_tp=2).comm_s_fwd > estimate(plan, none).comm_s_fwd
+    # 1d-sp: the reduce-scatter in chunks of the batch, where each rank holds enough samples
+    sp = autoshard.plan(cfg, world_size=2, mode="1d-sp", batch_size=8, seq_len=128)
+    base_sp, two_sp = estimate(sp, "cpu-gloo"), estimate(sp, "cpu-gloo", async_tp=2)
+    assert two_sp.collective_calls == base_sp.collective_calls + rows
+    assert two_sp.comm_bytes == pytest.approx(base_sp.comm_bytes)
+    assert two_sp.comm_s_fwd < base_sp.comm_s_fwd
+    assert "4 row-parallel reduce-scatter(s) in 2 chunks" in two_sp.notes[-1]
+    one_sample = autoshard.plan(cfg, world_size=2, mode="1d-sp", batch_size=1, seq_len=128)
+    assert estimate(one_sample, "cpu-gloo", async_tp=2).collective_calls == \
+        estimate(one_sample, "cpu-gloo").collective_calls
     with pytest.raises(ConfigError, match="async_tp=0"):
         estimate(plan, "cpu-gloo", async_tp=0)
     with pytest.raises(ConfigError, match="compute_overlap"):

@@ -113,7 +113,7 @@ def test_weight_prefetch_is_exact_and_counted_alike(case):
         assert r["ledger_equal"], (rank, r)
 
 
-def _async_vs_plain(rank, world, chunks):
+def _async_vs_plain(rank, world, chunks, mode="1d"):
     import autoshard
     from autoshard.passes.async_tp import async_row_linears
     from autoshard.runtime.collectives import CommLedger
@@ -123,7 +123,7 @@ def _async_vs_plain(rank, world, chunks):
     inputs = models.batch("llama", b=4)
     out = {}
     for c in (1, chunks):
-        m = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs).async_tp(c)
+        m = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs).async_tp(c)
         m(**inputs)                                     # the first call runs node by node (self-check)
         with CommLedger() as led:
             o = m(**inputs)
@@ -136,13 +136,14 @@ def _async_vs_plain(rank, world, chunks):
     return {"worst": worst, "calls": (c0, c1), "bytes": (b0, b1), "changed": async_row_linears(m._graphs[0].gm, 2)[1]}
 
 
-@pytest.mark.parametrize("chunks", [2, 3])
-def test_async_tp_is_exact_and_counts_its_chunks(chunks):
-    """``sharded.async_tp(c)`` (1d): each row-parallel Linear's rows in ``c`` blocks, each
-    block's all-reduce launched while the next multiplies: loss, logits and every local
-    gradient within 1e-6 of the plain module (itself equal to dense: test_equivalence);
-    the ledger counts ``c`` calls per such Linear and the same bytes."""
-    for rank, r in enumerate(get_pool(2, timeout=600).run(_async_vs_plain, chunks)):
+@pytest.mark.parametrize("mode,chunks", [("1d", 2), ("1d", 3), ("1d-sp", 2)])
+def test_async_tp_is_exact_and_counts_its_chunks(mode, chunks):
+    """``sharded.async_tp(c)``: each row-parallel Linear's rows in ``c`` blocks, each
+    block's all-reduce (1d-sp: reduce-scatter on the sequence, the blocks being chunks of
+    the batch) launched while the next multiplies: loss, logits and every local gradient
+    within 1e-6 of the plain module (itself equal to dense: test_equivalence); the ledger
+    counts ``c`` calls per such Linear and the same bytes."""
+    for rank, r in enumerate(get_pool(2, timeout=600).run(_async_vs_plain, chunks, mode)):
         assert r["worst"] <= 1e-6, (rank, r)
         assert r["changed"] == 4, r                     # 2 layers × (o_proj, down_proj)
         assert r["calls"][1] - r["calls"][0] == (chunks - 1) * r["changed"], r

@@ -508,14 +508,21 @@ def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime
 
 def _async_row_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: int,
                      params: dict) -> list[CommTime] | None:
-    """A 1d row-parallel Linear's collectives under asynchronous TP
+    """A row-parallel Linear's collectives under asynchronous TP
     (:meth:`autoshard.module.ShardedModule.async_tp`), or None for any other node: its
-    forward all-reduce in ``chunks`` calls of their own (each paying the call overhead
-    and the ring latency), every one but the last hidden behind the next chunk's
-    product for the share ``cluster.compute_overlap``."""
-    if not isinstance(n.kernel, RowLinear) or n.kernel.scatter_dim is not None:
+    forward all-reduce (1d; 1d-sp: reduce-scatter, whose chunks are chunks of the
+    batch, so only where each rank holds at least ``chunks`` samples) in ``chunks``
+    calls of their own (each paying the call overhead and the ring latency), every one
+    but the last hidden behind the next chunk's product for the share
+    ``cluster.compute_overlap``."""
+    if not isinstance(n.kernel, RowLinear):
         return None
-    fwd = [c for c in n.comms if c.phase == "fwd" and c.kind == "all_reduce"]
+    if n.kernel.scatter_dim is not None:
+        local_batch = plan.batch_size // (plan.mesh.size(plan.batch_axes) if plan.batch_axes else 1)
+        if local_batch < chunks:
+            return None
+    kind = "all_reduce" if n.kernel.scatter_dim is None else "reduce_scatter"
+    fwd = [c for c in n.comms if c.phase == "fwd" and c.kind == kind]
     if len(fwd) != 1:
         return None
     flops = node_flops(n, plan, params) / chunks
@@ -535,7 +542,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     over the ``dp`` replicas; ``zero=2``: the gradients too. The bytes on the wire
     stay those of the dp all-reduce (a reduce-scatter plus an all-gather).
     ``async_tp=c`` (:meth:`autoshard.module.ShardedModule.async_tp`): each 1d
-    row-parallel Linear's all-reduce in ``c`` chunks, all but the last overlapping the
+    row-parallel Linear's all-reduce (1d-sp: reduce-scatter) in ``c`` chunks, all but the last overlapping the
     next chunk's product (``Cluster.compute_overlap``); more calls, less exposed time
     where the overlap beats the extra calls' overhead.
 
@@ -565,7 +572,8 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         chunked += rows is not None
         timed += rows if rows is not None else _node_comm_times(n, mesh, cluster)
     if chunked:
-        notes.append(f"asynchronous TP: {chunked} row-parallel all-reduce(s) in {async_tp} chunks")
+        what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
+        notes.append(f"asynchronous TP: {chunked} row-parallel {what} in {async_tp} chunks")
     for c in plan.grad_sync_comms():
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))

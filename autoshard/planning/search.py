@@ -40,7 +40,7 @@ __all__ = ["Candidate", "Evaluated", "SearchResult", "candidates", "search", "ch
 
 _MAX_UPWARD = 1 << 16
 #: the row chunk counts of asynchronous TP (:meth:`autoshard.module.ShardedModule.async_tp`) a 1d
-#: candidate is also costed with; the cheapest is kept (``Evaluated.async_tp``)
+#: or 1d-sp candidate is also costed with; the cheapest is kept (``Evaluated.async_tp``)
 ASYNC_TP_CHUNKS = (2, 4)
 
 
@@ -339,7 +339,7 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         return Evaluated(candidate=cand, plan=plan, cost=cost,
                          reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
     chunks = 1
-    if cand.mode == "1d":           # asynchronous TP where the cost model says it pays
+    if cand.mode in ("1d", "1d-sp"):        # asynchronous TP where the cost model says it pays
         for c in ASYNC_TP_CHUNKS:
             alt = estimate(plan, cluster, optimizer=optimizer, zero=zero, async_tp=c)
             if alt.step_s < cost.step_s:

@@ -59,11 +59,15 @@ def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = Non
     """Row-parallel: local partial product, all-reduce (or reduce-scatter on
     ``scatter_dim``: sequence parallelism), then the (replicated) bias. ``chunks > 1``
     (asynchronous TP, :mod:`autoshard.passes.async_tp`): the rows in that many chunks,
-    each chunk's all-reduce launched while the next multiplies (eager, real tensors,
-    no autocast; the plain path otherwise)."""
-    if chunks > 1 and scatter_dim is None and x.device.type != "meta" and not _autocast_on(x) \
-            and not torch.compiler.is_compiling() and x.dtype == w.dtype:
+    each chunk's all-reduce launched while the next multiplies — with ``scatter_dim``,
+    chunks of dim 0 (the batch), each reduce-scattered on ``scatter_dim`` (eager, real
+    tensors, no autocast, at least ``chunks`` samples; the plain path otherwise)."""
+    eager = chunks > 1 and x.device.type != "meta" and not _autocast_on(x) \
+        and not torch.compiler.is_compiling() and x.dtype == w.dtype
+    if eager and scatter_dim is None:
         y = _ChunkedRow.apply(x, w, group, n_dim, chunks)
+    elif eager and scatter_dim % x.dim() != 0 and x.dim() > 2 and x.shape[0] >= chunks:
+        y = _ChunkedRowScatter.apply(x, w, group, n_dim, chunks, scatter_dim % x.dim())
     else:
         y = _matmul(x, w, n_dim)
         y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
@@ -97,6 +101,32 @@ class _ChunkedRow(torch.autograd.Function):
         dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
         dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
+
+
+class _ChunkedRowScatter(torch.autograd.Function):
+    """1d-sp's row-parallel product and its reduce-scatter on the sequence dim,
+    micro-pipelined over chunks of the batch (dim 0): each chunk's reduce-scatter is
+    launched while the next chunk multiplies; the chunks' blocks, concatenated on dim 0,
+    are the whole product's block. Backward as the plain path's: the reduce-scatter's
+    gradient is the all-gather of dY on that dim, then dX = dY·W and dW = dYᵀ·X."""
+
+    @staticmethod
+    def forward(ctx, x, w, group: str, n_dim: int, chunks: int, scatter_dim: int):
+        ctx.save_for_backward(x, w)
+        ctx.n_dim, ctx.group, ctx.scatter_dim = n_dim, group, scatter_dim
+        wm = w.t() if n_dim == 0 else w
+        waits = [C.reduce_scatter_start(C.to_rank_blocks(px @ wm, scatter_dim, group), scatter_dim, group)
+                 for px in x.tensor_split(chunks) if px.shape[0]]
+        return torch.cat([finish() for finish in waits])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        d = ctx.scatter_dim
+        dy = C.from_rank_blocks(C.all_gather(dy.contiguous(), d, ctx.group), d, ctx.group)
+        dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
+        dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
 
 
 def _grouped(x, w, offs, n_dim: int, impl: str):
