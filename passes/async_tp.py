@@ -13,15 +13,19 @@ the collective's own summation order). The plan is not changed: the ledger count
 ``chunks`` calls per row-parallel Linear, with the plan's bytes in all.
 
 Applied to the rewritten graph by :meth:`autoshard.module.ShardedModule.async_tp`
-(eager only). 1d-sp's all-gathers before its column-parallel Linears are left as they
-are. Whether it pays is the host's: ``benchmarks/bench_async_tp.py`` times the primitive,
+(eager only). 1d-sp's all-gather of the sequence before its column-parallel Linears is
+pipelined too: where only Linears read it, the gather and those Linears become one
+:func:`~autoshard.runtime.parallel_ops.gathered_linears` call whose chunks of the batch
+are gathered while the chunk before multiplies. Whether it pays is the host's: ``benchmarks/bench_async_tp.py`` times the primitive,
 :func:`autoshard.planning.cost.estimate` (``async_tp=``) predicts it.
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 
+import torch
 from torch import fx
 
 from autoshard.runtime import parallel_ops
@@ -31,8 +35,9 @@ __all__ = ["async_row_linears"]
 
 def async_row_linears(gm: fx.GraphModule, chunks: int) -> tuple[fx.GraphModule, int]:
     """A graph module running ``gm``'s graph with every row-parallel Linear (all-reducing,
-    or reduce-scattering in 1d-sp) cut into ``chunks`` row blocks (sharing ``gm``'s parameters and
-    submodules), and how many Linears were changed.
+    or reduce-scattering in 1d-sp) cut into ``chunks`` row blocks and every 1d-sp gather
+    read only by Linears fused with them over ``chunks`` chunks of the batch (sharing
+    ``gm``'s parameters and submodules), and how many row Linears and gathers were changed.
 
     >>> import torch
     >>> g = fx.Graph()
@@ -47,9 +52,48 @@ def async_row_linears(gm: fx.GraphModule, chunks: int) -> tuple[fx.GraphModule, 
         raise ValueError(f"chunks={chunks!r}: a whole number >= 1 (1: off)")
     graph = copy.deepcopy(gm.graph)
     count = 0
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op == "call_function" and node.target is parallel_ops.row_linear:
             node.kwargs = {**node.kwargs, "chunks": chunks}
             count += 1
+        elif _gather_read_by_linears(node):
+            _fuse_gather(graph, node, chunks)
+            count += 1
     graph.lint()
     return fx.GraphModule(gm, graph), count
+
+
+def _gather_read_by_linears(node: fx.Node) -> bool:
+    """Whether ``node`` is 1d-sp's all-gather of the sequence (one ``gather_partial``
+    step, one segment) read only by Linears (``aten.linear``, as their input) whose
+    weights and biases are defined before the first of them."""
+    if node.op != "call_function" or node.target is not parallel_ops.step or len(node.args) != 6:
+        return False
+    _, op, _, _, segments, factor = node.args
+    users = list(node.users)
+    if op != "gather_partial" or segments != 1 or factor is not None or not users:
+        return False
+    if not all(u.op == "call_function" and u.target is torch.ops.aten.linear.default and u.args[0] is node
+               and node not in u.args[1:] and not u.kwargs for u in users):
+        return False
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    first = min(order[u] for u in users)
+    return all(order[a] < first for u in users for a in u.args[1:] if isinstance(a, fx.Node))
+
+
+def _fuse_gather(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
+    """Replace the gather ``node`` and its Linears by one
+    :func:`~autoshard.runtime.parallel_ops.gathered_linears` call and one item per Linear."""
+    x, _, group, dim, _, _ = node.args
+    users = sorted(node.users, key=lambda u: list(graph.nodes).index(u))
+    weights = tuple(u.args[1] for u in users)
+    biases = tuple(u.args[2] if len(u.args) > 2 else None for u in users)
+    with graph.inserting_before(users[0]):
+        fused = graph.call_function(parallel_ops.gathered_linears, (x, weights, biases),
+                                    {"group": group, "dim": dim, "chunks": chunks})
+        items = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users))]
+    for u, item in zip(users, items):
+        item.meta = dict(u.meta)
+        u.replace_all_uses_with(item)
+        graph.erase_node(u)
+    graph.erase_node(node)

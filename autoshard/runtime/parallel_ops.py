@@ -21,7 +21,7 @@ from ..ir.spec import ShardSpec
 
 __all__ = ["bind", "step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm",
            "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives",
-           "gather_weight_start"]
+           "gather_weight_start", "gathered_linears"]
 
 
 # --------------------------------------------------------------- re-layout steps
@@ -127,6 +127,63 @@ class _ChunkedRowScatter(torch.autograd.Function):
         dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
         dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None
+
+
+def gathered_linears(x, weights: tuple, biases: tuple, *, group: str, dim: int, chunks: int) -> tuple:
+    """1d-sp's all-gather of the sequence (a ``gather_partial`` step on ``dim``) and the
+    column-parallel Linears that read it (``F.linear`` with each of ``weights`` /
+    ``biases``), micro-pipelined over ``chunks`` chunks of the batch (dim 0): the next
+    chunk's gather travels while this chunk multiplies (:mod:`autoshard.passes.async_tp`).
+    One output per weight, as the Linears give them. The gather then the Linears where
+    it cannot run so (meta, torch.compile, autocast, another dtype, the gather on dim 0,
+    fewer samples than chunks)."""
+    d = dim % x.dim()
+    if x.device.type == "meta" or _autocast_on(x) or torch.compiler.is_compiling() or d == 0 \
+            or x.shape[0] < chunks or any(w.dtype != x.dtype for w in weights):
+        xg = C.gather_partial(x, dim, group)
+        return tuple(F.linear(xg, w, b) for w, b in zip(weights, biases))
+    return _GatheredLinears.apply(x, group, d, chunks, len(weights), *weights, *biases)
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """:func:`gathered_linears`, pipelined. Backward as the plain path's: dX of the
+    gathered input is the sum over the Linears of dYᵢ·Wᵢ, reduce-scattered on the
+    sequence (the gather's gradient); dWᵢ = dYᵢᵀ·X and dbᵢ = Σ dYᵢ on the gathered X."""
+
+    @staticmethod
+    def forward(ctx, x, group: str, d: int, chunks: int, n: int, *wb):
+        ws, bs = wb[:n], wb[n:]
+        parts = [px for px in x.tensor_split(chunks) if px.shape[0]]
+        pending = C.all_gather_start(parts[0], d, group)
+        gathered, outs = [], [[] for _ in ws]
+        for j in range(len(parts)):
+            xg = C.from_rank_blocks(pending(), d, group)
+            if j + 1 < len(parts):
+                pending = C.all_gather_start(parts[j + 1], d, group)
+            gathered.append(xg)
+            for out, w, b in zip(outs, ws, bs):
+                out.append(F.linear(xg, w, b))
+        ctx.save_for_backward(torch.cat(gathered), *ws)
+        ctx.group, ctx.d, ctx.n, ctx.has_bias = group, d, n, [b is not None for b in bs]
+        return tuple(torch.cat(out) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        xg, *ws = ctx.saved_tensors
+        n = ctx.n
+        x2 = xg.reshape(-1, xg.shape[-1])
+        dx, dws, dbs = None, [], []
+        for i, (dy, w) in enumerate(zip(dys, ws)):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            part = dy @ w
+            dx = part if dx is None else dx + part
+            dws.append(dy2.t() @ x2 if ctx.needs_input_grad[5 + i] else None)
+            dbs.append(dy2.sum(0) if ctx.has_bias[i] and ctx.needs_input_grad[5 + n + i] else None)
+        if ctx.needs_input_grad[0]:
+            dx = C.reduce_scatter(C.to_rank_blocks(dx.contiguous(), ctx.d, ctx.group), ctx.d, ctx.group)
+        else:
+            dx = None
+        return (dx, None, None, None, None, *dws, *dbs)
 
 
 def _grouped(x, w, offs, n_dim: int, impl: str):
