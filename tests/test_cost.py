@@ -355,10 +355,13 @@ def test_async_tp_term():
     # 1d-sp: the reduce-scatter in chunks of the batch, where each rank holds enough samples
     sp = autoshard.plan(cfg, world_size=2, mode="1d-sp", batch_size=8, seq_len=128)
     base_sp, two_sp = estimate(sp, "cpu-gloo"), estimate(sp, "cpu-gloo", async_tp=2)
-    assert two_sp.collective_calls == base_sp.collective_calls + rows
+    gathers = sum(1 for n in sp.nodes if n.kernel is None and n.op == "linear"       # the gather's comm sits on
+                  and any(c.phase == "fwd" and c.kind == "all_gather" for c in n.comms))  # its first reader
+    assert gathers == 5                                  # q and gate of each layer, the LM head
+    assert two_sp.collective_calls == base_sp.collective_calls + rows + gathers
     assert two_sp.comm_bytes == pytest.approx(base_sp.comm_bytes)
     assert two_sp.comm_s_fwd < base_sp.comm_s_fwd
-    assert "4 row-parallel reduce-scatter(s) in 2 chunks" in two_sp.notes[-1]
+    assert "4 row-parallel reduce-scatter(s) and 5 sequence all-gather(s) in 2 chunks" in two_sp.notes[-1]
     one_sample = autoshard.plan(cfg, world_size=2, mode="1d-sp", batch_size=1, seq_len=128)
     assert estimate(one_sample, "cpu-gloo", async_tp=2).collective_calls == \
         estimate(one_sample, "cpu-gloo").collective_calls

@@ -508,20 +508,27 @@ def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime
 
 def _async_row_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: int,
                      params: dict) -> list[CommTime] | None:
-    """A row-parallel Linear's collectives under asynchronous TP
-    (:meth:`autoshard.module.ShardedModule.async_tp`), or None for any other node: its
-    forward all-reduce (1d; 1d-sp: reduce-scatter, whose chunks are chunks of the
-    batch, so only where each rank holds at least ``chunks`` samples) in ``chunks``
-    calls of their own (each paying the call overhead and the ring latency), every one
-    but the last hidden behind the next chunk's product for the share
-    ``cluster.compute_overlap``."""
-    if not isinstance(n.kernel, RowLinear):
+    """A node's collectives under asynchronous TP
+    (:meth:`autoshard.module.ShardedModule.async_tp`), or None for a node it leaves alone:
+    a row-parallel Linear's forward all-reduce (1d; 1d-sp: reduce-scatter), or the
+    all-gather of the sequence that 1d-sp's Linear reads its input through (fused with
+    the Linears that read it), in ``chunks`` calls of their own (each paying the call
+    overhead and the ring latency), every one but the last hidden behind a chunk's
+    product for the share ``cluster.compute_overlap``. In 1d-sp the chunks are chunks of
+    the batch: only where each rank holds at least ``chunks`` samples. The product a
+    gather hides behind is this Linear's alone (the others reading the gather hide it
+    further: the estimate is on the safe side)."""
+    if isinstance(n.kernel, RowLinear):
+        kind = "all_reduce" if n.kernel.scatter_dim is None else "reduce_scatter"
+    elif n.kernel is None and n.op == "linear" and plan.mode == "1d-sp" \
+            and any(s.op == "gather_partial" for _, steps in n.arg_steps for s in steps):
+        kind = "all_gather"
+    else:
         return None
-    if n.kernel.scatter_dim is not None:
+    if kind != "all_reduce":
         local_batch = plan.batch_size // (plan.mesh.size(plan.batch_axes) if plan.batch_axes else 1)
         if local_batch < chunks:
             return None
-    kind = "all_reduce" if n.kernel.scatter_dim is None else "reduce_scatter"
     fwd = [c for c in n.comms if c.phase == "fwd" and c.kind == kind]
     if len(fwd) != 1:
         return None
@@ -566,14 +573,17 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     timed: list[CommTime] = []
     params = _param_index(plan) if async_tp > 1 else {}
     notes = []
-    chunked = 0
+    chunked, gathers = 0, 0
     for n in plan.nodes:
         rows = _async_row_times(n, plan, cluster, async_tp, params) if async_tp > 1 else None
-        chunked += rows is not None
+        if rows is not None:
+            chunked += isinstance(n.kernel, RowLinear)
+            gathers += not isinstance(n.kernel, RowLinear)
         timed += rows if rows is not None else _node_comm_times(n, mesh, cluster)
-    if chunked:
+    if chunked or gathers:
         what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
-        notes.append(f"asynchronous TP: {chunked} row-parallel {what} in {async_tp} chunks")
+        notes.append(f"asynchronous TP: {chunked} row-parallel {what}"
+                     + (f" and {gathers} sequence all-gather(s)" if gathers else "") + f" in {async_tp} chunks")
     for c in plan.grad_sync_comms():
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
