@@ -16,8 +16,9 @@ Applied to the rewritten graph by :meth:`autoshard.module.ShardedModule.async_tp
 (eager only). 1d-sp's all-gather of the sequence before its column-parallel Linears is
 pipelined too: where only Linears read it, the gather and those Linears become one
 :func:`~autoshard.runtime.parallel_ops.gathered_linears` call whose chunks of the batch
-are gathered while the chunk before multiplies. Whether it pays is the host's: ``benchmarks/bench_async_tp.py`` times the primitive,
-:func:`autoshard.planning.cost.estimate` (``async_tp=``) predicts it.
+are gathered while the chunk before multiplies. Whether it pays is the host's:
+``benchmarks/bench_async_tp.py`` times the primitive, :func:`autoshard.planning.cost.estimate`
+(``async_tp=``) predicts it.
 """
 
 from __future__ import annotations
@@ -52,21 +53,24 @@ def async_row_linears(gm: fx.GraphModule, chunks: int) -> tuple[fx.GraphModule, 
         raise ValueError(f"chunks={chunks!r}: a whole number >= 1 (1: off)")
     graph = copy.deepcopy(gm.graph)
     count = 0
-    for node in list(graph.nodes):
+    # positions in the graph as it was: fusing inserts nodes but keeps the others' order
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(order):
         if node.op == "call_function" and node.target is parallel_ops.row_linear:
             node.kwargs = {**node.kwargs, "chunks": chunks}
             count += 1
-        elif _gather_read_by_linears(node):
-            _fuse_gather(graph, node, chunks)
+        elif _gather_read_by_linears(node, order):
+            _fuse_gather(graph, node, chunks, order)
             count += 1
     graph.lint()
     return fx.GraphModule(gm, graph), count
 
 
-def _gather_read_by_linears(node: fx.Node) -> bool:
+def _gather_read_by_linears(node: fx.Node, order: dict) -> bool:
     """Whether ``node`` is 1d-sp's all-gather of the sequence (one ``gather_partial``
     step, one segment) read only by Linears (``aten.linear``, as their input) whose
-    weights and biases are defined before the first of them."""
+    weights and biases are defined before the first of them (``order``: the nodes'
+    positions)."""
     if node.op != "call_function" or node.target is not parallel_ops.step or len(node.args) != 6:
         return False
     _, op, _, _, segments, factor = node.args
@@ -76,16 +80,15 @@ def _gather_read_by_linears(node: fx.Node) -> bool:
     if not all(u.op == "call_function" and u.target is torch.ops.aten.linear.default and u.args[0] is node
                and node not in u.args[1:] and not u.kwargs for u in users):
         return False
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     first = min(order[u] for u in users)
     return all(order[a] < first for u in users for a in u.args[1:] if isinstance(a, fx.Node))
 
 
-def _fuse_gather(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
+def _fuse_gather(graph: fx.Graph, node: fx.Node, chunks: int, order: dict) -> None:
     """Replace the gather ``node`` and its Linears by one
     :func:`~autoshard.runtime.parallel_ops.gathered_linears` call and one item per Linear."""
     x, _, group, dim, _, _ = node.args
-    users = sorted(node.users, key=lambda u: list(graph.nodes).index(u))
+    users = sorted(node.users, key=order.__getitem__)
     weights = tuple(u.args[1] for u in users)
     biases = tuple(u.args[2] if len(u.args) > 2 else None for u in users)
     with graph.inserting_before(users[0]):

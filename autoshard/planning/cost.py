@@ -506,7 +506,7 @@ def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime
     return out
 
 
-def _async_row_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: int,
+def _async_tp_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: int,
                      params: dict) -> list[CommTime] | None:
     """A node's collectives under asynchronous TP
     (:meth:`autoshard.module.ShardedModule.async_tp`), or None for a node it leaves alone:
@@ -575,11 +575,11 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     notes = []
     chunked, gathers = 0, 0
     for n in plan.nodes:
-        rows = _async_row_times(n, plan, cluster, async_tp, params) if async_tp > 1 else None
-        if rows is not None:
+        pipelined = _async_tp_times(n, plan, cluster, async_tp, params) if async_tp > 1 else None
+        if pipelined is not None:
             chunked += isinstance(n.kernel, RowLinear)
             gathers += not isinstance(n.kernel, RowLinear)
-        timed += rows if rows is not None else _node_comm_times(n, mesh, cluster)
+        timed += pipelined if pipelined is not None else _node_comm_times(n, mesh, cluster)
     if chunked or gathers:
         what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
         notes.append(f"asynchronous TP: {chunked} row-parallel {what}"

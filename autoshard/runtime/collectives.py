@@ -418,7 +418,6 @@ def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 # ------------------------------------------------------ differentiable conjugates
 def _def_pair(name, fwd, bwd, *, has_dim: bool):
     """Register ``autoshard::<name>`` whose forward is ``fwd`` and backward ``bwd``."""
-    fwd = _BODIES.get(fwd, fwd)
     if has_dim:
         def impl(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
             return fwd(x, dim, group)
@@ -476,25 +475,30 @@ def _rs(x, dim, group):
 
 # A pair's forward runs inside its own op, on real tensors only: it calls the raw
 # collectives' bodies (one dispatch per call). Its backward is traced under
-# torch.compile, so it calls the ops, whose fake kernels the trace sees.
-_BODIES = {
-    _ar: lambda x, dim, group: _all_reduce(x, group, "sum"),
-    _ag: lambda x, dim, group: from_rank_blocks(_launch("all_gather", x, dim, group, async_op=False)(), dim, group),
-    _rs: lambda x, dim, group: _launch("reduce_scatter", to_rank_blocks(x, dim, group), dim, group, async_op=False)(),
-}
+# torch.compile, so it calls the ops above, whose fake kernels the trace sees.
+def _ar_body(x, dim, group):
+    return _all_reduce(x, group, "sum")
+
+
+def _ag_body(x, dim, group):
+    return from_rank_blocks(_launch("all_gather", x, dim, group, async_op=False)(), dim, group)
+
+
+def _rs_body(x, dim, group):
+    return _launch("reduce_scatter", to_rank_blocks(x, dim, group), dim, group, async_op=False)()
 
 
 def _keep(x, dim, group):
     return local_block(x, dim, group)
 
 
-_reduce_from = _def_pair("reduce_from", _ar, _identity, has_dim=False)
+_reduce_from = _def_pair("reduce_from", _ar_body, _identity, has_dim=False)
 _copy_to = _def_pair("copy_to", _identity, _ar, has_dim=False)
-_all_reduce_both = _def_pair("all_reduce_both", _ar, _ar, has_dim=False)
-_gather_from = _def_pair("gather_from", _ag, _keep, has_dim=True)
+_all_reduce_both = _def_pair("all_reduce_both", _ar_body, _ar, has_dim=False)
+_gather_from = _def_pair("gather_from", _ag_body, _keep, has_dim=True)
 _scatter_to = _def_pair("scatter_to", _keep, _ag, has_dim=True)
-_reduce_scatter_to = _def_pair("reduce_scatter_to", _rs, _ag, has_dim=True)
-_gather_partial = _def_pair("gather_partial", _ag, _rs, has_dim=True)
+_reduce_scatter_to = _def_pair("reduce_scatter_to", _rs_body, _ag, has_dim=True)
+_gather_partial = _def_pair("gather_partial", _ag_body, _rs, has_dim=True)
 
 
 def reduce_from(x, group: str):

@@ -62,8 +62,7 @@ def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = Non
     each chunk's all-reduce launched while the next multiplies — with ``scatter_dim``,
     chunks of dim 0 (the batch), each reduce-scattered on ``scatter_dim`` (eager, real
     tensors, no autocast, at least ``chunks`` samples; the plain path otherwise)."""
-    eager = chunks > 1 and x.device.type != "meta" and not _autocast_on(x) \
-        and not torch.compiler.is_compiling() and x.dtype == w.dtype
+    eager = chunks > 1 and _pipelinable(x, (w,))
     if eager and scatter_dim is None:
         y = _ChunkedRow.apply(x, w, group, n_dim, chunks)
     elif eager and scatter_dim % x.dim() != 0 and x.dim() > 2 and x.shape[0] >= chunks:
@@ -72,6 +71,21 @@ def row_linear(x, w, b, *, group: str, n_dim: int, scatter_dim: int | None = Non
         y = _matmul(x, w, n_dim)
         y = C.reduce_from(y, group) if scatter_dim is None else C.reduce_scatter_to(y, scatter_dim, group)
     return y if b is None else y + b
+
+
+def _pipelinable(x, weights) -> bool:
+    """Whether asynchronous TP's chunked kernels may run on ``x`` and ``weights``: real
+    tensors (not the meta trace), eager (not under torch.compile, which sees the plain
+    ops), no autocast, the weights in ``x``'s dtype."""
+    return x.device.type != "meta" and not _autocast_on(x) and not torch.compiler.is_compiling() \
+        and all(w.dtype == x.dtype for w in weights)
+
+
+def _row_grads(ctx, x, w, dy):
+    """dX = dY·W and dW = dYᵀ·X of a row-parallel product (each where it is needed)."""
+    dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
+    dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
 
 
 class _ChunkedRow(torch.autograd.Function):
@@ -98,9 +112,7 @@ class _ChunkedRow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
-        dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        return (*_row_grads(ctx, x, w, dy), None, None, None)
 
 
 class _ChunkedRowScatter(torch.autograd.Function):
@@ -124,9 +136,7 @@ class _ChunkedRowScatter(torch.autograd.Function):
         x, w = ctx.saved_tensors
         d = ctx.scatter_dim
         dy = C.from_rank_blocks(C.all_gather(dy.contiguous(), d, ctx.group), d, ctx.group)
-        dx = _summa_dx(dy, w, ctx.n_dim, x.dtype) if ctx.needs_input_grad[0] else None
-        dw = _summa_dw(dy, x, ctx.n_dim, w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        return (*_row_grads(ctx, x, w, dy), None, None, None, None)
 
 
 def gathered_linears(x, weights: tuple, biases: tuple, *, group: str, dim: int, chunks: int) -> tuple:
@@ -138,8 +148,7 @@ def gathered_linears(x, weights: tuple, biases: tuple, *, group: str, dim: int, 
     it cannot run so (meta, torch.compile, autocast, another dtype, the gather on dim 0,
     fewer samples than chunks)."""
     d = dim % x.dim()
-    if x.device.type == "meta" or _autocast_on(x) or torch.compiler.is_compiling() or d == 0 \
-            or x.shape[0] < chunks or any(w.dtype != x.dtype for w in weights):
+    if not _pipelinable(x, weights) or d == 0 or x.shape[0] < chunks:
         xg = C.gather_partial(x, dim, group)
         return tuple(F.linear(xg, w, b) for w, b in zip(weights, biases))
     return _GatheredLinears.apply(x, group, d, chunks, len(weights), *weights, *biases)

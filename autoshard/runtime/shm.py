@@ -96,6 +96,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _combine(parts: list[torch.Tensor], dst: torch.Tensor, op: str) -> None:
+    """``dst`` := the sum (``op="max"``: the maximum) of ``parts``, the ranks' slots, taken
+    in rank order (so it is bitwise the same on every rank)."""
+    f = torch.maximum if op == "max" else torch.add
+    f(parts[0], parts[1], out=dst)
+    for t in parts[2:]:
+        f(dst, t, out=dst)
+
+
 class Channel:
     """One group's shared-memory segment on this host (see the module docstring)."""
 
@@ -210,18 +219,8 @@ class Channel:
             def fill(mine, s=s, e=e):
                 mine.view(x.dtype)[:e - s].copy_(src[s:e])
 
-            def take(slots, s=s, e=e):
-                parts = [t.view(x.dtype)[:e - s] for t in slots]
-                dst = out[s:e]
-                if op == "max":
-                    torch.maximum(parts[0], parts[1], out=dst)
-                    for t in parts[2:]:
-                        torch.maximum(dst, t, out=dst)
-                else:
-                    torch.add(parts[0], parts[1], out=dst)
-                    for t in parts[2:]:
-                        dst.add_(t)
-            self._exchange(fill, take)
+            self._exchange(fill, lambda slots, s=s, e=e: _combine([t.view(x.dtype)[:e - s] for t in slots],
+                                                                  out[s:e], op))
         return res
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor, dim: int) -> None:
@@ -268,12 +267,8 @@ class Channel:
             def fill(mine):
                 mine.view(x.dtype)[:p * m].view(parts.shape).copy_(parts)
 
-            def take(slots):
-                ts = [t.view(x.dtype)[self.rank * m:(self.rank + 1) * m] for t in slots]
-                torch.add(ts[0], ts[1], out=dst)
-                for t in ts[2:]:
-                    dst.add_(t)
-            self._exchange(fill, take)
+            self._exchange(fill, lambda slots: _combine(
+                [t.view(x.dtype)[self.rank * m:(self.rank + 1) * m] for t in slots], dst, "sum"))
             return
         blocks = parts.reshape(p, m)                  # block-major (a copy unless ``x``'s blocks are rows)
         per = self.slot // (p * x.element_size())
@@ -285,8 +280,5 @@ class Channel:
 
             def take(slots, s=s, e=e):
                 k = e - s
-                ts = [t.view(x.dtype)[self.rank * k:(self.rank + 1) * k] for t in slots]
-                torch.add(ts[0], ts[1], out=dst[s:e])
-                for t in ts[2:]:
-                    dst[s:e].add_(t)
+                _combine([t.view(x.dtype)[self.rank * k:(self.rank + 1) * k] for t in slots], dst[s:e], "sum")
             self._exchange(fill, take)

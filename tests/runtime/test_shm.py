@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -124,8 +125,6 @@ def test_shm_is_counted_alike_and_can_be_turned_off():
 
 
 def _late_peer(rank, world):
-    import time
-
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -172,7 +171,6 @@ def test_a_zombie_or_reaped_peer_is_not_alive():
                     break
         except OSError:
             break
-        import time
         time.sleep(0.02)
     assert not _alive(p.pid)
     p.wait()
