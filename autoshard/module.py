@@ -13,6 +13,7 @@ from .runtime import collectives as C
 from .runtime import parallel_ops
 from .ir.errors import ConfigError
 from .ir.plan import ShardingPlan
+from .launch.compile_share import HostShared
 from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
@@ -94,6 +95,7 @@ class ShardedModule(nn.Module):
         self._limits: dict = dict(limits or {})
         self._seq_split, self._seq_why = seq_split if isinstance(seq_split, tuple) else (seq_split, "")
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
+        self._compile_backend = None              # compile(): its HostShared backend (inductor on ranks)
         self._compiled: dict = {}
         self._config = config
         self._generation_config = None
@@ -175,13 +177,16 @@ class ShardedModule(nn.Module):
         return out
 
     def group_name(self, axes: tuple[str, ...]) -> str:
-        """The c10d name of this rank's process group over ``axes``: the plan's own, else
-        created (collectively: every rank asks in the same order) and kept with them."""
-        from .runtime.groups import axes_label, mesh_group
+        """The name of this rank's process group over ``axes`` (its rank-independent
+        alias, :func:`~autoshard.runtime.groups.group_alias`; c10d resolves it): the
+        plan's own, else created (collectively: every rank asks in the same order) and
+        kept with them."""
+        from .runtime.groups import axes_label, group_alias, mesh_group
 
         label = axes_label(axes)
         if label not in self.groups:
-            self.groups[label] = mesh_group(self.mesh, axes, self.rank).group_name
+            mesh_group(self.mesh, axes, self.rank)
+            self.groups[label] = group_alias(self.mesh, axes)
         return self.groups[label]
 
     # -- looks like the Hugging Face model
@@ -530,7 +535,7 @@ class ShardedModule(nn.Module):
         self.block_paths = tuple(keys)
         return keys
 
-    def compile(self, **kwargs) -> "ShardedModule":
+    def compile(self, *, once_per_host: bool | None = None, **kwargs) -> "ShardedModule":
         """Run every graph of this module (those captured later too) through
         :func:`torch.compile` (``kwargs`` go to it, e.g. ``dynamic=False``); the
         input checks and batch padding around them stay eager, so the graphs compile
@@ -538,6 +543,13 @@ class ShardedModule(nn.Module):
         are refused: a captured graph replays its collectives unseen. The collectives are custom ops with fake kernels: each stays
         one node of the compiled graph. Returns the module (in place, like
         :meth:`torch.nn.Module.compile`).
+
+        ``once_per_host`` (inductor, the default backend): True, the lowest rank of each
+        host compiles each graph while the host's other ranks wait, then they load it
+        from inductor's caches (every rank's graph is the same program,
+        :mod:`autoshard.launch.compile_share`); False, every rank compiles at once; None
+        (default), True where a host runs more ranks than it has cores (there the
+        compiles compete for them), else False.
 
         Example (under ``torchrun``)::
 
@@ -551,6 +563,7 @@ class ShardedModule(nn.Module):
                               f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
                               f"'max-autotune-no-cudagraphs'")
         self._compile_kw = dict(kwargs)
+        self._compile_backend = None if once_per_host is False else HostShared.for_compile(kwargs, once_per_host)
         self._compiled = {}
         return self
 
@@ -619,7 +632,11 @@ class ShardedModule(nn.Module):
             return g.gm
         fn = self._compiled.get(id(g))
         if fn is None:
-            fn = self._compiled[id(g)] = torch.compile(g.gm, **self._compile_kw)
+            kw = self._compile_kw
+            if self._compile_backend is not None:      # inductor, the host's first rank first
+                kw = {k: v for k, v in kw.items() if k not in ("backend", "mode", "options")}
+                kw["backend"] = self._compile_backend
+            fn = self._compiled[id(g)] = torch.compile(g.gm, **kw)
         return fn
 
     def _graph_for(self, kwargs: dict):

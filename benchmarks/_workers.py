@@ -700,8 +700,9 @@ def context_parallel(rank: int, world: int, cfg_kw: dict, b: int, seqs: list, cp
 def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, backend: str) -> dict:
     """Cold ``torch.compile`` of one path on this pool (a fresh process, a fresh inductor
     cache): ``dense`` (rank 0 compiles the dense model; the other ranks wait),
-    ``method`` (``sharded.compile()``) or ``module`` (``torch.compile(sharded)``, what users
-    write). The sharded module runs one eager step first (capture, launch and the first
+    ``method`` (``sharded.compile()``: once per host where the host's ranks outnumber
+    its cores), ``method-each`` (``sharded.compile(once_per_host=False)``: every rank at
+    once) or ``module`` (``torch.compile(sharded)``, what users write). The sharded module runs one eager step first (capture, launch and the first
     call's self-check are not compile time). Returns the first two compiled steps'
     times (forward + backward; the first compiles) and dynamo's graph, break and
     recompile counts."""
@@ -726,8 +727,8 @@ def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, 
         sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
         sharded(**inputs).loss.backward()
         sharded.zero_grad(set_to_none=True)
-        if path == "method":
-            sharded.compile(backend=backend)
+        if path in ("method", "method-each"):        # method: compiled once per host where it pays
+            sharded.compile(backend=backend, once_per_host=False if path == "method-each" else None)
             m = sharded
         else:
             m = torch.compile(sharded, backend=backend)
@@ -741,6 +742,8 @@ def compile_cold(rank: int, world: int, name: str, mode: str | None, path: str, 
         times.append(time.perf_counter() - t0)
     dist.barrier()
     return {"times": times, "graphs": int(counters["stats"]["unique_graphs"]),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"]),
             "breaks": int(sum(counters["graph_break"].values())),
             "break_reasons": sorted(k.splitlines()[0] for k in counters["graph_break"]),
             "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}

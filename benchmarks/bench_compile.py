@@ -5,7 +5,9 @@ starts cold; the ranks of one path share it, as ranks on one host share the defa
 
 - ``dense``: ``torch.compile(model)`` of the dense model on one rank;
 - ``sharded.compile()``: autoshard's own method (each captured graph compiled, the
-  input checks and padding eager);
+  input checks and padding eager; where a host runs more ranks than it has cores, its
+  lowest rank compiles and the others load the result from inductor's cache, counted
+  in the cache column; ``--each`` adds the run where every rank compiles at once);
 - ``torch.compile(sharded)``: what users write. ``ShardedModule.forward`` keeps its
   checks, graph lookup and padding outside the compiled region by design (dynamo
   skips those frames), so the graph module is the one frame dynamo compiles.
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt2", help="a tiny model of tests/models.py (default: gpt2)")
     ap.add_argument("--runs", nargs="*", default=["1d:2", "2d:4"], help="MODE:RANKS of the sharded runs")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager)")
+    ap.add_argument("--each", action="store_true",
+                    help="also time sharded.compile(once_per_host=False): every rank compiles at once (the "
+                         "default compiles once per host where the host's ranks outnumber its cores)")
     args = ap.parse_args(argv)
     con = _common.console(200)
     con.print(f"tiny {args.model} (tests/models.py); backend {args.backend}; every path cold in fresh processes; "
@@ -57,10 +62,12 @@ def main(argv=None) -> int:
 
     def one(label, world, mode, path):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, label.replace(" ", "_").replace("@", "-"))
-        r = _run(world, _workers.compile_cold, args.model, mode, path, args.backend)[0]
+        per_rank = _run(world, _workers.compile_cold, args.model, mode, path, args.backend)
+        r = per_rank[0]
         rows.append({"path": label, "world": world, "mode": mode, "first_s": r["times"][0], "second_s": r["times"][1],
                      "graphs": r["graphs"], "breaks": r["breaks"], "break_reasons": r["break_reasons"],
-                     "recompiles": r["recompiles"]})
+                     "recompiles": r["recompiles"], "cache_hits": sum(x["cache_hits"] for x in per_rank),
+                     "cache_misses": sum(x["cache_misses"] for x in per_rank)})
         con.print(f"[dim]{label}: first step {r['times'][0]:.1f} s, second {r['times'][1] * 1e3:.0f} ms, "
                   f"{r['graphs']} graph(s), {r['breaks']} break(s)[/dim]")
 
@@ -70,6 +77,8 @@ def main(argv=None) -> int:
         for spec in args.runs:
             mode, world = spec.split(":")
             one(f"sharded.compile() {mode}@{world}", int(world), mode, "method")
+            if args.each:
+                one(f"sharded.compile(once_per_host=False) {mode}@{world}", int(world), mode, "method-each")
             one(f"torch.compile(sharded) {mode}@{world}", int(world), mode, "module")
     finally:
         if old is None:
@@ -80,11 +89,12 @@ def main(argv=None) -> int:
     for r in rows:
         r["ratio_to_dense"] = r["first_s"] / dense
     t = Table(title=f"Cold compile, {args.backend}: first compiled step against the dense model's", header_style="bold")
-    for c in ("path", "cold first step s", "ratio to dense", "second step ms", "graphs", "breaks", "recompiles"):
+    for c in ("path", "cold first step s", "ratio to dense", "second step ms", "graphs", "breaks", "recompiles",
+              "cache hits / misses (all ranks)"):
         t.add_column(c, justify="right")
     for r in rows:
         t.add_row(r["path"], f"{r['first_s']:.1f}", f"{r['ratio_to_dense']:.2f}×", f"{r['second_s'] * 1e3:.0f}",
-                  str(r["graphs"]), str(r["breaks"]), str(r["recompiles"]))
+                  str(r["graphs"]), str(r["breaks"]), str(r["recompiles"]), f"{r['cache_hits']} / {r['cache_misses']}")
     con.print(t)
     path = _common.write_result("compile", {"model": args.model, "backend": args.backend, "rows": rows})
     con.print(f"wrote {path}")

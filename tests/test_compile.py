@@ -19,10 +19,12 @@ import models
 from dist_pool import get_pool
 
 
-def _compiled_vs_eager(rank, world, name, mode, backend):
+def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
+    import os
     import time
 
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     import autoshard
 
@@ -44,11 +46,24 @@ def _compiled_vs_eager(rank, world, name, mode, backend):
         sharded(**inputs).loss.backward()
         eager_t.append(time.perf_counter() - t0)
     sharded.zero_grad(set_to_none=True)
-    sharded.compile(backend=backend)
-    t0 = time.perf_counter()
-    out_c = sharded(**inputs)
-    out_c.loss.backward()
-    first = time.perf_counter() - t0
+    # with a cache of its own, the host's ranks compile one after the other (rank 0 first)
+    sharded.compile(backend=backend, once_per_host=True if cache_dir else None)
+    counters.clear()
+    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        t0 = time.perf_counter()
+        out_c = sharded(**inputs)
+        out_c.loss.backward()
+        first = time.perf_counter() - t0
+    finally:
+        if cache_dir:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if old_dir is None else \
+                os.environ.__setitem__("TORCHINDUCTOR_CACHE_DIR", old_dir)
+    caches = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    backend_obj = sharded._compile_backend
+    sharing = (backend_obj.shared, backend_obj.alone) if backend_obj is not None else None
     got = {"loss": out_c.loss.detach(), "logits": out_c.logits.detach(),
            **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
     fails = []
@@ -67,7 +82,7 @@ def _compiled_vs_eager(rank, world, name, mode, backend):
     explained = torch._dynamo.explain(g.gm)(**g.accepts(dict(inputs)))
     reasons = [f"{r.reason[:200]} @ {r.user_stack[-1] if r.user_stack else ''}" for r in explained.break_reasons]
     return {"failures": fails, "graph_breaks": explained.graph_break_count, "reasons": reasons,
-            "graphs": explained.graph_count, "first_call_s": first,
+            "graphs": explained.graph_count, "first_call_s": first, "caches": caches, "sharing": sharing,
             "times": {"eager": min(eager_t), "compiled": min(comp_t)}}
 
 
@@ -82,12 +97,19 @@ def _compiled_vs_eager(rank, world, name, mode, backend):
                                   pytest.param(("gpt2", "3d", 8, "aot_eager"), marks=pytest.mark.slow),
                                   pytest.param(("bert", "2.5d", 8, "aot_eager"), marks=pytest.mark.slow)],
                          ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-{c[3]}")
-def test_compiled_equals_eager(case):
+def test_compiled_equals_eager(case, tmp_path):
+    """Compiled == eager; under inductor, with a cache of its own and ``once_per_host``:
+    rank 0 compiles the forward and the backward (two misses), the others wait for it
+    and find both in the cache (two hits, no miss): every rank's graph is one program."""
     name, mode, world, backend = case
-    res = get_pool(world, timeout=900).run(_compiled_vs_eager, name, mode, backend)
+    cache = str(tmp_path / "inductor") if backend == "inductor" else None
+    res = get_pool(world, timeout=900).run(_compiled_vs_eager, name, mode, backend, cache)
     for rank, r in enumerate(res):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["graph_breaks"] == 0 and r["graphs"] == 1, r
+        if cache:
+            want = ({"fxgraph_cache_miss": 2}, (0, 1)) if rank == 0 else ({"fxgraph_cache_hit": 2}, (1, 0))
+            assert (r["caches"], r["sharing"]) == want, f"rank {rank}: {r['caches']}, shared/alone {r['sharing']}"
     print(f"\n{name} {mode}@{world} ({backend}): compile (first call) {res[0]['first_call_s']:.1f} s; step "
           f"eager {res[0]['times']['eager'] * 1e3:.1f} ms, compiled {res[0]['times']['compiled'] * 1e3:.1f} ms")
 

@@ -48,7 +48,7 @@ __all__ = [
     "CommLedger", "CallRecord", "ring_bytes",
     "reduce_from", "copy_to", "all_reduce_both", "gather_from", "scatter_to",
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
-    "sim_group", "group_rank_size", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
+    "sim_group", "group_rank_size", "group_rank", "rank_in", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
     "mark_balanced", "is_balanced", "balanced_chunks", "held_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
 ]
@@ -159,6 +159,28 @@ def group_rank_size(group: str) -> tuple[int, int]:
         return 0, int(group[len(_SIM):].split(":")[0])
     pg = _pg(group)
     return dist.get_rank(pg), pg.size()
+
+
+@torch.library.custom_op("autoshard::group_rank", mutates_args=())
+def group_rank(like: torch.Tensor, group: str) -> torch.Tensor:
+    """This process's rank in ``group``, a 0-d int64 tensor on ``like``'s device. Under
+    ``torch.compile`` the kernels' rank-dependent offsets read it instead of the constant
+    :func:`group_rank_size` folds into the graph, so that a plan's compiled graph is one
+    program on every rank (see docs/design.md, "Compiling once per host")."""
+    return torch.full((), group_rank_size(group)[0], dtype=torch.int64, device=like.device)
+
+
+@group_rank.register_fake
+def _(like, group):
+    return torch.empty((), dtype=torch.int64, device=like.device)
+
+
+def rank_in(group: str, like: torch.Tensor):
+    """This process's rank in ``group``: an int eagerly, a :func:`group_rank` tensor while
+    ``torch.compile`` traces (arithmetic and comparisons take either)."""
+    if torch.compiler.is_compiling():
+        return group_rank(like, group)
+    return group_rank_size(group)[0]
 
 
 # --------------------------------------------------------------- raw collectives
@@ -407,8 +429,13 @@ def from_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     """This rank's block of a whole ``dim`` (no communication, outside autograd)."""
     pg = _pg(group)
+    p, n = pg.size(), (2 if group in _BALANCED else 1) * pg.size()
+    if torch.compiler.is_compiling() and x.shape[dim] % n == 0:
+        # picked by the rank as a graph value, so the traced graph is one program on every rank
+        r = group_rank(x, group).view(1)
+        idx = torch.cat([r, 2 * p - 1 - r]) if n > p else r
+        return x.unflatten(dim, (n, x.shape[dim] // n)).index_select(dim, idx).flatten(dim, dim + 1)
     if group in _BALANCED:
-        p = pg.size()
         parts = x.chunk(2 * p, dim=dim)
         a, b = balanced_chunks(dist.get_rank(pg), p)
         return torch.cat([parts[a], parts[b]], dim)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ..ir.mesh import Mesh
 from . import collectives as C
 from .device import comm_device
 from .timeout import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label", "plan_groups"]
+__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups"]
 
 
 def axes_label(axes) -> str:
@@ -37,17 +38,47 @@ def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int, balanced: bool = Fa
                                 timeout=datetime.timedelta(seconds=timeout_seconds()))
             if rank in ranks:
                 mine = pg
-        if balanced and mine is not None:
-            C.mark_balanced(mine.group_name)
+        if mine is not None:
+            _register_alias(group_alias(mesh, axes, balanced), mine)
+            if balanced:
+                C.mark_balanced(mine.group_name)
+                C.mark_balanced(group_alias(mesh, axes, balanced))
         _GROUPS[key] = mine
     return _GROUPS[key]
+
+
+def group_alias(mesh: Mesh, axes: tuple[str, ...], balanced: bool = False) -> str:
+    """The name every rank gives its own group over ``axes`` of ``mesh``:
+    ``"autoshard/dp2xtp2/tp"``. c10d names each group by a counter or its members, so
+    rank 0's row group and rank 2's have different names; the alias is one string on
+    every rank, so the graphs of a plan are one program on every rank and
+    ``torch.compile`` artifacts compiled by one rank serve the others (see
+    docs/design.md, "Compiling once per host"). Registered with c10d by
+    :func:`mesh_group`, so every lookup of a group by name accepts it."""
+    shape = "x".join(f"{a}{s}" for a, s in zip(mesh.axes, mesh.sizes))
+    return f"autoshard/{shape}/{axes_label(axes)}" + ("/balanced" if balanced else "")
+
+
+def _register_alias(alias: str, pg) -> None:
+    try:
+        if c10d._resolve_process_group(alias) is pg:
+            return
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(alias)      # a group of an earlier default group under the same alias
+    except (RuntimeError, ValueError):
+        pass
+    from torch._C._distributed_c10d import _register_process_group
+
+    _register_process_group(alias, pg)
 
 
 
 
 def plan_groups(plan, rank: int) -> dict[str, str]:
     """Create (once per mesh and axes, collectively, in a rank-independent order)
-    the process groups ``plan`` needs; return label -> this rank's c10d group name."""
+    the process groups ``plan`` needs; return label -> the name of this rank's group,
+    its :func:`group_alias` (one string on every rank; c10d resolves it)."""
     labels = set()
     mesh = plan.mesh
     for a in mesh.axes:
@@ -61,8 +92,12 @@ def plan_groups(plan, rank: int) -> dict[str, str]:
     labels.update(p.grad_sync for p in plan.params if p.grad_sync)
     # the sequence's cp blocks in the balanced order: the cp group of its own
     balanced = mesh.cp > 1 and plan.cp_order == "balanced"
-    return {axes_label(axes): mesh_group(mesh, axes, rank, balanced and axes == ("cp",)).group_name
-            for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))}
+    out = {}
+    for axes in sorted(labels, key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
+        bal = balanced and axes == ("cp",)
+        mesh_group(mesh, axes, rank, bal)
+        out[axes_label(axes)] = group_alias(mesh, axes, bal)
+    return out
 
 
 def check_same_rng(world: int, what: str, why: str, fix: str) -> None:

@@ -437,14 +437,19 @@ def vocab_embedding(w, ids, *, group: str, padding_idx: int = -1, reduce: bool =
     """Lookup in this rank's vocabulary range; other rows are zero; all-reduce
     (``reduce=False``: the partial sum, reduced later by the plan; ``scatter_dim``:
     reduce-scattered on that dim, the sequence of 1d-sp)."""
-    r, _ = C.group_rank_size(group)
     v_loc = w.shape[0]
-    lo = r * v_loc
+    lo = C.rank_in(group, ids) * v_loc           # a tensor under torch.compile: one graph on every rank
     inside = (ids >= lo) & (ids < lo + v_loc)
     local = torch.where(inside, ids - lo, torch.zeros_like(ids))
     # the padding row gets no gradient, as in the dense lookup; it lives on one rank
-    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
-    out = F.embedding(local, w, padding_idx=pad) * inside.unsqueeze(-1).to(w.dtype)
+    if isinstance(lo, int):
+        pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + v_loc else None
+        out = F.embedding(local, w, padding_idx=pad)
+    else:           # the rank is not known while tracing: the padding tokens' rows stop the gradient
+        out = F.embedding(local, w)
+        if padding_idx is not None and padding_idx >= 0:
+            out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
+    out = out * inside.unsqueeze(-1).to(w.dtype)
     if scatter_dim is not None:
         return C.reduce_scatter_to(out, scatter_dim, group)
     return C.reduce_from(out, group) if reduce else out
@@ -476,9 +481,8 @@ def dist_layer_norm(x, normalized_shape, w, b, eps, *, group: str, count: int):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group: str, ignore_index: int):
-        r, _ = C.group_rank_size(group)
         v_loc = logits.shape[-1]
-        lo = r * v_loc
+        lo = C.rank_in(group, target) * v_loc      # a tensor under torch.compile: one graph on every rank
         lmax = C.all_reduce_max(logits.detach().max(dim=-1).values, group)
         shifted = logits - lmax.unsqueeze(-1)
         exp = shifted.exp()

@@ -79,11 +79,11 @@ def channel(group: str, x: torch.Tensor) -> "Channel | None":
     if x.device.type != "cpu" or not enabled():
         return None
     pg = c10d._resolve_process_group(group)
-    cached = _CHANNELS.get(group)
+    cached = _CHANNELS.get(pg.group_name)         # one channel per group, named by c10d's name or an alias
     if cached is not None and cached[0] is pg:
         return cached[1]
     ch = Channel.open(pg, group) if pg.size() > 1 else None
-    _CHANNELS[group] = (pg, ch)
+    _CHANNELS[pg.group_name] = (pg, ch)
     return ch
 
 
@@ -127,9 +127,10 @@ class Channel:
         None on every rank unless every rank mapped the segment on this host."""
         store = c10d._get_default_store()
         rank, size = dist.get_rank(pg), pg.size()
-        k = _SETUPS.get(group, 0)
-        _SETUPS[group] = k + 1
-        key = f"autoshard/shm/{group}/{k}"
+        real = pg.group_name                          # ``group`` may be an alias, one name on every rank
+        k = _SETUPS.get(real, 0)
+        _SETUPS[real] = k + 1
+        key = f"autoshard/shm/{real}/{k}"
         slot = _slot_bytes()
         nbytes = _HEADER + 2 * size * slot
         path = None
