@@ -14,6 +14,12 @@ from .runtime import parallel_ops
 from .ir.errors import ConfigError
 from .ir.plan import ShardingPlan
 from .launch.compile_share import HostShared
+
+try:        # whether dynamo traces the frames the caller calls (torch.compile(sharded) runs forward eagerly)
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:     # another torch: the graph as it is (dynamo recompiles at a new length)
+    def _eval_frame_callback():
+        return None
 from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
@@ -103,6 +109,7 @@ class ShardedModule(nn.Module):
         self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
         self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
         self._eager_copies: dict = {}   # id(graph) -> its copy with the eager passes (prefetch_weights, async_tp)
+        self._compile_copies: dict = {}  # id(graph) -> its copy for torch.compile (grad-mode blocks inlined)
         self._prefetch_on, self._async_chunks = False, 1
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
@@ -241,7 +248,7 @@ class ShardedModule(nn.Module):
         for g in self._graphs:
             retarget(g.gm, device)
         self._compiled, self._generator = {}, None
-        self._eager_copies = {}
+        self._eager_copies, self._compile_copies = {}, {}
 
     def place(self, device: "torch.device | str") -> "ShardedModule":
         """Move this rank's slices to ``device`` and point every graph at it (its device
@@ -376,6 +383,11 @@ class ShardedModule(nn.Module):
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
         g, full, b, padded, run = self._prepare(kwargs)
+        if self._compile_kw is not None:
+            _mark_dynamic(g, full)
+        elif run is g.gm and _eval_frame_callback() not in (None, False):
+            # torch.compile(sharded): this frame runs eagerly (skipped), dynamo traces the graph's frame
+            run = self._compile_copy(g, full)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
         return self._trim(out, b, padded) if padded != b else out
@@ -532,6 +544,7 @@ class ShardedModule(nn.Module):
             raise ConfigError("split_blocks() after compile(), prefetch_weights() or async_tp(): split the blocks first")
         keys = split_blocks(self._graphs[0].gm, checkpoint=checkpoint)
         self._blocks_split = True
+        self._compile_copies = {}
         self.block_paths = tuple(keys)
         return keys
 
@@ -632,12 +645,29 @@ class ShardedModule(nn.Module):
             return g.gm
         fn = self._compiled.get(id(g))
         if fn is None:
+            gm = self._compile_copy(g)
             kw = self._compile_kw
             if self._compile_backend is not None:      # inductor, the host's first rank first
                 kw = {k: v for k, v in kw.items() if k not in ("backend", "mode", "options")}
                 kw["backend"] = self._compile_backend
-            fn = self._compiled[id(g)] = torch.compile(g.gm, **kw)
+            fn = self._compiled[id(g)] = torch.compile(gm, **kw)
         return fn
+
+    @torch.compiler.disable
+    def _compile_copy(self, g, full: dict | None = None):
+        """``g``'s graph as ``torch.compile`` takes it: its grad-mode blocks inlined
+        (:mod:`autoshard.passes.grad_blocks`: dynamo breaks at them with a dynamic
+        size), one copy per graph. ``full`` (a call's keyword arguments): their batch and
+        sequence dims marked dynamic where the graph keeps them symbolic, so the first
+        compile serves every size (no recompile at the next sequence length)."""
+        gm = self._compile_copies.get(id(g))
+        if gm is None:
+            from .passes.grad_blocks import inline_grad_blocks
+
+            gm = self._compile_copies[id(g)] = inline_grad_blocks(g.gm)
+        if full is not None:
+            _mark_dynamic(g, full)
+        return gm
 
     def _graph_for(self, kwargs: dict):
         """The graph whose captured signature this call matches, and the call's full
@@ -969,3 +999,20 @@ def _owner(grads: list) -> tuple | None:
                               f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
         return sharded, params
     return None
+
+
+@torch.compiler.disable
+def _mark_dynamic(g, full: dict) -> None:
+    """Mark the call's batch and sequence dims dynamic where ``g`` keeps them symbolic
+    (``maybe_mark_dynamic``: dynamo may still specialise one), so that the first
+    compile is the one for every size."""
+    import torch._dynamo
+
+    dims = {name: d for name, _, d in g.signature.tensors}
+    batch, seq = g.static_batch is None, not g.static_seq
+    for name, t in full.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        for i, d in enumerate(dims.get(name, ())):
+            if (d == "b" and batch) or (d == "s" and seq):
+                torch._dynamo.maybe_mark_dynamic(t, i)

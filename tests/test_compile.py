@@ -158,3 +158,53 @@ def test_torch_compile_of_the_module_is_one_graph(case):
     for rank, r in enumerate(get_pool(world, timeout=900).run(_module_compiled_vs_eager, name, mode)):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["graphs"] == 1 and r["breaks"] == {} and r["recompiles"] == {}, r
+
+
+def _lengths(rank, world, name, mode, path):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    dense = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    sharded(**inputs).loss.backward()                     # the first call runs eagerly (self-check)
+    batches = [{k: (v[:, :1].repeat(1, s) + torch.arange(s) % 7 if v.dim() == 2 else v) for k, v in inputs.items()}
+               for s in (16, 24, 20)]
+    refs = []
+    for b in batches:
+        sharded.zero_grad(set_to_none=True)
+        out = sharded(**b)
+        out.loss.backward()
+        refs.append({"loss": out.loss.detach(), "logits": out.logits.detach(),
+                     **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}})
+    m = sharded.compile(backend="aot_eager") if path == "method" else torch.compile(sharded, backend="aot_eager")
+    counters.clear()
+    fails = []
+    for b, ref in zip(batches, refs):
+        sharded.zero_grad(set_to_none=True)
+        out = m(**b)
+        out.loss.backward()
+        got = {"loss": out.loss.detach(), "logits": out.logits.detach(),
+               **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
+        for what, want in ref.items():
+            try:
+                torch.testing.assert_close(got[what], want, atol=1e-5, rtol=1e-5)
+            except AssertionError as e:
+                fails.append(f"length {b['input_ids'].shape[1]} {what}: {str(e).splitlines()[0]}")
+    return {"failures": fails, "graphs": int(counters["stats"]["unique_graphs"]),
+            "breaks": dict(counters["graph_break"]), "recompiles": dict(counters.get("recompiles", {}))}
+
+
+@pytest.mark.parametrize("path", ["method", "module"])
+def test_one_compiled_graph_serves_every_sequence_length(path):
+    """The batch and sequence dims the graph keeps symbolic are marked dynamic at the
+    first compiled call, and the graph compiled has its grad-mode blocks inlined
+    (``passes/grad_blocks``: dynamo breaks at them with a dynamic size): three
+    sequence lengths run one graph, no break, no recompile, each equal to eager."""
+    for rank, r in enumerate(get_pool(2, timeout=900).run(_lengths, "llama", "1d", path)):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["graphs"] == 1 and r["breaks"] == {} and r["recompiles"] == {}, r

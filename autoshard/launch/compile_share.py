@@ -101,13 +101,27 @@ class HostShared:
         inner = torch._TorchCompileInductorWrapper(kwargs.get("mode"), kwargs.get("options"), kwargs.get("dynamic"))
         return cls(inner, share)
 
-    def _compile(self, gm, example_inputs):
-        # the backward compiled now, not at the first backward call: the leader's "done"
-        # then covers both graphs, and the others find both in the cache
+    def _compile(self, gm, example_inputs, after: str | None = None):
+        """``inner`` on the graph, its backward compiled now (not at the first backward
+        call: the leader's "done" then covers both graphs). ``after``: a store key to
+        wait for first — only before inductor's code generation where ``inner`` is
+        inductor's (this rank's dynamo and AOTAutograd trace meanwhile), else before all."""
         import torch._functorch.config as aot_config
 
         with aot_config.patch(force_non_lazy_backward_lowering=True):
-            return self.inner(gm, example_inputs)
+            if after is None:
+                return self.inner(gm, example_inputs)
+            config = getattr(self.inner, "config", None)
+            if not isinstance(config, dict):
+                _wait(c10d._get_default_store(), after, timeout_seconds())
+                return self.inner(gm, example_inputs)
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner_compile(graph, inputs, **kw):     # forward, then backward
+                _wait(c10d._get_default_store(), after, timeout_seconds())
+                return compile_fx_inner(graph, inputs, **kw)
+
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=dict(config))
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         store = c10d._get_default_store()
@@ -130,9 +144,8 @@ class HostShared:
         if not _wait(store, key, self.announce_s) or store.get(key).decode() != digest:
             self.alone += 1
             return self._compile(gm, example_inputs)
-        _wait(store, f"{key}/done", timeout_seconds())
         self.shared += 1
-        return self._compile(gm, example_inputs)
+        return self._compile(gm, example_inputs, after=f"{key}/done")
 
 
 def _host_state(store) -> dict:

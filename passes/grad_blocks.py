@@ -1,0 +1,97 @@
+"""Inline the grad-mode blocks of an exported graph, for ``torch.compile`` with dynamic shapes.
+
+``torch.export`` wraps a region run under ``torch.no_grad()`` (Llama's rotary
+frequencies, for one) in the higher-order op ``wrap_with_set_grad_enabled(False,
+submodule, *operands)``. Dynamo traces that op only when its body captures no
+symbolic size; with a dynamic sequence the body reads one, and dynamo breaks the
+graph there ("wrap_with_set_grad_enabled: unexpected freevars"). :func:`inline_grad_blocks`
+returns a copy of the graph module in which each such call is its body between two
+``torch._C._set_grad_enabled`` calls (the mode set, then restored to what it was),
+which dynamo traces with any shape: one graph for every batch and sequence length.
+Same results and gradients: the body runs under the same grad mode.
+
+The eager graph keeps its blocks (the planner, the tracer of activations and the
+self-check read them as one node); :meth:`autoshard.ShardedModule.compile` compiles
+this copy.
+
+    >>> import torch
+    >>> from torch import fx
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         with torch.no_grad():
+    ...             y = x * 2
+    ...         return x + y
+    >>> blocks = lambda g: sum(n.target is torch.ops.higher_order.wrap_with_set_grad_enabled for n in g.graph.nodes)
+    >>> ep = torch.export.export(M(), (torch.ones(2, requires_grad=True),))
+    >>> gm = inline_grad_blocks(ep.module())
+    >>> blocks(ep.module()), blocks(gm)
+    (1, 0)
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> gm(x).sum().backward(); x.grad.tolist()           # y = 2x has no gradient, as under no_grad
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+from torch import fx
+
+__all__ = ["inline_grad_blocks"]
+
+_BLOCK = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def inline_grad_blocks(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its parameters and buffers) with every
+    ``wrap_with_set_grad_enabled`` call inlined; ``gm`` itself when it has none."""
+    if not any(n.op == "call_function" and n.target is _BLOCK for n in gm.graph.nodes):
+        return gm
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    graph = new.graph
+    while True:
+        node = next((n for n in graph.nodes if n.op == "call_function" and n.target is _BLOCK), None)
+        if node is None:
+            break
+        enabled, body_ref, *operands = node.args
+        body = new.get_submodule(body_ref.target)
+        with graph.inserting_before(node):
+            prev = graph.call_function(torch.is_grad_enabled, ())
+            graph.call_function(torch._C._set_grad_enabled, (enabled,))
+            env = {}
+            places = [p for p in body.graph.nodes if p.op == "placeholder"]
+            for p, a in zip(places, operands):
+                env[p] = a
+            result = None
+            for b in body.graph.nodes:
+                if b.op == "placeholder":
+                    continue
+                if b.op == "output":
+                    result = fx.graph.map_arg(b.args[0], lambda x: env[x])
+                    continue
+                if b.op == "get_attr":          # the body's own attributes, copied onto the module
+                    name = f"{body_ref.target}_{b.target}".replace(".", "_")
+                    value = body.get_submodule(b.target) if isinstance(getattr(body, b.target, None), torch.nn.Module) \
+                        else getattr(body, b.target)
+                    setattr(new, name, value)
+                    env[b] = graph.get_attr(name)
+                    continue
+                env[b] = graph.node_copy(b, lambda x: env[x])
+            graph.call_function(torch._C._set_grad_enabled, (prev,))
+        # the block returns a tuple its users index; they now read the body's values
+        outs = result if isinstance(result, (list, tuple)) else (result,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+            else:
+                user.replace_input_with(node, tuple(outs) if isinstance(result, (list, tuple)) else result)
+        graph.erase_node(node)
+        if not body_ref.users:
+            graph.erase_node(body_ref)
+    graph.lint()
+    new.recompile()
+    return new
