@@ -384,10 +384,10 @@ class ShardedModule(nn.Module):
         frame it compiles is the graph module's own, one per captured signature."""
         g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
-            _mark_dynamic(g, full)
+            full = _mark_dynamic(g, full)
         elif run is g.gm and _eval_frame_callback() not in (None, False):
             # torch.compile(sharded): this frame runs eagerly (skipped), dynamo traces the graph's frame
-            run = self._compile_copy(g, full)
+            run, full = self._compile_copy(g), _mark_dynamic(g, full)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
         return self._trim(out, b, padded) if padded != b else out
@@ -654,19 +654,15 @@ class ShardedModule(nn.Module):
         return fn
 
     @torch.compiler.disable
-    def _compile_copy(self, g, full: dict | None = None):
+    def _compile_copy(self, g):
         """``g``'s graph as ``torch.compile`` takes it: its grad-mode blocks inlined
         (:mod:`autoshard.passes.grad_blocks`: dynamo breaks at them with a dynamic
-        size), one copy per graph. ``full`` (a call's keyword arguments): their batch and
-        sequence dims marked dynamic where the graph keeps them symbolic, so the first
-        compile serves every size (no recompile at the next sequence length)."""
+        size), one copy per graph."""
         gm = self._compile_copies.get(id(g))
         if gm is None:
             from .passes.grad_blocks import inline_grad_blocks
 
             gm = self._compile_copies[id(g)] = inline_grad_blocks(g.gm)
-        if full is not None:
-            _mark_dynamic(g, full)
         return gm
 
     def _graph_for(self, kwargs: dict):
@@ -1002,17 +998,21 @@ def _owner(grads: list) -> tuple | None:
 
 
 @torch.compiler.disable
-def _mark_dynamic(g, full: dict) -> None:
-    """Mark the call's batch and sequence dims dynamic where ``g`` keeps them symbolic
-    (``maybe_mark_dynamic``: dynamo may still specialise one), so that the first
-    compile is the one for every size."""
+def _mark_dynamic(g, full: dict) -> dict:
+    """``full`` with its batch and sequence dims marked dynamic where ``g`` keeps them
+    symbolic (``maybe_mark_dynamic``: dynamo may still specialise one), so that the
+    first compile is the one for every size. The marks go on views: the caller's
+    tensors stay unmarked for whatever else it compiles."""
     import torch._dynamo
 
     dims = {name: d for name, _, d in g.signature.tensors}
     batch, seq = g.static_batch is None, not g.static_seq
+    out = dict(full)
     for name, t in full.items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        for i, d in enumerate(dims.get(name, ())):
-            if (d == "b" and batch) or (d == "s" and seq):
-                torch._dynamo.maybe_mark_dynamic(t, i)
+        marks = [i for i, d in enumerate(dims.get(name, ()) if isinstance(t, torch.Tensor) else ())
+                 if (d == "b" and batch) or (d == "s" and seq)]
+        if marks:
+            out[name] = t.view_as(t)
+            for i in marks:
+                torch._dynamo.maybe_mark_dynamic(out[name], i)
+    return out
