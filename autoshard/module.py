@@ -102,6 +102,7 @@ class ShardedModule(nn.Module):
         self._seq_split, self._seq_why = seq_split if isinstance(seq_split, tuple) else (seq_split, "")
         self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
         self._compile_backend = None              # compile(): its HostShared backend (inductor on ranks)
+        self._dynamic_dims = False                # compile(dynamic=True): batch and sequence dims marked dynamic
         self._compiled: dict = {}
         self._config = config
         self._generation_config = None
@@ -384,10 +385,11 @@ class ShardedModule(nn.Module):
         frame it compiles is the graph module's own, one per captured signature."""
         g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
-            full = _mark_dynamic(g, full)
+            if self._dynamic_dims:
+                full = _mark_dynamic(g, full)
         elif run is g.gm and _eval_frame_callback() not in (None, False):
             # torch.compile(sharded): this frame runs eagerly (skipped), dynamo traces the graph's frame
-            run, full = self._compile_copy(g), _mark_dynamic(g, full)
+            run = self._compile_copy(g)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
         return self._trim(out, b, padded) if padded != b else out
@@ -557,6 +559,14 @@ class ShardedModule(nn.Module):
         one node of the compiled graph. Returns the module (in place, like
         :meth:`torch.nn.Module.compile`).
 
+        ``dynamic``: as :func:`torch.compile`'s — None (default) compiles the first call's
+        sizes and, at the first other size, once more with them symbolic; False keeps
+        every size static; True marks the dims the graph keeps symbolic (batch, sequence)
+        dynamic from the first call, so one compile serves every length (only those:
+        ``torch.compile(dynamic=True)`` would make every dim symbolic). The graph compiled
+        has its grad-mode blocks inlined (:mod:`autoshard.passes.grad_blocks`), so a
+        dynamic compile is one graph with no break.
+
         ``once_per_host`` (inductor, the default backend): True, the lowest rank of each
         host compiles each graph while the host's other ranks wait, then they load it
         from inductor's caches (every rank's graph is the same program,
@@ -575,7 +585,8 @@ class ShardedModule(nn.Module):
             raise ConfigError(f"compile(mode={kwargs['mode']!r}) captures CUDA graphs, which replay the collectives "
                               f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
                               f"'max-autotune-no-cudagraphs'")
-        self._compile_kw = dict(kwargs)
+        self._dynamic_dims = kwargs.get("dynamic") is True
+        self._compile_kw = {k: v for k, v in kwargs.items() if not (k == "dynamic" and v is True)}
         self._compile_backend = None if once_per_host is False else HostShared.for_compile(kwargs, once_per_host)
         self._compiled = {}
         return self
@@ -1001,7 +1012,7 @@ def _owner(grads: list) -> tuple | None:
 def _mark_dynamic(g, full: dict) -> dict:
     """``full`` with its batch and sequence dims marked dynamic where ``g`` keeps them
     symbolic (``maybe_mark_dynamic``: dynamo may still specialise one), so that the
-    first compile is the one for every size. The marks go on views: the caller's
+    first compile is the one for every size (``compile(dynamic=True)``). The marks go on views: the caller's
     tensors stay unmarked for whatever else it compiles."""
     import torch._dynamo
 
