@@ -89,6 +89,45 @@ def comparer(failures: list, *, detail: bool = True):
     return cmp
 
 
+def compile_setup(name: str, mode: str, depth=None):
+    """``(sharded, inputs)`` for a compile test on a rank: one thread, dynamo's caches
+    reset, the tiny model ``name`` sharded in ``mode`` from its batch."""
+    import torch._dynamo
+
+    import autoshard
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    inputs = batch(name)
+    return autoshard.shard(build(name), mode=mode, depth=depth, example_inputs=inputs), inputs
+
+
+def step_state(out, sharded, clone: bool = False) -> dict:
+    """Loss, logits and every local gradient of a step of ``sharded`` that gave ``out``."""
+    return {"loss": out.loss.detach(), "logits": out.logits.detach(),
+            **{f"grad {n}": p.grad.clone() if clone else p.grad for n, p in sharded.named_parameters()}}
+
+
+def aot_recorder(codes: dict):
+    """A ``torch.compile`` backend that keeps the code of dynamo's graph and of
+    AOTAutograd's forward and backward in ``codes`` and runs them as they are."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(tag):
+        def compiler(gm, example_inputs):
+            codes[tag] = gm.code
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    aot = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+    def backend(gm, example_inputs):
+        codes["dynamo"] = gm.code
+        return aot(gm, example_inputs)
+    return backend
+
+
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
           dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8,
           cp_attention: str = "ring", cp_order: str = "balanced") -> dict:

@@ -10,7 +10,6 @@ same sharded module, and dynamo must find no graph break in the rewritten graph.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -26,19 +25,11 @@ def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import autoshard
-
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    depth = 2 if mode == "2.5d" else None
-    dense = models.build(name)
-    inputs = models.batch(name)
-    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, depth=depth, example_inputs=inputs)
+    sharded, inputs = models.compile_setup(name, mode, depth=2 if mode == "2.5d" else None)
     # eager first, then the same module compiled: same weights, same inputs
     out_e = sharded(**inputs)
     out_e.loss.backward()
-    ref = {"loss": out_e.loss.detach(), "logits": out_e.logits.detach(),
-           **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}}
+    ref = models.step_state(out_e, sharded, clone=True)
     sharded.zero_grad(set_to_none=True)
     eager_t = []
     for _ in range(2):
@@ -64,14 +55,11 @@ def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
     caches = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     backend_obj = sharded._compile_backend
     sharing = (backend_obj.shared, backend_obj.alone) if backend_obj is not None else None
-    got = {"loss": out_c.loss.detach(), "logits": out_c.logits.detach(),
-           **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
+    got = models.step_state(out_c, sharded)
     fails = []
+    cmp = models.comparer(fails, detail=False)
     for what, b in ref.items():
-        try:
-            torch.testing.assert_close(got[what], b, atol=1e-5, rtol=1e-5)
-        except AssertionError as e:
-            fails.append(f"{what}: {str(e).splitlines()[0]}")
+        cmp(what, got[what], b)
     comp_t = []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -115,34 +103,29 @@ def test_compiled_equals_eager(case, tmp_path):
 
 
 def _module_compiled_vs_eager(rank, world, name, mode):
-    import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import autoshard
-
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    dense = models.build(name)
-    inputs = models.batch(name)
-    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    sharded, inputs = models.compile_setup(name, mode)
     compiled = torch.compile(sharded, backend="aot_eager")     # before any call: the first call self-checks eagerly
     out_e = sharded(**inputs)
     out_e.loss.backward()
-    ref = {"loss": out_e.loss.detach(), "logits": out_e.logits.detach(),
-           **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}}
+    ref = models.step_state(out_e, sharded, clone=True)
+    return _run_compiled(compiled, sharded, [inputs, inputs], [ref, ref], counters)  # the second reuses the graph
+
+
+def _run_compiled(compiled, sharded, batches, refs, counters) -> dict:
+    """Each batch through ``compiled`` (forward + backward) against its eager ``ref``;
+    dynamo's graphs, breaks and recompiles counted from here."""
     counters.clear()
     fails = []
-    for _ in range(2):                   # the first compiles, the second reuses the graph
+    cmp = models.comparer(fails, detail=False)
+    for b, ref in zip(batches, refs):
         sharded.zero_grad(set_to_none=True)
-        out_c = compiled(**inputs)
-        out_c.loss.backward()
-        got = {"loss": out_c.loss.detach(), "logits": out_c.logits.detach(),
-               **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
-        for what, b in ref.items():
-            try:
-                torch.testing.assert_close(got[what], b, atol=1e-5, rtol=1e-5)
-            except AssertionError as e:
-                fails.append(f"{what}: {str(e).splitlines()[0]}")
+        out = compiled(**b)
+        out.loss.backward()
+        got = models.step_state(out, sharded)
+        for what, want in ref.items():
+            cmp(f"length {b['input_ids'].shape[1]} {what}", got[what], want)
     return {"failures": fails, "graphs": int(counters["stats"]["unique_graphs"]),
             "breaks": dict(counters["graph_break"]), "recompiles": dict(counters.get("recompiles", {}))}
 
@@ -161,16 +144,9 @@ def test_torch_compile_of_the_module_is_one_graph(case):
 
 
 def _lengths(rank, world, name, mode, path, dynamic):
-    import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import autoshard
-
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    dense = models.build(name)
-    inputs = models.batch(name)
-    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    sharded, inputs = models.compile_setup(name, mode)
     sharded(**inputs).loss.backward()                     # the first call runs eagerly (self-check)
     batches = [{k: (v[:, :1].repeat(1, s) + torch.arange(s) % 7 if v.dim() == 2 else v) for k, v in inputs.items()}
                for s in (16, 24, 20)]
@@ -179,25 +155,10 @@ def _lengths(rank, world, name, mode, path, dynamic):
         sharded.zero_grad(set_to_none=True)
         out = sharded(**b)
         out.loss.backward()
-        refs.append({"loss": out.loss.detach(), "logits": out.logits.detach(),
-                     **{f"grad {n}": p.grad.clone() for n, p in sharded.named_parameters()}})
+        refs.append(models.step_state(out, sharded, clone=True))
     m = sharded.compile(backend="aot_eager", dynamic=dynamic) if path == "method" else \
         torch.compile(sharded, backend="aot_eager", dynamic=dynamic)
-    counters.clear()
-    fails = []
-    for b, ref in zip(batches, refs):
-        sharded.zero_grad(set_to_none=True)
-        out = m(**b)
-        out.loss.backward()
-        got = {"loss": out.loss.detach(), "logits": out.logits.detach(),
-               **{f"grad {n}": p.grad for n, p in sharded.named_parameters()}}
-        for what, want in ref.items():
-            try:
-                torch.testing.assert_close(got[what], want, atol=1e-5, rtol=1e-5)
-            except AssertionError as e:
-                fails.append(f"length {b['input_ids'].shape[1]} {what}: {str(e).splitlines()[0]}")
-    return {"failures": fails, "graphs": int(counters["stats"]["unique_graphs"]),
-            "breaks": dict(counters["graph_break"]), "recompiles": dict(counters.get("recompiles", {}))}
+    return _run_compiled(m, sharded, batches, refs, counters)
 
 
 @pytest.mark.parametrize("case", [("method", True), ("method", None), ("module", None)],

@@ -9,7 +9,6 @@ themselves: ``tests/test_compile.py::test_compiled_equals_eager``.)
 
 from __future__ import annotations
 
-import copy
 import difflib
 import time
 
@@ -20,32 +19,10 @@ from dist_pool import get_pool
 
 
 def _graphs(rank, world, name, mode):
-    import torch
-    import torch._dynamo
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    import autoshard
-
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    dense = models.build(name)
-    inputs = models.batch(name)
-    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    sharded, inputs = models.compile_setup(name, mode)
     codes = {}
-
-    def keep(tag):
-        def compiler(gm, example_inputs):
-            codes[tag] = gm.code
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    def dynamo_backend(gm, example_inputs):
-        codes["dynamo"] = gm.code
-        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, example_inputs)
-
     sharded(**inputs).loss.backward()                    # the first call runs eagerly (self-check)
-    sharded.compile(backend=dynamo_backend)
+    sharded.compile(backend=models.aot_recorder(codes))
     sharded(**inputs).loss.backward()
     return codes
 

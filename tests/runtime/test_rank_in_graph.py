@@ -6,6 +6,7 @@ embedding included (its rank is unknown while tracing; its gradient is stopped b
 
 from __future__ import annotations
 
+import models
 from dist_pool import get_pool
 
 
@@ -43,18 +44,8 @@ def _compiled_kernels(rank, world):
         return emb, loss, C.gather_from(x, 0, group)       # its backward keeps this rank's block: local_block
 
     eager = run(kernels)
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     graphs = {}
-
-    def keep(tag):
-        def compiler(gm, example_inputs):
-            graphs[tag] = gm.code
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    backend = models.aot_recorder(graphs)
     compiled = run(torch.compile(kernels, backend=backend, fullgraph=True))
     diffs = [float((a - b).abs().max()) for a, b in zip(eager, compiled)]
     pad_grad = float(compiled[3].abs().sum(-1)[3]) if rank == 0 else None
