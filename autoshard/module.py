@@ -14,17 +14,17 @@ from .runtime import parallel_ops
 from .ir.errors import ConfigError
 from .ir.plan import ShardingPlan
 from .launch.compile_share import HostShared
+from .launch.recapture import capture_graph
+from .runtime.selfcheck import run_checked
+from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
+from .planning.validate import Problem as _P
+from .io.gather import unique_params
 
 try:        # whether dynamo traces the frames the caller calls (torch.compile(sharded) runs forward eagerly)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 except ImportError:     # another torch: the graph as it is (dynamo recompiles at a new length)
     def _eval_frame_callback():
         return None
-from .launch.recapture import capture_graph
-from .runtime.selfcheck import run_checked
-from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
-from .planning.validate import Problem as _P
-from .io.gather import unique_params
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
 
@@ -587,7 +587,8 @@ class ShardedModule(nn.Module):
                               f"'max-autotune-no-cudagraphs'")
         self._dynamic_dims = kwargs.get("dynamic") is True
         self._compile_kw = {k: v for k, v in kwargs.items() if not (k == "dynamic" and v is True)}
-        self._compile_backend = None if once_per_host is False else HostShared.for_compile(kwargs, once_per_host)
+        self._compile_backend = None if once_per_host is False else \
+            HostShared.for_compile(self._compile_kw, once_per_host)
         self._compiled = {}
         return self
 

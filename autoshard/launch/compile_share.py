@@ -5,14 +5,16 @@ groups by a rank-independent alias (:func:`~autoshard.runtime.groups.group_alias
 and, while ``torch.compile`` traces, the kernels read their rank from a graph op
 (:func:`~autoshard.runtime.collectives.group_rank`) instead of folding it in as a
 constant. So the graph dynamo hands its backend is one program on every rank, and
-inductor's caches (its FX graph cache and AOTAutograd's, on disk under
-``TORCHINDUCTOR_CACHE_DIR``, which the ranks of one host share) key it alike.
+inductor's FX graph cache (on disk under ``TORCHINDUCTOR_CACHE_DIR``, which the ranks
+of one host share) keys its forward and backward alike on every rank.
 
 :class:`HostShared` wraps the backend :meth:`autoshard.ShardedModule.compile` uses:
-the lowest rank of each host compiles each graph first while the host's other ranks
-wait on the rendezvous store; then they compile the same graph, which is now a hit
-in the caches (a load, not a compile). The ranks stop competing for the host's
-cores with one compile each. No collective is involved; a rank whose graph differs
+the lowest rank of each host compiles each graph first; the host's other ranks
+trace it meanwhile (dynamo, AOTAutograd) and wait on the rendezvous store before
+inductor's code generation, which is then a hit in the cache (a load, not a
+compile). The ranks stop competing for the host's cores with one code generation
+each, which pays where a host runs more ranks than it has cores (the default:
+only there). No collective is involved; a rank whose graph differs
 from its leader's (compared by a digest of the code and the inputs' metadata), a
 leader that does not announce its graph within ``announce_s`` or does not finish
 within ``AUTOSHARD_TIMEOUT``, all compile by themselves: sharing can cost a wait,
