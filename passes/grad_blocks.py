@@ -49,7 +49,11 @@ def inline_grad_blocks(gm: fx.GraphModule) -> fx.GraphModule:
     ``wrap_with_set_grad_enabled`` call inlined; ``gm`` itself when it has none."""
     if not any(n.op == "call_function" and n.target is _BLOCK for n in gm.graph.nodes):
         return gm
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)      # export's pytree in/out specs
+    out, node = graph.graph_copy(gm.graph, {}, return_output_node=True)   # metas copied shallowly
+    graph.output(out, type_expr=node.type).meta = dict(node.meta)
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     graph = new.graph
     while True:
