@@ -34,7 +34,7 @@ this copy.
 from __future__ import annotations
 
 import copy
-import operator
+import functools
 
 import torch
 from torch import fx
@@ -65,34 +65,21 @@ def inline_grad_blocks(gm: fx.GraphModule) -> fx.GraphModule:
         with graph.inserting_before(node):
             prev = graph.call_function(torch.is_grad_enabled, ())
             graph.call_function(torch._C._set_grad_enabled, (enabled,))
-            env = {}
-            places = [p for p in body.graph.nodes if p.op == "placeholder"]
-            for p, a in zip(places, operands):
-                env[p] = a
-            result = None
+            # the body's inputs are the block's operands; its own attributes are copied onto the module
+            env = dict(zip((b for b in body.graph.nodes if b.op == "placeholder"), operands))
             for b in body.graph.nodes:
-                if b.op == "placeholder":
-                    continue
-                if b.op == "output":
-                    result = fx.graph.map_arg(b.args[0], lambda x: env[x])
-                    continue
-                if b.op == "get_attr":          # the body's own attributes, copied onto the module
+                if b.op == "get_attr":
                     name = f"{body_ref.target}_{b.target}".replace(".", "_")
-                    value = body.get_submodule(b.target) if isinstance(getattr(body, b.target, None), torch.nn.Module) \
-                        else getattr(body, b.target)
-                    setattr(new, name, value)
+                    setattr(new, name, functools.reduce(getattr, b.target.split("."), body))
                     env[b] = graph.get_attr(name)
-                    continue
-                env[b] = graph.node_copy(b, lambda x: env[x])
+            result = graph.graph_copy(body.graph, env)
             graph.call_function(torch._C._set_grad_enabled, (prev,))
-        # the block returns a tuple its users index; they now read the body's values
-        outs = result if isinstance(result, (list, tuple)) else (result,)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
+        if isinstance(result, (list, tuple)):      # the block's users index the tuple it returns
+            for user in list(node.users):
+                user.replace_all_uses_with(result[user.args[1]])
                 graph.erase_node(user)
-            else:
-                user.replace_input_with(node, tuple(outs) if isinstance(result, (list, tuple)) else result)
+        else:
+            node.replace_all_uses_with(result)
         graph.erase_node(node)
         if not body_ref.users:
             graph.erase_node(body_ref)

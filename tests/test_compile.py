@@ -10,7 +10,6 @@ same sharded module, and dynamo must find no graph break in the rewritten graph.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from dist_pool import get_pool
 def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
     import os
     import time
+    from unittest import mock
 
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -40,18 +40,11 @@ def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
     # with a cache of its own, the host's ranks compile one after the other (rank 0 first)
     sharded.compile(backend=backend, once_per_host=True if cache_dir else None)
     counters.clear()
-    old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    try:
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}):
         t0 = time.perf_counter()
         out_c = sharded(**inputs)
         out_c.loss.backward()
         first = time.perf_counter() - t0
-    finally:
-        if cache_dir:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if old_dir is None else \
-                os.environ.__setitem__("TORCHINDUCTOR_CACHE_DIR", old_dir)
     caches = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     backend_obj = sharded._compile_backend
     sharing = (backend_obj.shared, backend_obj.alone) if backend_obj is not None else None

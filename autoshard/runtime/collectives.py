@@ -429,17 +429,18 @@ def from_rank_blocks(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 def local_block(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     """This rank's block of a whole ``dim`` (no communication, outside autograd)."""
     pg = _pg(group)
-    p, n = pg.size(), (2 if group in _BALANCED else 1) * pg.size()
+    p, balanced = pg.size(), group in _BALANCED
+    n = 2 * p if balanced else p                  # the chunks of ``dim``; the rank holds one, or two balanced
     if torch.compiler.is_compiling() and x.shape[dim] % n == 0:
         # picked by the rank as a graph value, so the traced graph is one program on every rank
         r = group_rank(x, group).view(1)
-        idx = torch.cat([r, 2 * p - 1 - r]) if n > p else r
+        idx = torch.cat([r, 2 * p - 1 - r]) if balanced else r
         return x.unflatten(dim, (n, x.shape[dim] // n)).index_select(dim, idx).flatten(dim, dim + 1)
-    if group in _BALANCED:
+    if balanced:
         parts = x.chunk(2 * p, dim=dim)
         a, b = balanced_chunks(dist.get_rank(pg), p)
         return torch.cat([parts[a], parts[b]], dim)
-    return x.chunk(pg.size(), dim=dim)[dist.get_rank(pg)].clone(memory_format=torch.contiguous_format)
+    return x.chunk(p, dim=dim)[dist.get_rank(pg)].clone(memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------ differentiable conjugates
