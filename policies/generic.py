@@ -20,13 +20,14 @@ from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec, replicated
 from autoshard.ir.tokens import sequence_conv, token_cross_entropy
 
-from autoshard.ir.kernels import AttentionDropout, CrossEntropy, DistLayerNorm, Dropout, RingAttention, SequenceConv
+from autoshard.ir.kernels import (AttentionDropout, CrossEntropy, DistLayerNorm, Dropout, RingAttention, SequenceConv,
+                                  SyncBatchNorm)
 
 from .base import Choice, NeedReplicate, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "TRIM_META", "rule_for", "view_groups", "writes_first_arg"]
+__all__ = ["PER_SAMPLE", "RULES", "TRIM_META", "rule_for", "view_groups", "writes_first_arg"]
 
 #: node.meta key :mod:`autoshard.passes.pad` sets on the slice that cuts a padded
 #: vocabulary back to its size (the slice then gathers instead of re-planning the head)
@@ -1073,8 +1074,9 @@ def creation(ctx: RuleContext) -> Choice:
 
 
 def all_replicated_or_fallback(ctx: RuleContext, reason: str = "") -> Choice:
-    """Unknown op: local when every input is replicated; otherwise gather what is
-    split (except the batch dim, which ops without a rule are assumed to treat row by row)."""
+    """Unknown op: local when every input is replicated; otherwise :func:`_fallback`
+    (every split gathered, the batch's included: an op with no rule is not known to
+    treat samples one by one)."""
     targs = _tensor_args(ctx)
     specs = [ctx.spec(a) for _, a in targs]
     if all(s.is_replicated for s in specs):
@@ -1083,14 +1085,121 @@ def all_replicated_or_fallback(ctx: RuleContext, reason: str = "") -> Choice:
 
 
 def _fallback(ctx, reason: str) -> Choice:
+    """The op on whole tensors (docs/design.md, "The batch contract"): every input
+    gathered to replicated (batch rows, sequence and feature splits, partial sums),
+    the op run on the global values, and its output's rows cut back over the batch
+    axes (forward: a local slice; backward: the gradient's rows all-gathered), so the
+    sizes the graph reads later from the local batch still fit. A size argument read
+    from the local batch cannot be given whole values: refused, naming the node."""
+    node = ctx.node
+    for a in _size_args(node):
+        if any(SymbolicSizes.is_rows(v) for v in ctx.pshape_of_val(_SizeOf(a))) and ctx.batch_axes:
+            raise ShardingError(f"no exact rule: {reason}; its inputs would be gathered whole, but it takes "
+                                f"the local batch size `{a.name}` as an argument", node=node)
     inputs = {}
+    batch_split = False
     for path, a in _tensor_args(ctx):
         s = ctx.spec(a)
-        rows = _batch_rows(ctx, a, s)        # the batch split stays (re-laid as the batch's when swapped)
-        inputs[path] = ShardSpec(dims=((rows.dims[0] if rows else ()),) + ((),) * (s.ndim - 1)) if s.ndim \
-            else ShardSpec(dims=())
-    return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True,
-                  notes=(f"fallback: {reason}; inputs gathered to replicated",))
+        batch_split |= bool(s.ndim and set(s.dims[0]) & set(ctx.batch_axes))
+        inputs[path] = replicated(s.ndim)
+    out = ctx.default_out_spec(node)
+    post = ()
+    if isinstance(out, ShardSpec) and out.ndim and out.dims[0]:
+        post = (Step(op="scatter", axes=out.dims[0], dim=0),)
+    elif isinstance(out, tuple):        # several outputs: no cut after the op, each stays whole
+        out = tuple(replicated(o.ndim) if isinstance(o, ShardSpec) else o for o in out)
+    rows = f"; batch gathered, rows re-split over {','.join(out.dims[0])}" if post and batch_split else \
+        ("; batch gathered" if batch_split else "")
+    return Choice(out=out, inputs=inputs, post=post, fallback=True,
+                  notes=(f"fallback: {reason}; inputs gathered to replicated{rows}",))
+
+
+class _SizeOf:
+    """A size argument seen as a one-dim shape (for :meth:`RuleContext.pshape_of_val`)."""
+
+    def __init__(self, a: fx.Node):
+        self.shape = (a.meta["val"],)
+
+
+def _size_args(node: fx.Node) -> list[fx.Node]:
+    """The symbolic sizes among ``node``'s arguments (lists flattened one level)."""
+    out = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        for b in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(b, fx.Node) and isinstance(b.meta.get("val"), torch.SymInt):
+                out.append(b)
+    return out
+
+
+# --------------------------------------------------------- per-sample ops
+#: ATen ops (by overload packet) that compute each sample from its own row alone
+#: (docs/design.md, "The batch contract"): pooling, interpolation, padding, group
+#: norm, pixel shuffles. Their rule keeps the batch split of dim 0 and holds every
+#: other dim whole; checked on torch's OpInfo samples (tests/policies/test_opinfo.py).
+PER_SAMPLE = frozenset(getattr(aten, n) for n in (
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "_adaptive_avg_pool2d",
+    "group_norm", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "reflection_pad1d",
+    "reflection_pad2d", "reflection_pad3d", "replication_pad1d", "replication_pad2d", "replication_pad3d",
+    "constant_pad_nd", "im2col", "col2im", "grid_sampler", "grid_sampler_2d") if hasattr(aten, n))
+
+
+def per_sample(ctx: RuleContext) -> Choice:
+    """An op of :data:`PER_SAMPLE` (or ``batch_norm`` with running statistics): each
+    sample's output is computed from that sample alone, so the rows of a batch split
+    stay split (re-laid as the batch's when swapped) and every tensor argument whose
+    leading dim is the batch follows them; every other dim, and every other argument
+    (weights, sizes), whole."""
+    node = ctx.node
+    targs = _tensor_args(ctx)
+    x = targs[0][1] if targs else None
+    rows = _batch_rows(ctx, x, ctx.spec(x)) if x is not None else None
+    lead = rows.dims[0] if rows else ()
+    inputs = {}
+    for path, a in targs:
+        nd = ctx.spec(a).ndim
+        keep = lead if nd and SymbolicSizes.is_rows(ctx.pshape(a)[0]) and \
+            ctx.pshape(a)[0] == ctx.pshape(x)[0] else ()
+        inputs[path] = ShardSpec(dims=(keep,) + ((),) * (nd - 1)) if nd else replicated(0)
+    shape = ctx.pshape(node) if ctx.is_tensor(node) else ()
+    out = ShardSpec(dims=((lead if shape and shape[0] == ctx.pshape(x)[0] else ()),) + ((),) * (len(shape) - 1)) \
+        if shape else replicated(0)
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return _fallback(ctx, "a per-sample op with several outputs")
+    return Choice(out=out, inputs=inputs,
+                  notes=(f"per sample: rows over {','.join(lead)}",) if lead and out.dims[0] else ())
+
+
+def batch_norm(ctx: RuleContext) -> Choice:
+    """``batch_norm``. With running statistics (eval) it is per sample (:func:`per_sample`).
+    In training the statistics are of the whole batch: with its rows split, the
+    :class:`~autoshard.ir.kernels.SyncBatchNorm` kernel all-reduces each channel's sum and
+    sum of squares over the batch axes (``SyncBatchNorm``: the same figures on every rank,
+    equal to dense, and so are the running statistics it updates); the backward
+    all-reduces the statistics' gradients. Channels and positions are whole, the weight,
+    bias and running statistics whole (the weight's and bias's gradients summed over the
+    batch axes, as any whole parameter's)."""
+    node = ctx.node
+    a = list(node.args) + [None] * 9
+    if not a[5]:
+        return per_sample(ctx)
+    x = a[0]
+    rows = _batch_rows(ctx, x, ctx.spec(x))
+    lead = rows.dims[0] if rows else ()
+    nd = ctx.spec(x).ndim
+    spec = ShardSpec(dims=(lead,) + ((),) * (nd - 1))
+    inputs = {(0,): spec}
+    for i in (1, 2, 3, 4):
+        if isinstance(a[i], fx.Node):
+            inputs[(i,)] = replicated(ctx.spec(a[i]).ndim)
+    if not lead:
+        return Choice(out=spec, inputs=inputs)
+    k = SyncBatchNorm(axes=lead, in_specs=tuple(inputs.items()), out_spec=spec)
+    return Choice.run(k, notes=(f"couples samples: statistics synced over {','.join(lead)} "
+                                f"(SyncBatchNorm; running statistics from the global figures)",))
 
 
 def no_spec(ctx: RuleContext) -> Choice:
@@ -1140,10 +1249,12 @@ RULES = {
     aten.matmul.default: matmul, aten.bmm.default: matmul, aten.mm.default: matmul,
     aten.baddbmm.default: baddbmm,
     aten.scaled_dot_product_attention.default: sdpa,
-    aten.layer_norm.default: layer_norm,
+    aten.layer_norm.default: layer_norm, aten.batch_norm.default: batch_norm,
     aten.conv1d.default: convolution, aten.conv2d.default: convolution, aten.conv3d.default: convolution,
     aten.conv1d.padding: convolution, aten.conv2d.padding: convolution, aten.conv3d.padding: convolution,
     aten.convolution.default: convolution, sequence_conv: sequence_conv_rule,
+    aten.conv_transpose1d.default: convolution, aten.conv_transpose2d.input: convolution,
+    aten.conv_transpose3d.input: convolution,
     aten.cross_entropy_loss.default: cross_entropy, token_cross_entropy: cross_entropy,
     aten.arange.default: creation, aten.arange.start: creation, aten.arange.start_step: creation,
     aten.full.default: creation, aten.zeros.default: creation, aten.ones.default: creation,
@@ -1168,6 +1279,8 @@ def rule_for(node: fx.Node):
     t = node.target
     if t in RULES:
         return RULES[t]
+    if isinstance(t, torch._ops.OpOverload) and t.overloadpacket in PER_SAMPLE:
+        return per_sample
     if t == aten.dropout.default:
         return dropout
     if writes_first_arg(t) and (t == aten.copy_.default or torch.Tag.pointwise in t.tags

@@ -41,7 +41,7 @@ from .mesh import Mesh
 from .spec import ShardSpec
 
 __all__ = ["KComm", "KernelIO", "Kernel", "KERNELS", "RowLinear", "Summa", "ThreeDLinear", "PartialHead",
-           "VocabEmbedding", "DistLayerNorm", "CrossEntropy", "Dropout", "AttentionDropout", "DROPOUT_MODES",
+           "VocabEmbedding", "DistLayerNorm", "SyncBatchNorm", "CrossEntropy", "Dropout", "AttentionDropout", "DROPOUT_MODES",
            "check_dropout_mode"]
 
 Path = tuple
@@ -337,6 +337,31 @@ class DistLayerNorm(Kernel):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SyncBatchNorm(Kernel):
+    """``batch_norm`` in training with the batch rows split over ``axes`` (docs/design.md,
+    "The batch contract"), as ``torch.nn.SyncBatchNorm``: each rank's per-channel mean and
+    sum of squared deviations are all-gathered over ``axes`` in one call (backward: their
+    gradients reduce-scattered home) and combined into the global batch's figures, the
+    same on every rank; the running statistics are updated from them."""
+
+    axes: tuple[str, ...]
+    name: ClassVar[str] = "sync_batch_norm"
+
+    def groups(self):
+        return (self.axes,)
+
+    def comms(self, io):
+        shape = io.in_shapes[(0,)]
+        stats = 2 * (shape[1] if len(shape) > 1 else 1) * io.mesh.size(self.axes)     # gathered: [p, 2, C]
+        return (KComm("fwd", "all_gather", self.axes, stats),
+                KComm("bwd", "reduce_scatter", self.axes, stats, ((0,),)))
+
+    def call_args(self, node, group, size):
+        a = list(node.args) + [None] * 9
+        return (a[0], a[1], a[2], a[3], a[4]), {"momentum": a[6], "eps": a[7], "group": group(self.axes)}
+
+
+@dataclass(frozen=True, kw_only=True)
 class CrossEntropy(Kernel):
     """Token cross-entropy, global mean (or sum) over a batch split over
     ``batch_axes``, vocab-parallel over ``vocab_axes`` when the logits are split."""
@@ -513,8 +538,8 @@ class SequenceConv(Kernel):
 
 
 KERNELS: dict[str, type[Kernel]] = {c.__name__: c for c in (
-    RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, CrossEntropy, Dropout,
-    AttentionDropout, RingAttention, SequenceConv)}
+    RowLinear, Summa, ThreeDLinear, PartialHead, VocabEmbedding, DistLayerNorm, SyncBatchNorm, CrossEntropy,
+    Dropout, AttentionDropout, RingAttention, SequenceConv)}
 
 
 def register_kernel(cls: type[Kernel]) -> type[Kernel]:
