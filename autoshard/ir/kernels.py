@@ -363,30 +363,50 @@ class SyncBatchNorm(Kernel):
 
 @dataclass(frozen=True, kw_only=True)
 class CrossEntropy(Kernel):
-    """Token cross-entropy, global mean (or sum) over a batch split over
-    ``batch_axes``, vocab-parallel over ``vocab_axes`` when the logits are split."""
+    """Token cross-entropy, vocab-parallel over ``vocab_axes`` when the logits are split;
+    a mean (or sum) is global over a batch split over ``batch_axes``: the tokens' sum and
+    their weight (count) all-reduced. ``smoothing`` (label smoothing), ``weighted`` (class
+    weights, the op's third argument), ``reduction=0`` (per-token losses, split as the
+    target) and ``class_dim`` (1 for spatial targets ``[N, C, ...]``) take the general
+    path: one all-reduce over ``vocab_axes`` of each token's sums instead of two."""
 
     vocab_axes: tuple[str, ...]
     batch_axes: tuple[str, ...]
     ignore_index: int = -100
     reduction: int = 1
+    smoothing: float = 0.0
+    weighted: bool = False
+    class_dim: int = -1
     name: ClassVar[str] = "cross_entropy"
+
+    @property
+    def general(self) -> bool:
+        """Whether the general path runs (anything but a plain mean / sum over class-last logits)."""
+        return bool(self.smoothing or self.weighted or self.reduction == 0 or self.class_dim != -1)
 
     def groups(self):
         return tuple(a for a in (self.vocab_axes, self.batch_axes) if a)
 
     def comms(self, io):
         n = io.numel((1,))
-        out = [KComm("fwd", "all_reduce", self.vocab_axes, n)] * 3 if self.vocab_axes else []
-        if self.batch_axes:
+        if self.general:
+            out = [KComm("fwd", "all_reduce", self.vocab_axes, n),
+                   KComm("fwd", "all_reduce", self.vocab_axes, n * (5 if self.smoothing else 2))] \
+                if self.vocab_axes else []
+        else:
+            out = [KComm("fwd", "all_reduce", self.vocab_axes, n)] * 3 if self.vocab_axes else []
+        if self.batch_axes and self.reduction:
             out += [KComm("fwd", "all_reduce", self.batch_axes, 1)] * 2
         return tuple(out)
 
     def call_args(self, node, group, size):
         G = lambda axes: group(axes) if axes else None  # noqa: E731
-        return (node.args[0], node.args[1]), {
-            "vocab_group": G(self.vocab_axes), "batch_group": G(self.batch_axes),
-            "ignore_index": self.ignore_index, "reduction": self.reduction}
+        kw = {"vocab_group": G(self.vocab_axes), "batch_group": G(self.batch_axes),
+              "ignore_index": self.ignore_index, "reduction": self.reduction}
+        if not self.general:
+            return (node.args[0], node.args[1]), kw
+        w = (node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")) if self.weighted else None
+        return (node.args[0], node.args[1], w), kw | {"smoothing": self.smoothing, "class_dim": self.class_dim}
 
 
 DROPOUT_MODES = ("sharded", "dense")
