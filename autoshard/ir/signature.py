@@ -260,11 +260,16 @@ def pad_blocker(gm: torch.fx.GraphModule, batch_symbol) -> str | None:
     carries the batch dim, the output does not). Padding is exact when each of them
     is a cross-entropy / NLL loss that ignores :data:`IGNORE_INDEX` with its target
     coming from ``labels`` (the padded rows' labels), or a count of labels that are
-    not :data:`IGNORE_INDEX`."""
+    not :data:`IGNORE_INDEX`. A train-mode ``batch_norm`` reduces over the batch while
+    keeping it: its statistics would count the padded rows."""
     if batch_symbol is None:
         return None
     for n in gm.graph.nodes:
         v = n.meta.get("val")
+        if n.op == "call_function" and n.target is torch.ops.aten.batch_norm.default and len(n.args) > 5 \
+                and n.args[5]:
+            # a train-mode BatchNorm's statistics are the batch's: padded rows would count
+            return f"node {n.name} (batch_norm in training) takes its statistics over the batch"
         if n.op != "call_function" or not isinstance(v, torch.Tensor) or _has_batch(v, batch_symbol):
             continue
         ins = [a for a in n.all_input_nodes if _has_batch(a.meta.get("val"), batch_symbol)]
