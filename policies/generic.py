@@ -791,7 +791,9 @@ def reduce_(ctx: RuleContext) -> Choice:
         rdims, keep = list(range(n)), False
     else:
         rd = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        rdims = list(range(n)) if rd is None or rd == [] else [d % n for d in ([rd] if isinstance(rd, int) else rd)]
+        # a 0-dim input reduces over nothing (its dim 0 / -1 names the value itself)
+        rdims = list(range(n)) if rd is None or rd == [] or not n else \
+            [d % n for d in ([rd] if isinstance(rd, int) else rd)]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     split_axes = tuple(a for d in rdims for a in s.dims[d])
     if split_axes and node.target == aten.amax.default:
