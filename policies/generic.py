@@ -10,6 +10,7 @@ Every rule takes the propagate pass's context ``ctx`` and returns a
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -166,6 +167,17 @@ def writes_first_arg(t) -> bool:
     return bool(info is not None and info.is_write)
 
 
+def _scalar(ctx: RuleContext) -> Choice | None:
+    """For an op on a 0-dim value (a dim argument then names the value itself): every
+    input summed and whole, the output whole; None when the first input has dims."""
+    targs = _tensor_args(ctx)
+    if not targs or ctx.spec(targs[0][1]).ndim:
+        return None
+    v = ctx.node.meta.get("val")
+    out = replicated(v.dim()) if isinstance(v, torch.Tensor) else None
+    return Choice(out=out, inputs={p: replicated(ctx.spec(a).ndim) for p, a in targs})
+
+
 def identity_like(ctx: RuleContext) -> Choice:
     """Casts, copies and aliases: the output has the input's layout."""
     a = ctx.node.args[0]
@@ -219,6 +231,14 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
     """Output spec of a reshape and, per output dim, its shard count."""
     dims = [()] * len(outs)
     segs = [1] * len(outs)
+    if math.prod(ins) != math.prod(outs):
+        # sizes the probe cannot pair (a batch cut by a literal: ``[b, 5] -> [5, b//5·5]``,
+        # found by the OpInfo check): no split may pass it
+        split = [d for d in range(len(ins)) if in_spec.dims[d]]
+        if split:
+            raise NeedReplicate((0,), split[0], f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)} "
+                                                f"whose dims cannot be paired")
+        return ShardSpec(dims=tuple(dims), partial=in_spec.partial), {}
     for gi, go in view_groups(tuple(ins), tuple(outs)):
         split = [d for d in gi if in_spec.dims[d]]
         if not split:
@@ -328,6 +348,8 @@ def _permuted(s: ShardSpec, perm) -> ShardSpec:
 
 def transpose(ctx: RuleContext) -> Choice:
     """``transpose`` / ``t`` / ``numpy_T`` (``x.T``): the spec's dims swapped (reversed) alike."""
+    if (sc := _scalar(ctx)) is not None:
+        return sc
     x = ctx.node.args[0]
     s = ctx.spec(x)
     n = s.ndim
@@ -361,6 +383,8 @@ def unsqueeze(ctx: RuleContext) -> Choice:
 
 def squeeze(ctx: RuleContext) -> Choice:
     """``squeeze``: the size-1 dims dropped from the spec."""
+    if (sc := _scalar(ctx)) is not None:
+        return sc
     x = ctx.node.args[0]
     s = ctx.spec(x)
     ins = ctx.pshape(x)
@@ -379,7 +403,7 @@ def squeeze(ctx: RuleContext) -> Choice:
 def _need_unsplit(s: ShardSpec, dims) -> ShardSpec:
     out = s
     for d in dims:
-        if out.dims[d]:
+        if d < out.ndim and out.dims[d]:        # a 0-dim value's "dim 0" is the value itself
             out = out.with_dim(d, ())
     return out
 
@@ -641,6 +665,8 @@ def index_copy(ctx: RuleContext) -> Choice:
     rank holds the block of the cache its heads (and batch rows) compute. Otherwise
     ``dst`` keeps its layout and ``src`` is brought to it. ``dim`` itself stays whole
     (``index`` is global)."""
+    if (sc := _scalar(ctx)) is not None:
+        return sc
     node = ctx.node
     dst, dim, _index, src = node.args[:4]
     dim %= len(ctx.pshape(dst))
@@ -770,6 +796,8 @@ def scatter_add(ctx: RuleContext) -> Choice:
 def gather_op(ctx: RuleContext) -> Choice:
     """``gather(x, d, index)``: dim ``d`` of ``x`` whole; the index and the output take
     ``x``'s other splits."""
+    if (sc := _scalar(ctx)) is not None:
+        return sc
     x, d, idx = ctx.node.args[:3]
     s = ctx.spec(x)
     d = d % s.ndim
@@ -796,8 +824,10 @@ def reduce_(ctx: RuleContext) -> Choice:
             [d % n for d in ([rd] if isinstance(rd, int) else rd)]
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     split_axes = tuple(a for d in rdims for a in s.dims[d])
-    if split_axes and node.target == aten.amax.default:
-        req = _need_unsplit(s, rdims)
+    if node.target == aten.amax.default:
+        # a max is no sum: over a split dim it needs the dim whole, and of a partial sum
+        # the sum first (found by tests/policies/test_opinfo.py)
+        req = _need_unsplit(s, rdims).with_partial(())
         split_axes = ()
     else:
         req = s
@@ -810,7 +840,7 @@ def reduce_(ctx: RuleContext) -> Choice:
     if split_axes and node.target in (aten.mean.dim, aten.mean.default):
         post = (Step(op="scale", factor=1.0 / ctx.mesh.size(split_axes)),)
     # mesh order for the partial axes
-    part = tuple(a for a in ctx.mesh.axes if a in split_axes or a in s.partial)
+    part = tuple(a for a in ctx.mesh.axes if a in split_axes or a in req.partial)
     return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=part), inputs={(0,): req}, post=post)
 
 
@@ -895,6 +925,8 @@ def sdpa(ctx: RuleContext) -> Choice:
     node = ctx.node
     q, k, v = node.args[:3]
     sq = ctx.spec(q)
+    if sq.ndim != 4 or ctx.spec(k).ndim != 4:       # [batch, seq, dim] without heads (found by the OpInfo check)
+        return _fallback(ctx, "attention on inputs without a heads dim")
     args = list(node.args) + [None] * 4
     dropout_p = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
     mask = args[3] if isinstance(args[3], fx.Node) else node.kwargs.get("attn_mask")
@@ -989,9 +1021,10 @@ def convolution(ctx: RuleContext) -> Choice:
     the weight and bias whole (their gradients summed over the batch axes, as any whole
     parameter's)."""
     node = ctx.node
-    x = node.args[0]
+    x, w = node.args[:2]
     rows = _batch_rows(ctx, x, ctx.spec(x))
-    lead = rows.dims[0] if rows else ()
+    # an unbatched input ([C, L] for a weight [C', C, k]) has no rows (found by the OpInfo check)
+    lead = rows.dims[0] if rows and ctx.spec(x).ndim == ctx.spec(w).ndim else ()
     inputs = {}
     for path, a in _tensor_args(ctx):
         nd = ctx.spec(a).ndim
