@@ -16,9 +16,8 @@ import pytest
 import opinfo_rules
 from dist_pool import get_pool
 
-SAMPLE_OPINFOS = ("nn.functional.batch_norm", "softmax", "sum", "mean")
-SAMPLE_HAND = ("batch_norm_train", "batch_norm_eval", "cross_entropy_spatial", "cross_entropy_none",
-               "cross_entropy_sum", "var_over_batch", "histc", "max_pool2d")
+SAMPLE_OPINFOS = ("nn.functional.batch_norm", "amax")
+SAMPLE_HAND = ("batch_norm_train", "cross_entropy_spatial", "cross_entropy_none", "var_over_batch", "max_pool2d")
 
 
 def _run(names, hand, limit=2, patch=False):
@@ -31,7 +30,7 @@ def test_rules_match_the_whole_op_on_a_sample():
         assert r["mismatches"] == [], f"rank {rank}: " + "\n".join(r["mismatches"][:8])
     cov = res[0]["covered"]
     assert "batch" in cov["aten.batch_norm.default"] and "batch" in cov["aten.cross_entropy_loss.default"], cov
-    assert len(cov) >= 10, cov
+    assert len(cov) >= 6, cov
 
 
 def test_catches_a_fallback_that_keeps_the_batch():
