@@ -77,3 +77,10 @@ def test_plan_rows_say_how_samples_meet():
     assert "couples samples: global mean over row" in notes["cross_entropy_loss"], notes["cross_entropy_loss"]
     assert "per sample: rows over row" in notes["upsample_bilinear2d"], notes["upsample_bilinear2d"]
     assert p.fallbacks == []
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=400).print(p.table())
+    assert "statistics synced over row" in buf.getvalue()     # the synced BatchNorm has its row in the table

@@ -469,8 +469,8 @@ class ShardingPlan:
 
     # --------------------------------------------------------------- printing
     def table(self, *, all_nodes: bool = False):
-        """A ``rich.table.Table`` with one row per annotated node (all nodes with
-        ``all_nodes=True``)."""
+        """A ``rich.table.Table`` with one row per annotated node, fallback or kernel (all
+        nodes with ``all_nodes=True``)."""
         from rich.markup import escape
         from rich.table import Table
 
@@ -480,7 +480,8 @@ class ShardingPlan:
                     "collectives (fwd / bwd)", "comm B/rank", "param B/rank", "notes"):
             t.add_column(col, overflow="fold")
         for n in self.nodes:
-            if not all_nodes and n.kind == "other" and not n.fallback:
+            # an op kept for its kernel (a synced BatchNorm: samples meet there) has its row
+            if not all_nodes and n.kind == "other" and not n.fallback and n.kernel is None:
                 continue
             fwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "fwd") or "-"
             bwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "bwd") or "-"
