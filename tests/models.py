@@ -130,7 +130,7 @@ def aot_recorder(codes: dict):
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
           dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8,
-          cp_attention: str = "ring", cp_order: str = "balanced") -> dict:
+          cp_attention: str = "ring", cp_order: str = "balanced", ep: int = 1) -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
@@ -155,7 +155,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp, cp_attention=cp_attention,
-                              cp_order=cp_order, captured=shared_capture(name, model, inputs) if share_capture else None)
+                              cp_order=cp_order, captured=shared_capture(name, model, inputs) if share_capture else None,
+                              **({"ep": ep} if ep > 1 else {}))
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
     with CommLedger() as led, ring_work() as work:
