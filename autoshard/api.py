@@ -470,7 +470,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
          max_len: int | None = None, cp: int = 1, cp_attention: str = "ring",
-         cp_order: str = "balanced") -> ShardingPlan:
+         cp_order: str = "balanced", ep: int = 1) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -485,7 +485,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp), and so is the context-parallel size
     (cp > 1 pins it). ``sequence_parallel=True`` with ``mode="1d"`` is ``mode="1d-sp"``
-    (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`).
+    (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`);
+    ``ep=E`` spreads the experts (see :func:`shard`): the plan's all-to-alls are priced at
+    their bytes under uniform routing.
 
     ``step="decode"`` (or ``"prefill"``) plans what :meth:`ShardedModule.generate` runs
     per token (per prompt) instead: the model's step with a static KV cache of
@@ -515,7 +517,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs, cp=cp if cp != 1 else None, cp_attention=cp_attention,
                       cp_order=cp_order).plan
+    raise_problems(check_ep(ep, mode=mode, dp=dp, cp=cp), "autoshard.plan")
     pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
+    pol.ep = ep             # expert parallelism (see shard()): the plan shows its all-to-alls
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")

@@ -262,8 +262,10 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
             experts; the message names the valid choices.
         ShardingError: an expert segment's rows are not split over those axes.
     """
+    from autoshard.ir.argpath import get_arg
     from autoshard.ir.errors import ConfigError, ShardingError
     from autoshard.ir.plan import Comm
+    from autoshard.ir.spec import ShardSpec
 
     axes = ep_axes(plan.mesh)
     size = plan.mesh.size(axes) if axes else 1
@@ -292,9 +294,22 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
         rows = first.local_shape[0]
 
         def row_bytes(n: fx.Node) -> int:
-            shp = nodes[n.name].local_shape if n.name in nodes and nodes[n.name].local_shape else \
-                tuple(n.meta["val"].shape)
-            return math.prod(shp[1:]) * n.meta["val"].element_size()
+            """A row's local bytes where the segment takes ``n`` (or gives it out, an exit): its
+            spec after the re-layout steps its first consumer in the segment puts on it (the
+            rows move after them)."""
+            v = n.meta["val"]
+            np_ = nodes.get(n.name)
+            spec = np_.out_spec if np_ is not None and isinstance(np_.out_spec, ShardSpec) else None
+            if spec is None:
+                return math.prod(v.shape[1:]) * v.element_size() if n.op != "call_function" else \
+                    math.prod(np_.local_shape[1:]) * v.element_size()
+            user = next((u for u in seg.nodes if n in u.all_input_nodes), None)     # None: an exit
+            for path, steps in nodes[user.name].arg_steps if user is not None else ():
+                if get_arg(user, path) is n:
+                    for st in steps:
+                        spec = st.effect(spec, tuple(v.shape), plan.mesh, v.element_size(), False)[1]
+            local = [s // plan.mesh.size(d) if d else s for s, d in zip(v.shape, spec.dims)]
+            return math.prod(local[1:]) * v.element_size()
 
         def a2a(phase, nbytes):
             return Comm(phase=phase, kind="all_to_all", axes=axes, group_size=ep,
