@@ -160,6 +160,14 @@ def _is_step(n: fx.Node) -> bool:
 def expert_segments(gm: fx.GraphModule) -> list[ExpertSegment]:
     """The expert segments of ``gm`` (see :class:`ExpertSegment`), in graph order.
 
+    >>> import transformers
+    >>> from autoshard.passes.capture import capture
+    >>> cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...     num_attention_heads=4, num_key_value_heads=4, vocab_size=64, num_local_experts=4)
+    >>> seg, = expert_segments(fold_grouped_weights(capture(transformers.MixtralForCausalLM(cfg))).module)
+    >>> seg.num_experts, seg.weights, [g.name for g in seg.grouped], len(seg.rows), len(seg.exits)
+    (4, ('model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'), ['grouped_linear', 'grouped_linear_1'], 1, 1)
+
     Raises:
         ShardingError: a node between two grouped matmuls is not row-wise (its value does
             not keep the token rows) or takes a tensor that is neither row-aligned nor an
