@@ -157,6 +157,18 @@ def _is_step(n: fx.Node) -> bool:
         getattr(n.target, "__module__", "").endswith("parallel_ops")
 
 
+def _reach(starts, nexts) -> set:
+    """Every node reached from ``starts`` by ``nexts`` (users, or inputs), one step or more."""
+    seen: set = set()
+    stack = list(starts)
+    while stack:
+        for m in nexts(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
 def expert_segments(gm: fx.GraphModule) -> list[ExpertSegment]:
     """The expert segments of ``gm`` (see :class:`ExpertSegment`), in graph order.
 
@@ -182,22 +194,8 @@ def expert_segments(gm: fx.GraphModule) -> list[ExpertSegment]:
             by_offs.setdefault(n.args[2], []).append(n)
     out = []
     for offs, grouped in by_offs.items():
-        down: set[fx.Node] = set()
-        stack = list(grouped)
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u not in down:
-                    down.add(u)
-                    stack.append(u)
-        up: set[fx.Node] = set()
-        stack = list(grouped)
-        while stack:
-            n = stack.pop()
-            for a in n.all_input_nodes:
-                if a not in up:
-                    up.add(a)
-                    stack.append(a)
+        down = _reach(grouped, lambda n: n.users)
+        up = _reach(grouped, lambda n: n.all_input_nodes)
         nodes = sorted(set(grouped) | (down & up), key=order.__getitem__)
         inside = set(nodes)
         rows = _row_count(grouped[0].args[0])
