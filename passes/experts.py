@@ -42,7 +42,7 @@ from .capture import Captured, copy_sharing, fold_nodes
 aten = torch.ops.aten
 
 __all__ = ["fold_grouped_weights", "count_on_floats", "ExpertSegment", "expert_segments", "ep_axes",
-           "plan_expert_parallel", "dispatch_experts"]
+           "plan_expert_parallel", "dispatch_experts", "mode_layout"]
 
 
 def _param_operand(w, params: set[str]) -> tuple[fx.Node, bool] | None:
@@ -240,6 +240,17 @@ def ep_axes(mesh) -> tuple[str, ...]:
     """The mesh axes expert parallelism runs over: the data-parallel and context-parallel
     ones (the axes that split the token rows between ranks holding the same weights)."""
     return tuple(a for a in ("dp", "cp") if a in mesh.axes and mesh.size(a) > 1)
+
+
+def mode_layout(spec, mesh, ep: int):
+    """A parameter's layout under the mode's own rules, from its layout in a plan with
+    ``ep`` (:func:`plan_expert_parallel`): an expert weight's expert dim unsplit again. A
+    graph planned with a module's layouts pinned (``generate()``'s step) pins these, and
+    its expert-parallel pass splits them as the module's were."""
+    axes = ep_axes(mesh)
+    if ep > 1 and axes and spec.ndim == 3 and tuple(spec.dims[0]) == axes:
+        return spec.with_dim(0, ())
+    return spec
 
 
 def _needs_grad(n: fx.Node, trainable: set[str], memo: dict) -> bool:
