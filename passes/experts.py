@@ -368,6 +368,10 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
     from autoshard.runtime.groups import axes_label
 
     params = plan.params_by_name()
+    split = {n.args[1].target for n in gm.graph.nodes if n.target is grouped_linear and
+             isinstance(n.args[1], fx.Node) and n.args[1].target in params and params[n.args[1].target].spec.dims[0]}
+    if not split:           # no expert parallelism in this plan: the graph as the mode rewrote it
+        return
     g = gm.graph
     changed = False
     for seg in expert_segments(gm):
