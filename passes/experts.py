@@ -369,7 +369,8 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
 
     params = plan.params_by_name()
     split = {n.args[1].target for n in gm.graph.nodes if n.target is grouped_linear and
-             isinstance(n.args[1], fx.Node) and n.args[1].target in params and params[n.args[1].target].spec.dims[0]}
+             isinstance(n.args[1], fx.Node) and n.args[1].target in params and ep_axes(plan.mesh) and
+             tuple(params[n.args[1].target].spec.dims[0]) == ep_axes(plan.mesh)}
     if not split:           # no expert parallelism in this plan: the graph as the mode rewrote it
         return
     g = gm.graph
