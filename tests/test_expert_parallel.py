@@ -130,6 +130,13 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5):
             bad = [k for k in ref if k not in back or not torch.equal(back[k], ref[k])]
             if bad:
                 failures.append(f"save_pretrained -> from_pretrained differs: {bad[:4]}")
+    if save_to is not None:     # the folder loads into an ep layout: each rank reads its experts
+        again = autoshard.shard(save_to, mode="1d", dp=dp, ep=ep, example_inputs=local)
+        with torch.no_grad():
+            try:
+                torch.testing.assert_close(again(**local).logits, sharded(**local).logits, atol=0, rtol=0)
+            except AssertionError as e:
+                failures.append(f"loaded at ep={ep}: {str(e).splitlines()[:3]}")
     if steps:
         losses = {"sharded": [], "dense": []}
         for key, m, batch in (("sharded", sharded, local), ("dense", dense, inputs)):
