@@ -153,8 +153,10 @@ def _is_check(n: fx.Node) -> bool:
 
 
 def _is_step(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "__name__", "") == "step" and \
-        getattr(n.target, "__module__", "").endswith("parallel_ops")
+    """A re-layout step the rewrite inserted (:func:`autoshard.runtime.parallel_ops.step`)."""
+    from autoshard.runtime import parallel_ops
+
+    return n.op == "call_function" and n.target is parallel_ops.step
 
 
 def _reach(starts, nexts) -> set:
