@@ -32,6 +32,7 @@ from .runtime.groups import check_same_rng, plan_groups
 from .runtime.timeout import timeout_seconds
 from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
                        check_min_seq, check_model, check_seq, raise_problems)
+from .planning.validate import check_ep
 
 __all__ = ["shard", "plan", "validate", "MODES"]
 
@@ -122,7 +123,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
-          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced") -> ShardedModule:
+          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced",
+          ep: int = 1) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -194,6 +196,13 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     under a causal mask every rank then computes as many (the sequence must be a multiple
     of ``2·C``); ``"contiguous"`` gives rank ``r`` block ``r`` (a multiple of ``C``).
 
+    ``ep=E`` (expert parallelism; ``mode="1d"``, ``E = dp × cp``) spreads each
+    mixture-of-experts layer's experts over the data-parallel (and context-parallel) ranks:
+    each rank holds ``num_experts / E`` of them (split over ``tp`` as in 1d), its token
+    rows travel to their experts' ranks and back by all-to-all (dropless), and the
+    experts' gradients are summed by that exchange instead of a dp all-reduce
+    (docs/design.md, "Expert parallelism").
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -211,13 +220,14 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         sharded = shard(src.model, mode=mode, depth=depth, dp=dp, example_inputs=example_inputs,
                         gather_logits=gather_logits, weights=src.fill, cluster=cluster, debug=debug,
                         activation_checkpointing=activation_checkpointing, dropout=dropout, seed=seed,
-                        device=device, fsdp=fsdp, cp=cp, cp_attention=cp_attention, cp_order=cp_order)
+                        device=device, fsdp=fsdp, cp=cp, cp_attention=cp_attention, cp_order=cp_order, ep=ep)
         sharded.config, sharded.load_stats = src.config, src.stats
         return sharded.eval()       # as transformers' from_pretrained returns it; .train() turns dropout on
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"shard() takes a torch.nn.Module (e.g. a transformers model) or the path of a local "
                           f"Hugging Face folder (config.json + safetensors), got {type(model).__name__}"
                           + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
+    raise_problems(check_ep(ep, mode=mode, dp=dp, cp=cp, fsdp=fsdp), "autoshard.shard")   # before any collective
     model, adapters = unwrap(model)     # a peft wrapper: its injected model (autoshard.adapters)
     stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
@@ -230,6 +240,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                              weights_given=weights is not None, environ=os.environ, cp=cp,
                              cp_attention=cp_attention, cp_order=cp_order)
     raise_problems(problems, f"autoshard.shard(mode={mode!r}) on {world} ranks")
+    if ep > 1:          # the experts over the dp (× cp) ranks: planned by passes.experts.plan_expert_parallel
+        pol.ep = ep
     search_with = None      # mode="auto": what the layout is searched with
     if mode == "auto":      # the layout is the search's: the key names what it searches with
         from .planning.cost import Cluster, default_cluster
@@ -241,7 +253,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     else:
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes),
                       **({"cp_attention": pol.cp_attention, "cp_order": pol.cp_order} if pol.cp > 1 else {}))
-    key = None if captured is not None else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
+    key = None if captured is not None or ep > 1 else _launch_key(model, example_inputs, world, rank, gather_logits=gather_logits,
                                                          dropout=dropout, **layout)
     entry = None if captured is not None else _launch_entry(key, model)     # every rank passes captured= alike
     if entry is not None:       # every rank has its own: no capture, no search, no planning, no rewrite
@@ -458,7 +470,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
          max_len: int | None = None, cp: int = 1, cp_attention: str = "ring",
-         cp_order: str = "balanced") -> ShardingPlan:
+         cp_order: str = "balanced", ep: int = 1) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -473,7 +485,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp), and so is the context-parallel size
     (cp > 1 pins it). ``sequence_parallel=True`` with ``mode="1d"`` is ``mode="1d-sp"``
-    (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`).
+    (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`);
+    ``ep=E`` spreads the experts (see :func:`shard`): the plan's all-to-alls are priced at
+    their bytes under uniform routing.
 
     ``step="decode"`` (or ``"prefill"``) plans what :meth:`ShardedModule.generate` runs
     per token (per prompt) instead: the model's step with a static KV cache of
@@ -503,7 +517,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs, cp=cp if cp != 1 else None, cp_attention=cp_attention,
                       cp_order=cp_order).plan
+    raise_problems(check_ep(ep, mode=mode, dp=dp, cp=cp), "autoshard.plan")
     pol = make_policy(mode, world_size, depth, dp, cp, cp_attention, cp_order)
+    pol.ep = ep             # expert parallelism (see shard()): the plan shows its all-to-alls
     split, label = pol.batch_split()
     if pol.dp > 1:          # the plan's batch is the global one: dp replicas cut it first
         split, label = split * pol.dp, f"dp[{pol.dp}]" + (f" × {label}" if label else "")

@@ -46,6 +46,7 @@ from .ir.errors import ConfigError
 from .io.hf_fill import meta_tensors
 from .ir.log import logger
 from .passes.capture import Captured, input_symbols, log_mel_shape, unlift
+from .passes.experts import mode_layout
 from .passes.pipeline import plan_captured, prepare
 from .ir.plan import ShardingPlan
 from .launch.recapture import rewrite_bound
@@ -339,7 +340,7 @@ def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batc
     held = held_plan.params_by_name()
     mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
     p = plan_captured(cap, policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=dropout,
-                      pinned={n: pp.spec for n, pp in held.items() if n in mine})
+                      pinned={n: mode_layout(pp.spec, held_plan.mesh, policy.ep) for n, pp in held.items() if n in mine})
     used = {n.target for n in cap.module.graph.nodes if n.op == "get_attr" and n.users}
     for pp in p.params:
         have = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)

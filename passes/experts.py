@@ -28,18 +28,21 @@ same values: ``grouped_linear`` calls the op it replaced.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import operator
+
 import torch
 from torch import fx
 
 from autoshard.ir.grouped import grouped_linear, grouped_ops
 
-import dataclasses
-
 from .capture import Captured, copy_sharing, fold_nodes
 
 aten = torch.ops.aten
 
-__all__ = ["fold_grouped_weights", "count_on_floats"]
+__all__ = ["fold_grouped_weights", "count_on_floats", "ExpertSegment", "expert_segments", "ep_axes",
+           "plan_expert_parallel", "dispatch_experts", "mode_layout"]
 
 
 def _param_operand(w, params: set[str]) -> tuple[fx.Node, bool] | None:
@@ -101,3 +104,308 @@ def count_on_floats(cap: Captured) -> Captured:
     g.lint()
     new.recompile()
     return dataclasses.replace(cap, module=new)
+
+
+# ------------------------------------------------------------ expert parallelism
+# docs/design.md, "Expert parallelism": the experts' weights cut on the expert dim over the
+# ep ranks (dp, and cp, ranks), the token rows moved to them and back. Found from the graph:
+# the grouped matmuls sharing one group-offsets operand and the row-wise ops between them.
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSegment:
+    """One mixture-of-experts layer's expert computation in a graph: the grouped matmuls
+    (``grouped``) that share the group offsets ``offs``, every node between them
+    (``nodes``: on a path from one grouped matmul to another, in graph order), the
+    row-aligned tensors they take from outside (``rows``: the sorted token rows first,
+    then e.g. per-row biases gathered by expert), and the nodes whose values leave it
+    (``exits``). Each node maps a row to a row of the same expert, so the segment can run
+    on any subset of the rows as long as the offsets count them."""
+
+    offs: fx.Node
+    grouped: tuple
+    nodes: tuple
+    rows: tuple
+    exits: tuple
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        """The experts' parameters (each ``[E, ...]``), by name."""
+        return tuple(dict.fromkeys(g.args[1].target for g in self.grouped))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.grouped[0].args[1].meta["val"].shape[0])
+
+
+def _row_count(n) -> str | None:
+    """A value's rows (its first dim, as a string: symbolic in a captured graph); a
+    re-layout step of the rewrite (no value of its own) keeps its input's."""
+    if isinstance(n, fx.Node) and "val" not in n.meta and _is_step(n):
+        return _row_count(n.args[0])
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return str(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
+
+
+def _is_check(n: fx.Node) -> bool:
+    """A metadata assertion export leaves on a value (the rewrite drops those without users)."""
+    return n.op == "call_function" and getattr(n.target, "__name__", "").startswith("_assert")
+
+
+def _is_step(n: fx.Node) -> bool:
+    """A re-layout step the rewrite inserted (:func:`autoshard.runtime.parallel_ops.step`)."""
+    from autoshard.runtime import parallel_ops
+
+    return n.op == "call_function" and n.target is parallel_ops.step
+
+
+def _reach(starts, nexts) -> set:
+    """Every node reached from ``starts`` by ``nexts`` (users, or inputs), one step or more."""
+    seen: set = set()
+    stack = list(starts)
+    while stack:
+        for m in nexts(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
+def expert_segments(gm: fx.GraphModule) -> list[ExpertSegment]:
+    """The expert segments of ``gm`` (see :class:`ExpertSegment`), in graph order.
+
+    >>> import transformers
+    >>> from autoshard.passes.capture import capture
+    >>> cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...     num_attention_heads=4, num_key_value_heads=4, vocab_size=64, num_local_experts=4)
+    >>> seg, = expert_segments(fold_grouped_weights(capture(transformers.MixtralForCausalLM(cfg))).module)
+    >>> seg.num_experts, seg.weights, [g.name for g in seg.grouped], len(seg.rows), len(seg.exits)
+    (4, ('model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj'), ['grouped_linear', 'grouped_linear_1'], 1, 1)
+
+    Raises:
+        ShardingError: a node between two grouped matmuls is not row-wise (its value does
+            not keep the token rows) or takes a tensor that is neither row-aligned nor an
+            expert weight: the rows could not be moved to their experts' ranks exactly.
+    """
+    from autoshard.ir.errors import ShardingError
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_offs: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.target is grouped_linear and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr":
+            by_offs.setdefault(n.args[2], []).append(n)
+    out = []
+    for offs, grouped in by_offs.items():
+        down = _reach(grouped, lambda n: n.users)
+        up = _reach(grouped, lambda n: n.all_input_nodes)
+        nodes = sorted(set(grouped) | (down & up), key=order.__getitem__)
+        inside = set(nodes)
+        rows = _row_count(grouped[0].args[0])
+        weights = {g.args[1] for g in grouped}
+        row_inputs = [grouped[0].args[0]]
+        for n in nodes:
+            if n not in grouped and n.target is not operator.getitem and not _is_step(n) and not _is_check(n):
+                v = n.meta.get("val")
+                outs = v if isinstance(v, (tuple, list)) else (v,)
+                if not outs or any(not isinstance(t, torch.Tensor) or t.dim() < 1 or str(t.shape[0]) != rows
+                                   for t in outs):
+                    raise ShardingError(f"expert parallelism: `{n.name}` ({n.target}) between the grouped expert "
+                                        f"matmuls does not keep the {rows} token rows (its value "
+                                        f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}): "
+                                        f"the rows cannot be computed on their experts' ranks; valid here: ep=1",
+                                        node=n)
+            if _is_step(n) and n.args[3] == 0:
+                raise ShardingError(f"expert parallelism: a re-layout of the token rows (`{n.name}`) between the "
+                                    f"grouped expert matmuls; valid here: ep=1", node=n)
+            for a in n.all_input_nodes:
+                if a in inside or a is offs or a in weights or a in row_inputs:
+                    continue
+                if _row_count(a) == rows:
+                    row_inputs.append(a)
+                    continue
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    raise ShardingError(f"expert parallelism: `{n.name}` between the grouped expert matmuls takes "
+                                        f"`{a.name}` {tuple(v.shape)}, neither a token row per row nor an expert "
+                                        f"weight; valid here: ep=1", node=n)
+        exits = tuple(n for n in nodes if any(u not in inside and not _is_check(u) for u in n.users))
+        for n in exits:
+            if _row_count(n) != rows:
+                raise ShardingError(f"expert parallelism: `{n.name}` leaves the expert segment without its "
+                                    f"{rows} token rows; valid here: ep=1", node=n)
+        out.append(ExpertSegment(offs=offs, grouped=tuple(grouped), nodes=tuple(nodes), rows=tuple(row_inputs),
+                                 exits=exits))
+    return sorted(out, key=lambda s: order[s.nodes[0]])
+
+
+def ep_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes expert parallelism runs over: the data-parallel and context-parallel
+    ones (the axes that split the token rows between ranks holding the same weights)."""
+    return tuple(a for a in ("dp", "cp") if a in mesh.axes and mesh.size(a) > 1)
+
+
+def mode_layout(spec, mesh, ep: int):
+    """A parameter's layout under the mode's own rules, from its layout in a plan with
+    ``ep`` (:func:`plan_expert_parallel`): an expert weight's expert dim unsplit again. A
+    graph planned with a module's layouts pinned (``generate()``'s step) pins these, and
+    its expert-parallel pass splits them as the module's were."""
+    axes = ep_axes(mesh)
+    if ep > 1 and axes and spec.ndim == 3 and tuple(spec.dims[0]) == axes:
+        return spec.with_dim(0, ())
+    return spec
+
+
+def _needs_grad(n: fx.Node, trainable: set[str], memo: dict) -> bool:
+    """Whether a value depends on a trainable parameter (its gradient flows back)."""
+    if n in memo:
+        return memo[n]
+    memo[n] = False
+    if n.op == "get_attr":
+        memo[n] = n.target in trainable
+    else:
+        memo[n] = any(_needs_grad(a, trainable, memo) for a in n.all_input_nodes)
+    return memo[n]
+
+
+def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
+    """``plan`` with its experts cut over ``ep`` ranks (:func:`ep_axes`): each expert
+    weight split on its expert dim (a rank holds ``E / ep`` experts, each as the TP
+    layout keeps it), its gradient no longer summed over those axes (the rows of every
+    rank of the group reach the experts' owner: its gradient is already the sum), and the
+    all-to-alls on the nodes that run them, at their expected bytes under uniform routing
+    (a row leaves its rank with probability ``(ep-1)/ep``).
+
+    Raises:
+        ConfigError: ``ep`` is not the size of the plan's data-parallel (× context-parallel)
+            axes, the model has no grouped expert matmul, or ``ep`` does not divide the
+            experts; the message names the valid choices.
+        ShardingError: an expert segment's rows are not split over those axes.
+    """
+    from autoshard.ir.argpath import get_arg
+    from autoshard.ir.errors import ConfigError, ShardingError
+    from autoshard.ir.plan import Comm
+    from autoshard.ir.spec import ShardSpec
+
+    axes = ep_axes(plan.mesh)
+    size = plan.mesh.size(axes) if axes else 1
+    if ep != size:
+        raise ConfigError(f"ep={ep}: expert parallelism runs over the data-parallel (× context-parallel) ranks, "
+                          f"{size} here ({plan.mesh}); valid ep: 1, {size}")
+    segs = expert_segments(gm)
+    if not segs:
+        raise ConfigError(f"ep={ep}: the model has no grouped expert matmul (a mixture-of-experts layer) to "
+                          f"spread over ranks; valid ep: 1")
+    params = {p.name: p for p in plan.params}
+    nodes = {n.name: n for n in plan.nodes}
+    trainable = {p.name for p in plan.params if p.trainable and not p.is_buffer}
+    memo: dict = {}
+    new_params, new_nodes = {}, {}
+    for seg in segs:
+        e = seg.num_experts
+        if e % ep:
+            raise ConfigError(f"ep={ep} does not divide the {e} experts of `{seg.grouped[0].name}`; valid ep: "
+                              f"{[d for d in range(1, e + 1) if e % d == 0 and size % d == 0]}")
+        first = nodes[seg.grouped[0].name]
+        spec = first.out_spec
+        if tuple(spec.dims[0]) != axes:
+            raise ShardingError(f"expert parallelism over {axes}: the token rows of `{first.name}` are split over "
+                                f"{spec.dims[0]}, not over the ep ranks; valid here: ep=1", node=seg.grouped[0])
+        rows = first.local_shape[0]
+
+        def row_bytes(n: fx.Node) -> int:
+            """A row's local bytes where the segment takes ``n`` (or gives it out, an exit): its
+            spec after the re-layout steps its first consumer in the segment puts on it (the
+            rows move after them)."""
+            v = n.meta["val"]
+            np_ = nodes.get(n.name)
+            spec = np_.out_spec if np_ is not None and isinstance(np_.out_spec, ShardSpec) else None
+            if spec is None:
+                return math.prod(v.shape[1:]) * v.element_size() if n.op != "call_function" else \
+                    math.prod(np_.local_shape[1:]) * v.element_size()
+            user = next((u for u in seg.nodes if n in u.all_input_nodes), None)     # None: an exit
+            for path, steps in nodes[user.name].arg_steps if user is not None else ():
+                if get_arg(user, path) is n:
+                    for st in steps:
+                        spec = st.effect(spec, tuple(v.shape), plan.mesh, v.element_size(), False)[1]
+            local = [s // plan.mesh.size(d) if d else s for s, d in zip(v.shape, spec.dims)]
+            return math.prod(local[1:]) * v.element_size()
+
+        def a2a(phase, nbytes):
+            return Comm(phase=phase, kind="all_to_all", axes=axes, group_size=ep,
+                        buffer_bytes=int(round(rows * (ep - 1) / ep * nbytes)))
+
+        counts = Comm(phase="fwd", kind="all_to_all", axes=axes, group_size=ep, buffer_bytes=(ep - 1) * (e // ep) * 8)
+        out = [counts] + [a2a("fwd", row_bytes(v)) for v in seg.rows] + \
+            [a2a("bwd", row_bytes(v)) for v in seg.rows if _needs_grad(v, trainable, memo)]
+        nodes[first.name] = dataclasses.replace(first, comms=first.comms + tuple(out), notes=first.notes + (
+            f"expert parallelism: {e // ep} of {e} experts per rank; token rows dispatched to them by all-to-all "
+            f"over {','.join(axes)}",))
+        for x in seg.exits:
+            back = [a2a("fwd", row_bytes(x))] + ([a2a("bwd", row_bytes(x))] if _needs_grad(x, trainable, memo) else [])
+            nodes[x.name] = dataclasses.replace(nodes[x.name], comms=nodes[x.name].comms + tuple(back))
+        for g in seg.grouped:
+            np_ = nodes[g.name]
+            nodes[g.name] = dataclasses.replace(np_, weight=f"{np_.weight} · experts / {ep}",
+                                                param_bytes=np_.param_bytes // ep)
+        for name in seg.weights:
+            p = params[name]
+            if p.spec.dims[0]:
+                raise ShardingError(f"expert parallelism: the expert dim of `{name}` is already split over "
+                                    f"{p.spec.dims[0]}; valid here: ep=1")
+            new_params[name] = dataclasses.replace(
+                p, spec=p.spec.with_dim(0, axes), grad_sync=tuple(a for a in p.grad_sync if a not in axes))
+    return dataclasses.replace(plan, nodes=tuple(nodes[n.name] for n in plan.nodes),
+                               params=tuple(new_params.get(p.name, p) for p in plan.params))
+
+
+def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
+    """Run the expert segments of a rank's rewritten module whose weights ``plan`` splits
+    on the expert dim on the ranks owning their experts, in place: the counts exchanged
+    (:func:`~autoshard.runtime.experts.ep_route`, once per layer), each row-aligned input
+    dispatched (:func:`~autoshard.runtime.experts.ep_dispatch`), the grouped matmuls on the
+    local group offsets, and each value leaving the segment combined back
+    (:func:`~autoshard.runtime.experts.ep_combine`)."""
+    from autoshard.runtime import experts as X
+    from autoshard.runtime import selfcheck
+    from autoshard.runtime.groups import axes_label
+
+    params = plan.params_by_name()
+    split = {n.args[1].target for n in gm.graph.nodes if n.target is grouped_linear and
+             isinstance(n.args[1], fx.Node) and n.args[1].target in params and ep_axes(plan.mesh) and
+             tuple(params[n.args[1].target].spec.dims[0]) == ep_axes(plan.mesh)}
+    if not split:           # no expert parallelism in this plan: the graph as the mode rewrote it
+        return
+    g = gm.graph
+    changed = False
+    for seg in expert_segments(gm):
+        axes = {tuple(params[w].spec.dims[0]) for w in seg.weights if w in params}
+        if axes == {()} or not axes:
+            continue
+        if len(axes) != 1:
+            raise ValueError(f"the experts of `{seg.grouped[0].name}` are split over different axes: {axes}")
+        group = groups[axes_label(axes.pop())]
+        inside = set(seg.nodes)
+        with g.inserting_before(seg.nodes[0]):
+            route = g.call_function(X.ep_route, (seg.offs, group))
+            local_offs = g.call_function(X.ep_local_offs, (route,))
+        for v in seg.rows:
+            users = [n for n in seg.nodes if v in n.all_input_nodes]
+            with g.inserting_before(users[0]):
+                moved = g.call_function(X.ep_dispatch, (v, route))
+            for n in users:
+                n.replace_input_with(v, moved)
+        for n in seg.grouped:
+            n.replace_input_with(seg.offs, local_offs)
+        for n in seg.nodes:      # their rows are the received ones now: no promise of the planned count
+            n.meta.pop(selfcheck.META, None)
+        for x in seg.exits:
+            users = [u for u in x.users if u not in inside]
+            with g.inserting_after(x):
+                back = g.call_function(X.ep_combine, (x, route))
+            back.meta = dict(x.meta)
+            for u in users:
+                u.replace_input_with(x, back)
+        changed = True
+    if changed:
+        g.lint()
+        gm.recompile()

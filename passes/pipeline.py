@@ -16,7 +16,7 @@ from autoshard.ir.signature import main_input
 from autoshard.policies.base import Policy
 
 from .capture import Captured
-from .experts import count_on_floats, fold_grouped_weights
+from .experts import count_on_floats, fold_grouped_weights, plan_expert_parallel
 from .linear_fold import fold_transposed_weights
 from .pad import pad_vocab
 from .token_fold import fold_token_flattens
@@ -57,7 +57,10 @@ def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_le
     captured = prepare(captured, policy)
     p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
                   dropout=dropout, pinned=pinned, frozen=frozen)
-    return trace(p, captured.module)
+    p = trace(p, captured.module)
+    if policy.ep > 1:       # the experts over the dp (× cp) ranks: the mode's plan, then their split
+        p = plan_expert_parallel(p, captured.module, policy.ep)
+    return p
 
 
 def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:

@@ -20,6 +20,8 @@ from autoshard.runtime.groups import axes_label
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.plan import ShardingPlan, Step
 
+from .experts import dispatch_experts
+
 __all__ = ["rewrite", "slice_params"]
 
 
@@ -108,4 +110,5 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
+    dispatch_experts(gm, plan, groups)      # expert parallelism: rows to their experts' ranks and back
     return gm

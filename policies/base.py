@@ -208,6 +208,9 @@ class Policy:
     #: the sequence's blocks over cp: "balanced" (rank r holds chunks r and 2·cp-1-r of
     #: 2·cp: the same causal work on every rank) or "contiguous" (rank r: block r)
     cp_order: str = "balanced"
+    #: expert parallelism's size (docs/design.md, "Expert parallelism"): the experts spread
+    #: over the dp (× cp) ranks, planned after the mode's own rules; ``shard(ep=...)`` sets it
+    ep: int = 1
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh

@@ -46,6 +46,20 @@ TINY["jamba"] = ("JambaForCausalLM", "JambaConfig",
 # beside attention layers
 TINY["lfm2"] = ("Lfm2ForCausalLM", "Lfm2Config",
                 {**TINY["llama"][2], "layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "use_cache": False})
+# mixtures of experts beside Mixtral (expert parallelism, tests/test_expert_parallel.py): Qwen3-MoE
+# (per-head q/k norms, normalised top-k), OLMoE (q/k norms over the projection, top-k unnormalised),
+# DeepSeek-V3 (a shared expert beside the routed ones, sigmoid router with a bias, low-rank attention)
+_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+            max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=True)
+TINY["qwen3moe"] = ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                    dict(_MOE, intermediate_size=128, moe_intermediate_size=64, num_experts=4, head_dim=16,
+                         norm_topk_prob=True))
+TINY["olmoe"] = ("OlmoeForCausalLM", "OlmoeConfig",
+                 dict(_MOE, intermediate_size=64, num_experts=4, eos_token_id=1, pad_token_id=0))
+TINY["deepseekv3"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                      dict(_MOE, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                           first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
@@ -130,7 +144,7 @@ def aot_recorder(codes: dict):
 
 def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 0, mutate: str | None = None,
           dp: int = 1, share_capture: bool = False, cp: int = 1, rows_per_replica: int = 4, seq: int = 8,
-          cp_attention: str = "ring", cp_order: str = "balanced") -> dict:
+          cp_attention: str = "ring", cp_order: str = "balanced", ep: int = 1) -> dict:
     """Run on every rank. Returns the failures of every comparison (empty = exact),
     the worst errors, and the ledger / plan figures.
 
@@ -155,7 +169,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, steps: int = 
     ref_logits = out_d.logits[rows]
     inputs = {k: v[rows] for k, v in inputs.items()}
     sharded = autoshard.shard(model, mode=mode, depth=depth, dp=dp, example_inputs=inputs, cp=cp, cp_attention=cp_attention,
-                              cp_order=cp_order, captured=shared_capture(name, model, inputs) if share_capture else None)
+                              cp_order=cp_order, captured=shared_capture(name, model, inputs) if share_capture else None,
+                              **({"ep": ep} if ep > 1 else {}))
     if mutate == "no_depth_sync":
         _drop_axis_from_grad_sync(sharded, "dep")
     with CommLedger() as led, ring_work() as work:

@@ -94,7 +94,7 @@ class Comm:
     """One collective call predicted for one training step on one rank."""
 
     phase: str          # fwd | bwd
-    kind: str           # all_reduce | all_gather | reduce_scatter
+    kind: str           # all_reduce | all_gather | reduce_scatter | send_recv | all_to_all
     axes: tuple[str, ...]
     group_size: int
     buffer_bytes: int
@@ -105,7 +105,9 @@ class Comm:
         if p <= 1:
             return 0.0
         # the ring model (autoshard.runtime.collectives.ring_bytes); a ring step sends its buffer once
-        f = 2 * (p - 1) / p if self.kind == "all_reduce" else 1.0 if self.kind == "send_recv" else (p - 1) / p
+        # an all-to-all's buffer is what it sends to the other ranks (autoshard.runtime.collectives.all_to_all_rows)
+        f = 2 * (p - 1) / p if self.kind == "all_reduce" else 1.0 if self.kind in ("send_recv", "all_to_all") \
+            else (p - 1) / p
         return f * self.buffer_bytes
 
 

@@ -456,12 +456,15 @@ class CostEstimate:
 
 
 def _dp_grad_comms(plan: ShardingPlan) -> list[Comm]:
-    """Gradient all-reduce over ``dp`` for parameters whose plan does not sync it."""
+    """Gradient all-reduce over ``dp`` for parameters whose plan does not sync it (not the
+    experts split over dp by expert parallelism: each dp rank holds other experts, whose
+    gradient the all-to-all's backward already summed)."""
     if "dp" not in plan.mesh.axes or plan.mesh.size("dp") <= 1:
         return []
     return [Comm(phase="bwd", kind="all_reduce", axes=("dp",), group_size=plan.mesh.size("dp"),
                  buffer_bytes=p.local_bytes(plan.mesh))
-            for p in plan.params if not p.is_buffer and p.trainable and "dp" not in p.grad_sync]
+            for p in plan.params if not p.is_buffer and p.trainable and "dp" not in p.grad_sync
+            and "dp" not in p.spec.axes]
 
 
 def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device: str = "cuda") -> int:

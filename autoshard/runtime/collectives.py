@@ -50,6 +50,7 @@ __all__ = [
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "group_rank", "rank_in", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
+    "all_to_all_rows",
     "mark_balanced", "is_balanced", "balanced_chunks", "held_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
 ]
 
@@ -69,14 +70,14 @@ def ring_bytes(kind: str, buffer_bytes: int, p: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2 * (p - 1) / p * buffer_bytes
-    if kind == "send_recv":             # one ring step: the whole buffer to the next rank
+    if kind in ("send_recv", "all_to_all"):     # a ring step; an all-to-all's bytes to the other ranks
         return float(buffer_bytes)
     return (p - 1) / p * buffer_bytes
 
 
 @dataclass(frozen=True)
 class CallRecord:
-    kind: str            # all_reduce | all_gather | reduce_scatter | send_recv
+    kind: str            # all_reduce | all_gather | reduce_scatter | send_recv | all_to_all
     group: str           # label of the group (mesh axes, e.g. "dep,row")
     group_size: int
     buffer_bytes: int    # full buffer (see ring_bytes)
@@ -241,6 +242,23 @@ def ring_shift_start(x: torch.Tensor, group: str, tag: int = 0):
             w.wait()
         return out
     return finish
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: str) -> torch.Tensor:
+    """Rows of ``x`` to the ranks of ``group``: the first ``send[0]`` rows to group rank 0,
+    the next ``send[1]`` to rank 1, ...; the result holds ``recv[0]`` rows from rank 0, then
+    ``recv[1]`` from rank 1, ... (``all_to_all_single`` with uneven splits). Counted by the
+    ledger as one ``all_to_all`` of the bytes sent to the other ranks (the rows a rank keeps
+    do not travel). Not a graph op: expert parallelism's dispatch and combine
+    (:mod:`autoshard.runtime.experts`) call it inside their own autograd functions."""
+    pg = _pg(group)
+    me = dist.get_rank(pg)
+    src = x.contiguous()
+    row_bytes = math.prod(src.shape[1:]) * src.element_size()
+    _record("all_to_all", group, (sum(send) - send[me]) * row_bytes)
+    out = src.new_empty((sum(recv), *src.shape[1:]))
+    dist.all_to_all_single(out, src, output_split_sizes=list(recv), input_split_sizes=list(send), group=pg)
+    return out
 
 
 def all_reduce_async(x: torch.Tensor, group: str):

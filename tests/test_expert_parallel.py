@@ -1,0 +1,267 @@
+"""Expert parallelism (issue 60; docs/design.md, "Expert parallelism"): ``shard(mode="1d",
+dp=D, ep=D)`` holds ``E / ep`` experts per rank (each split over tp as in 1d), moves the
+token rows to their experts' ranks and back by all-to-all, and equals the dense model on
+the global batch: loss, logits, every local gradient and 3 AdamW steps within 1e-5.
+
+The all-to-all bytes the ledger counts are checked against the routing the dense graph
+computes: every rank runs the captured (unsharded) graph on each replica's rows and
+reads each expert segment's group offsets, so it knows how many rows each rank sends to
+each expert, hence the bytes that leave it. The plan predicts the same calls, with bytes
+under uniform routing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import models
+from dist_pool import get_pool
+
+import autoshard
+from autoshard.ir.errors import ConfigError
+
+
+def _dense_counts(cap, inputs: dict) -> list[torch.Tensor]:
+    """Per expert segment (graph order), the rows the dense graph routes to each expert
+    for ``inputs``: the differences of the segment's group offsets."""
+    from torch import fx
+
+    from autoshard.passes.experts import expert_segments
+
+    offs = [s.offs for s in expert_segments(cap.module)]
+    got = {}
+
+    class Reader(fx.Interpreter):
+        def run_node(self, n):
+            v = super().run_node(n)
+            if n in offs:
+                got[n] = v.detach().round().long()
+            return v
+
+    with torch.no_grad():
+        Reader(cap.module).run(*[{**inputs, **cap.constants}[n.name] if n.name in {**inputs, **cap.constants}
+                                 else None for n in cap.module.graph.nodes if n.op == "placeholder"])
+    return [torch.diff(got[o], prepend=got[o].new_zeros(1)) for o in offs]
+
+
+def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5):
+    from autoshard.passes.capture import capture
+    from autoshard.passes.experts import count_on_floats, expert_segments, fold_grouped_weights
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dp = ep
+    tp = world // dp
+    dense = models.build(name)
+    model = copy.deepcopy(dense)
+    inputs = models.batch(name, b=4 * dp)
+    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
+    local = {k: v[rows] for k, v in inputs.items()}
+    out_d = dense(**inputs)
+    out_d.loss.backward()
+    sharded = autoshard.shard(model, mode="1d", dp=dp, ep=ep, example_inputs=local)
+    with CommLedger() as led:
+        out = sharded(**local)
+        out.loss.backward()
+    plan = sharded.plan
+    failures = []
+    cmp = models.comparer(failures)
+    cmp("loss", out.loss, out_d.loss)
+    try:
+        torch.testing.assert_close(out.logits, out_d.logits[rows], atol=logits_atol, rtol=1e-5)
+    except AssertionError as e:
+        failures.append(f"logits: {str(e).splitlines()[:4]}")
+    dparams = dict(dense.named_parameters(remove_duplicate=False))
+    sparams = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in plan.params:
+        got = sparams[pp.name].grad
+        if got is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    # the routing of the dense graph, per replica's rows: the bytes each rank's all-to-alls carry
+    cap = count_on_floats(fold_grouped_weights(capture(copy.deepcopy(dense), example_inputs=local)))
+    counts = [_dense_counts(cap, {k: v[slice(d * 4, d * 4 + 4)] for k, v in inputs.items()}) for d in range(dp)]
+    me = rank // tp
+    expect = 0
+    segs = expert_segments(cap.module)
+    for layer, seg in enumerate(segs):
+        e = counts[0][layer].numel()
+        mine = slice(me * e // ep, (me + 1) * e // ep)
+        sent = int(counts[me][layer].sum() - counts[me][layer][mine].sum())
+        came = sum(int(counts[d][layer][mine].sum()) for d in range(dp) if d != me)
+        # a row's bytes: the hidden state out (and back) -- plus, where the model gathers a per-row
+        # value from outside the experts (gpt-oss: each row's gate_up bias), its tp block (the
+        # expert's output features are split over tp)
+        hidden = dense.config.hidden_size * 4
+        extra = sum(v.meta["val"].shape[-1] * 4 // tp for v in seg.rows[1:])
+        # counts; rows out (sent) and results back (came) in forward, the reverse for their gradients
+        expect += (ep - 1) * (e // ep) * 8 + (sent + came) * (2 * hidden + extra)
+    a2a = [c for c in led.calls if c.kind == "all_to_all"]
+    res = {"failures": failures, "a2a_calls": len(a2a), "a2a_bytes": sum(c.buffer_bytes for c in a2a),
+           "expected_a2a_bytes": expect, "ledger_calls": led.count(), "plan_calls": len(plan.comms()),
+           "plan_a2a": len([c for c in plan.comms() if c.kind == "all_to_all"]),
+           # the experts' weights (3-D: one matrix per expert); gpt-oss's per-expert biases stay whole
+           "expert_bytes": sum(p.numel() * p.element_size() for n, p in sharded.named_parameters()
+                               if ".experts." in n and p.dim() == 3),
+           "dense_expert_bytes": sum(p.numel() * p.element_size() for n, p in dense.named_parameters()
+                                     if ".experts." in n and p.dim() == 3),
+           "tp": tp, "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
+           "plan_param_bytes": plan.param_bytes_per_rank}
+    # the experts reassemble whole under their Hugging Face names (rank 0 gathers), and a saved
+    # folder loads in transformers with the dense weights
+    full = sharded.full_state_dict()
+    if save_to is not None:
+        sharded.save_pretrained(save_to)
+    if rank == 0:
+        ref = dense.state_dict()
+        for k, v in full.items():
+            if not torch.equal(v, ref[k]):
+                failures.append(f"full_state_dict[{k}] differs from dense")
+        if set(full) != set(ref):
+            failures.append(f"full_state_dict names: {sorted(set(full) ^ set(ref))[:4]}")
+        if save_to is not None:
+            import transformers
+
+            back = getattr(transformers, type(dense).__name__).from_pretrained(save_to).state_dict()
+            bad = [k for k in ref if k not in back or not torch.equal(back[k], ref[k])]
+            if bad:
+                failures.append(f"save_pretrained -> from_pretrained differs: {bad[:4]}")
+    if save_to is not None:     # the folder loads into an ep layout: each rank reads its experts
+        again = autoshard.shard(save_to, mode="1d", dp=dp, ep=ep, example_inputs=local)
+        with torch.no_grad():
+            try:
+                torch.testing.assert_close(again(**local).logits, sharded(**local).logits, atol=0, rtol=0)
+            except AssertionError as e:
+                failures.append(f"loaded at ep={ep}: {str(e).splitlines()[:3]}")
+    if steps:
+        losses = {"sharded": [], "dense": []}
+        for key, m, batch in (("sharded", sharded, local), ("dense", dense, inputs)):
+            m.zero_grad()
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            for _ in range(steps):
+                opt.zero_grad()
+                loss = m(**batch).loss
+                loss.backward()
+                opt.step()
+                losses[key].append(loss.item())
+        res["losses"] = losses
+        # the weights after the steps, within 1e-4: Adam's update g/sqrt(v) turns a rounding
+        # difference of a near-zero gradient into a visible one (one element in 16k moved 7e-5)
+        dparams = dict(dense.named_parameters(remove_duplicate=False))
+        for pp in plan.params:
+            try:
+                torch.testing.assert_close(sparams[pp.name].detach(), pp.spec.local(
+                    pp.pad(dparams[pp.name].detach()), plan.mesh, rank), atol=1e-4, rtol=1e-4)
+            except AssertionError as e:
+                failures.append(f"after {steps} steps: {pp.name}: {str(e).splitlines()[:4]}")
+    return res
+
+
+def _assert_exact(results, ep):
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}: {r['failures'][:6]}"
+        assert r["ledger_calls"] == r["plan_calls"], (r["ledger_calls"], r["plan_calls"])
+        assert r["a2a_calls"] == r["plan_a2a"] > 0
+        assert r["a2a_bytes"] == r["expected_a2a_bytes"], (rank, r["a2a_bytes"], r["expected_a2a_bytes"])
+        assert r["param_bytes"] == r["plan_param_bytes"]
+        # each rank: E/ep experts, each split over tp
+        assert r["expert_bytes"] * ep * r["tp"] == r["dense_expert_bytes"], (r["expert_bytes"], r["dense_expert_bytes"])
+        if "losses" in r:
+            for a, b in zip(r["losses"]["sharded"], r["losses"]["dense"]):
+                assert abs(a - b) <= 1e-5, r["losses"]
+
+
+@pytest.mark.extended
+def test_mixtral_ep2_equals_dense(tmp_path):
+    """Mixtral at ep=2 on 4 ranks (tp2 × dp2): exact, 3 AdamW steps exact, the all-to-all
+    bytes those of the dense routing, the experts' bytes per rank dense / (ep · tp); the
+    experts reassemble (full_state_dict, save_pretrained -> transformers)."""
+    _assert_exact(get_pool(4, timeout=600).run(_ep_check, "mixtral", 2, 3, str(tmp_path / "saved")), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "deepseekv3", "gptoss"])
+def test_moe_ep2_equals_dense(name):
+    """Qwen3-MoE, OLMoE, DeepSeek-V3 (a shared expert beside the routed ones) and gpt-oss
+    (experts with biases, gathered per row by expert id and moved with the rows) at ep=2."""
+    # gpt-oss's logits on the second replica's rows differ from dense by 1.1e-5 in one element of
+    # 4096 with expert-TP (ep=1) as well, bit for bit the same as here: float noise of the model
+    # at dp=2 (its 1d plan), not of the dispatch; its gradients are within 1e-5
+    _assert_exact(get_pool(4, timeout=600).run(_ep_check, name, 2, 3, None, 2e-5 if name == "gptoss" else 1e-5), 2)
+
+
+@pytest.mark.slow
+def test_mixtral_ep4_on_8_ranks():
+    """ep=4 on 8 ranks (tp2 × dp4): each rank holds one of the 4 experts."""
+    _assert_exact(get_pool(8, timeout=900).run(_ep_check, "mixtral", 4, 3), 4)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(mode="1d", dp=4, ep=3), "ep=3 must divide dp × cp = 4 (the ranks expert parallelism borrows); valid ep: 1, 4"),
+    (dict(mode="1d", dp=4, ep=2), "valid ep: 1, 4"),
+    (dict(mode="2d", dp=2, ep=2), "composes with mode='1d' only today"),
+    (dict(mode="1d", dp=2, ep=0), "ep=0 must be a positive integer"),
+    (dict(mode="1d", dp=2, ep=2, fsdp=True), "fsdp=True is not implemented yet"),
+])
+def test_bad_ep_raises_before_any_collective(kw, needle):
+    """A bad ``ep`` raises a ConfigError naming the valid choices before the process
+    group is even joined (no process group exists in this test process)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="ep") as e:
+        autoshard.shard(torch.nn.Linear(2, 2), **kw)
+    assert needle in str(e.value)
+    assert not dist.is_initialized()
+
+
+def test_plan_shows_the_all_to_alls():
+    """The plan of Mixtral at ep=2 (dp2 × tp2): each expert weight split over dp on the
+    expert dim and over tp as in 1d, no dp gradient sync for it; per MoE layer, the counts
+    exchange, the rows out and the results back in forward and the two reverse exchanges
+    in backward, at the bytes of uniform routing (half the local rows leave the rank)."""
+    p = autoshard.plan(models.build("mixtral"), world_size=4, mode="1d", dp=2, ep=2, batch_size=8, seq_len=8,
+                       example_inputs=models.batch("mixtral"))
+    experts = [pp for pp in p.params if ".experts." in pp.name]
+    assert experts and all(pp.spec.dims[0] == ("dp",) and "tp" in pp.spec.axes and pp.grad_sync == ()
+                           for pp in experts), [(pp.name, pp.spec, pp.grad_sync) for pp in experts]
+    a2a = [c for c in p.comms() if c.kind == "all_to_all"]
+    rows, hidden = 8 * 8 * 2 // 2, 64 * 4          # the rank's routed rows (top-2 of its 4×8 tokens), a row's bytes
+    assert sorted((c.phase, c.buffer_bytes) for c in a2a) == sorted(
+        [("fwd", 2 * 8)] * 2 + [("fwd", rows // 2 * hidden)] * 4 + [("bwd", rows // 2 * hidden)] * 4)
+    assert all(c.axes == ("dp",) and c.group_size == 2 for c in a2a)
+    from autoshard.planning.cost import CLUSTERS, collective_time, estimate
+
+    # the cost model prices them like any collective (p-1 latency steps, the bytes sent), and
+    # adds no dp all-reduce for the experts split over dp
+    e = estimate(p, "dgx-a100")
+    assert e.collective_calls == len(p.comms()) + len([q for q in p.params if "dp" not in q.grad_sync
+                                                       and "dp" not in q.spec.axes and q.trainable])
+    assert all(collective_time(c, p.mesh, CLUSTERS["dgx-a100"])[0] > 0 for c in a2a)
+
+
+def _generate(rank, world):
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dense = models.build("mixtral").eval()
+    ids = models.batch("mixtral", b=4)["input_ids"]
+    mine = ids[2 * (rank // 2): 2 * (rank // 2) + 2]         # this replica's prompts
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=2, ep=2, example_inputs={"input_ids": mine})
+    with CommLedger() as led:
+        out = sharded.generate(mine, max_new_tokens=3, do_sample=False)
+    ref = dense.generate(mine, max_new_tokens=3, do_sample=False)
+    return torch.equal(out, ref), sum(c.kind == "all_to_all" for c in led.calls)
+
+
+@pytest.mark.slow
+def test_generate_with_ep():
+    """generate() on a module sharded with ep=2: the prefill and decode steps are planned with
+    the module's layouts (experts split over dp) and dispatch their tokens to the experts'
+    ranks; greedy tokens equal dense generate()'s."""
+    for same, a2a in get_pool(4, timeout=600).run(_generate):
+        assert same and a2a > 0
