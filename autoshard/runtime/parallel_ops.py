@@ -701,7 +701,9 @@ class _RingAttention(torch.autograd.Function):
         l = torch.zeros_like(m)
         o = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        for step in range(p):
+        # the shape-only trace (passes/trace.py) reads only what is saved, and a forward's own ops
+        # save nothing: on meta the p·R² blocks are not walked (docs/design.md, "Pricing the search")
+        for step in range(p if q.device.type != "meta" else 0):
             j = (r - step) % p                  # the block held now started on rank j
             nxt = _shift(kv, group, 0, overlap) if step < p - 1 else None
             for a, b, c in _sub_blocks(group, R, j, vis):
