@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from .cost import Cluster, CostEstimate, estimate, human_bytes
@@ -476,7 +477,8 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
     # a stamped capture: every candidate priced on its shallow graphs, the chosen one planned whole
-    rungs = _Rungs(cap.shallow.rungs()) if getattr(cap, "shallow", None) is not None else None
+    priced = os.environ.get("AUTOSHARD_SEARCH_PRICED", "1").strip().lower() not in ("0", "off", "false", "no")
+    rungs = _Rungs(cap.shallow.rungs()) if priced and getattr(cap, "shallow", None) is not None else None
     kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero,
               rungs=rungs)
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp, cp=cp, cp_attention=cp_attention,
