@@ -1,8 +1,8 @@
 """Time of ``autoshard plan MODEL --world-size N --mode auto``: the whole search, as a user
 runs it, in a fresh process. Each command runs twice: *cold* (an empty capture cache in a
 temporary folder: the shallow export included) and *warm* (the capture read back); wall,
-user and system seconds of the child (``os.wait4``), the number of candidates in the
-table and the one chosen.
+user and system seconds of the child (``os.wait4``), the rows the table shows and the
+candidate chosen.
 
 Targets (issue 56; cold, wall, this 2-core machine): llama:7b at 64 ranks <= 8 s,
 llama:70b at 4096 ranks <= 30 s. The search prices every candidate on the stamped
@@ -64,7 +64,7 @@ def main() -> int:
                     r["target_wall_s"] = TARGETS_WALL_S.get((model, int(world))) if phase == "cold" and priced else None
                     rows.append(r)
     t = Table(title="autoshard plan MODEL --world-size N --mode auto (fresh process each)", header_style="bold")
-    for c in ("model", "ranks", "search", "cache", "wall s", "user s", "sys s", "target", "candidates", "chosen"):
+    for c in ("model", "ranks", "search", "cache", "wall s", "user s", "sys s", "target", "table rows", "chosen"):
         t.add_column(c, justify="left" if c in ("model", "search", "cache", "chosen") else "right")
     for r in rows:
         tgt = r["target_wall_s"]
