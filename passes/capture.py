@@ -45,6 +45,7 @@ class Captured:
     padding: tuple = ()             # passes.pad.Padding records: the vocabulary padded in ``module``
     guards: tuple = ()              # (code, input paths) export's _guards_fn was built from (see unlift)
     stamped: bool = False           # layers copied from a shallower export (passes.stamp)
+    shallow: Any = None             # passes.stamp.Shallow: that export, which the search prices on
 
 
 def _max_positions(config) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from .cost import Cluster, CostEstimate, estimate, human_bytes
@@ -80,7 +81,10 @@ class Candidate:
 
 @dataclass(frozen=True, kw_only=True)
 class Evaluated:
-    """A candidate with its plan and predicted cost, or the reason it was dropped."""
+    """A candidate with its plan and predicted cost, or the reason it was dropped.
+
+    ``plan`` is None for a candidate priced on a stamped capture's shallow graphs and not
+    chosen (:func:`search`): its ``cost`` is the full graph's all the same."""
 
     candidate: Candidate
     plan: ShardingPlan | None = None
@@ -88,6 +92,7 @@ class Evaluated:
     reason: str = ""
     rank: int | None = None          # 1 = chosen; None = dropped
     async_tp: int = 1                # row chunks that pay (1d; ShardedModule.async_tp), 1: none do
+    fallbacks: int = 0               # the plan's fallback nodes (priced: the full graph's count)
 
     @property
     def ok(self) -> bool:
@@ -259,7 +264,7 @@ class SearchResult:
                 nums = (f"{k.step_s * 1e3:,.1f}", f"{k.compute_s * 1e3:,.1f}", f"{k.comm_s * 1e3:,.1f}",
                         f"{k.comm_bytes / 1e6:,.0f}", f"{k.inter_node_bytes / 1e6:,.0f}",
                         _gib(k.memory_bytes), _gib(k.param_bytes + k.grad_bytes + k.optimizer_bytes),
-                        _gib(k.activation_bytes), str(len(e.plan.fallbacks)))
+                        _gib(k.activation_bytes), str(e.fallbacks))
             else:
                 nums = ("-",) * 9
             label = c.label + (f" · async TP ×{e.async_tp}" if e.async_tp > 1 else "")
@@ -307,9 +312,61 @@ def _static_bytes(captured, optimizer: str | None) -> int:
     return 2 * total + opt
 
 
-def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
-              static: int, zero: int = 0) -> Evaluated:
+#: the CostEstimate figures that are sums over a plan's nodes and parameters (linear in its layers)
+_SUMS = ("flops_fwd", "compute_s", "comm_s_fwd", "comm_s_bwd", "comm_bytes", "inter_node_bytes",
+         "collective_calls", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def _weighted(costs: list[CostEstimate], weights: list[int], fallbacks: int) -> CostEstimate:
+    """The full graph's estimate from its shallow graphs' (:meth:`~autoshard.passes.stamp.Shallow.rungs`):
+    each summed figure ``Σ weight · figure``; the per-collective times are left out."""
+    base = costs[0]
+    sums = {}
+    for f in _SUMS:
+        v = sum(w * getattr(c, f) for c, w in zip(costs, weights))
+        sums[f] = round(v) if isinstance(getattr(base, f), int) else v
+    notes = tuple(n for n in base.notes if not n.endswith("fallback node(s)"))
+    return dataclasses.replace(base, comms=(), notes=notes + ((f"{fallbacks} fallback node(s)",) if fallbacks else ()),
+                               **sums)
+
+
+class _Rungs:
+    """A stamped capture's shallow graphs with their weights (:meth:`~autoshard.passes.stamp.Shallow.rungs`),
+    and the same with their token flattens folded once for every cp candidate: ``prepare()``
+    then finds nothing to fold instead of copying the graph per candidate."""
+
+    def __init__(self, rungs: list) -> None:
+        self.rungs, self._folded = rungs, None
+
+    def folded(self) -> list:
+        from ..passes.linear_fold import fold_transposed_weights
+        from ..passes.token_fold import fold_token_flattens
+
+        if self._folded is None:
+            self._folded = [(fold_token_flattens(fold_transposed_weights(c)), w) for c, w in self.rungs]
+        return self._folded
+
+
+def _price(cap, rungs: _Rungs | None, pol, *, batch_size: int, seq_len: int, estimate_kw: dict):
+    """``(plan, fallbacks, estimate(async_tp=c) for c in 1, *ASYNC_TP_CHUNKS)`` of ``pol``:
+    planned on ``cap`` itself, or where ``rungs`` is given (a stamped capture's shallow
+    graphs) priced from theirs, with no plan (docs/design.md, "Pricing the search")."""
     from ..passes.pipeline import plan_captured
+
+    chunks = (1,) + (ASYNC_TP_CHUNKS if pol.name in ("1d", "1d-sp") else ())
+    if rungs is None:
+        plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
+        return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
+    rungs = rungs.folded() if pol.cp > 1 else rungs.rungs
+    plans = [plan_captured(c, pol, batch_size=batch_size, seq_len=seq_len) for c, _ in rungs]
+    weights = [w for _, w in rungs]
+    fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
+    return None, fallbacks, [_weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans], weights, fallbacks)
+                             for c in chunks]
+
+
+def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
+              static: int, zero: int = 0, rungs=None) -> Evaluated:
     from .validate import check_dims
 
     tp = cand.mesh.world_size // cand.dp // cand.cp
@@ -331,20 +388,41 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
                                                 f"{'·'.join(axes)}={cand.mesh.size(axes)}")
     try:
-        plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
+        plan, fallbacks, costs = _price(cap, rungs, pol, batch_size=batch_size, seq_len=seq_len,
+                                        estimate_kw=dict(cluster=cluster, optimizer=optimizer, zero=zero))
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    cost = estimate(plan, cluster, optimizer=optimizer, zero=zero)
+    cost = costs[0]
     if not cost.fits:
-        return Evaluated(candidate=cand, plan=plan, cost=cost,
+        return Evaluated(candidate=cand, plan=plan, cost=cost, fallbacks=fallbacks,
                          reason=f"needs {_gib(cost.memory_bytes)} GiB > {_gib(cluster.memory_bytes)}")
     chunks = 1
-    if cand.mode in ("1d", "1d-sp"):        # asynchronous TP where the cost model says it pays
-        for c in ASYNC_TP_CHUNKS:
-            alt = estimate(plan, cluster, optimizer=optimizer, zero=zero, async_tp=c)
-            if alt.step_s < cost.step_s:
-                cost, chunks = alt, c
-    return Evaluated(candidate=cand, plan=plan, cost=cost, async_tp=chunks)
+    for c, alt in zip(ASYNC_TP_CHUNKS, costs[1:]):      # asynchronous TP where the cost model says it pays
+        if alt.step_s < cost.step_s:
+            cost, chunks = alt, c
+    return Evaluated(candidate=cand, plan=plan, cost=cost, async_tp=chunks, fallbacks=fallbacks)
+
+
+def _plan_chosen(cap, results: list[Evaluated], *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
+                 zero: int) -> list[Evaluated]:
+    """``results`` (ranked) with the first candidate planned on the full graph: its plan and
+    exact estimate replace the priced ones (the same figures, summed over the whole
+    graph); one whose full plan fails drops, and the next is planned."""
+    from ..passes.pipeline import plan_captured
+
+    while results and results[0].ok and results[0].plan is None:
+        e = results[0]
+        try:
+            plan = plan_captured(cap, e.candidate.policy(), batch_size=batch_size, seq_len=seq_len)
+        except AutoshardError as err:
+            results = _rank([dataclasses.replace(x, rank=None, reason=f"{type(err).__name__}: "
+                                                 f"{str(err).splitlines()[0]}" if x is e else x.reason)
+                             for x in results])
+            continue
+        cost = estimate(plan, cluster, optimizer=optimizer, zero=zero, async_tp=e.async_tp)
+        results = _rank([dataclasses.replace(x, plan=plan, cost=cost, fallbacks=len(plan.fallbacks))
+                         if x is e else x for x in results])
+    return results
 
 
 def _rank(evals: list[Evaluated]) -> list[Evaluated]:
@@ -398,7 +476,11 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     cluster = Cluster.preset(cluster)
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
-    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero)
+    # a stamped capture: every candidate priced on its shallow graphs, the chosen one planned whole
+    priced = os.environ.get("AUTOSHARD_SEARCH_PRICED", "1").strip().lower() not in ("0", "off", "false", "no")
+    rungs = _Rungs(cap.shallow.rungs()) if priced and getattr(cap, "shallow", None) is not None else None
+    kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero,
+              rungs=rungs)
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp, cp=cp, cp_attention=cp_attention,
                        cp_order=cp_order)
     if not cands:
@@ -407,6 +489,9 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
                           + (f" and dp={dp}" if dp is not None else "")
                           + (f" and cp={cp}" if cp not in (None, 1) else ""))
     results = _rank([_evaluate(cap, c, **kw) for c in cands])
+    if rungs is not None:
+        results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
+                               optimizer=optimizer, zero=zero)
     res = SearchResult(model=cap.model_name, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
                        cluster=cluster, results=tuple(results))
     if res.ranked or not raise_if_none:

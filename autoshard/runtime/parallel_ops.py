@@ -793,9 +793,18 @@ def _shift(x, group: str, tag: int, overlap: bool):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, group: str, scale: float):
+        heads, kv_heads = q.shape[1], k.shape[1]
+        ctx.group, ctx.scale, ctx.kv_heads = group, scale, kv_heads
+        if q.device.type == "meta":
+            # the shape-only trace (passes/trace.py) reads only what is saved, and a forward's own
+            # ops save nothing: the p·R² blocks are not walked, the results are their shapes
+            # (contiguous, as the merge's torch.where makes them; docs/design.md, "Pricing the search")
+            out, lse = torch.empty(q.shape, dtype=q.dtype, device="meta"), \
+                torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device="meta")
+            ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+            return out
         r, p = C.group_rank_size(group)
         R = len(C.held_chunks(group, r))
-        heads, kv_heads = q.shape[1], k.shape[1]
         hq, hk = q.shape[-2] // R, k.shape[-2] // R
         vis = _visible(mask, R, p, hq, hk)
         overlap = _overlap(q)
@@ -829,7 +838,6 @@ class _RingAttention(torch.autograd.Function):
         out = torch.where(seen, o / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(o))
         lse = torch.where(seen, base + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
         ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
-        ctx.group, ctx.scale, ctx.kv_heads = group, scale, kv_heads
         return out
 
     @staticmethod
