@@ -122,7 +122,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
-          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced") -> ShardedModule:
+          fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced",
+          pp: int = 1, schedule: str | None = None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -194,6 +195,14 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     under a causal mask every rank then computes as many (the sequence must be a multiple
     of ``2·C``); ``"contiguous"`` gives rank ``r`` block ``r`` (a multiple of ``C``).
 
+    ``pp=P`` (pipeline parallelism, outermost: world = pp × dp × cp × the mode's mesh) cuts
+    the graph between transformer blocks into ``P`` stages (``2·P`` for the ``"interleaved"``
+    and ``"zbv"`` schedules), each the mode's sharded graph for its layers, run by
+    ``torch.distributed.pipelining`` with ``schedule`` (``"1f1b"`` default, ``"gpipe"``,
+    ``"interleaved"``, ``"zbv"``); returns a
+    :class:`~autoshard.pipeline_parallel.PipelinedModule`, trained with
+    :func:`autoshard.training.train.train_step` (docs/design.md, "Pipeline parallelism").
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -201,6 +210,16 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         out.loss.backward()
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.shard")
+    if pp != 1 or schedule is not None:     # pipeline stages: autoshard.pipeline_parallel
+        from .pipeline_parallel import shard_pipelined
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        return shard_pipelined(model, mode=mode, pp=pp, schedule=schedule, depth=depth, dp=dp,
+                               example_inputs=example_inputs, gather_logits=gather_logits, dropout=dropout,
+                               device=device, cp=cp, cp_attention=cp_attention, cp_order=cp_order, cluster=cluster,
+                               ensure_dist=_ensure_dist, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
+                               weights=weights, captured=captured)
     if fsdp and dp < 2:
         raise ConfigError(f"fsdp=True shards the parameters over the data-parallel replicas: it needs dp >= 2, "
                           f"got dp={dp}")

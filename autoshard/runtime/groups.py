@@ -75,13 +75,15 @@ def _register_alias(alias: str, pg) -> None:
 
 
 
-def plan_groups(plan, rank: int) -> dict[str, str]:
+def plan_groups(plan, rank: int, mesh: Mesh | None = None) -> dict[str, str]:
     """Create (once per mesh and axes, collectively, in a rank-independent order)
     the process groups ``plan`` needs; return label -> the name of this rank's group,
-    its :func:`group_alias` (one string on every rank; c10d resolves it)."""
+    its :func:`group_alias` (one string on every rank; c10d resolves it). ``mesh``: the
+    mesh the groups are made on, when the plan's own is one block of it (pipeline
+    parallelism: the plan's mesh with ``pp`` outermost; ``rank`` is then the rank in it)."""
     labels = set()
-    mesh = plan.mesh
-    for a in mesh.axes:
+    mesh = mesh if mesh is not None else plan.mesh
+    for a in plan.mesh.axes:
         labels.add((a,))
     for n in plan.nodes:
         for _, steps in n.arg_steps:
