@@ -313,8 +313,8 @@ class PipelinedModule(nn.Module):
                 self._place(name, t)
         self._hooks = []
         self._set_grad_sync()
-        self._ties = self._tie_groups(stages)
-        self._schedules: dict = {}
+        self.tie_groups = self._tie_groups(stages)       # [(parameter, group)]: summed over pipeline ranks
+        self.schedule_cache: dict = {}        # (micro-batches, shapes) -> the schedule (autoshard.training.pipeline)
         self.to(device)
 
     def train(self, mode: bool = True):
@@ -371,18 +371,19 @@ class PipelinedModule(nn.Module):
         return c10d._resolve_process_group(self.group_name(("pp",)))
 
     def _set_grad_sync(self) -> None:
-        from .module import _sync_hook
-
+        """All-reduce each replicated parameter's gradient over its plan's ``grad_sync`` axes of
+        the stage's block as backward produces it (as a ShardedModule does)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         for q in self.plan.params:
             if q.grad_sync and q.name in params and q.trainable and params[q.name].requires_grad:
-                self._hooks.append(params[q.name].register_hook(_sync_hook(self.group_name(tuple(q.grad_sync)))))
+                group = self.group_name(tuple(q.grad_sync))
+                self._hooks.append(params[q.name].register_hook(lambda g, group=group: C.all_reduce(g, group, "sum")))
 
     def _tie_groups(self, stages: list[Stage]) -> list:
         """``[(parameter, group name)]`` for the tensors read on stages of different
         pipeline ranks: their gradients are summed over those ranks each step. Every rank
         creates every such group, in the same order (collective)."""
-        from .runtime.groups import _register_alias
+        from .runtime.groups import ranks_group
 
         by_name = {n: q.name for q in self.plan.params for n in (q.name, *q.aliases)}
         holders: dict[str, set] = {}
@@ -393,34 +394,28 @@ class PipelinedModule(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         out, made = [], {}
         W = self.mesh.world_size
+        shape = "x".join(f"{a}{s}" for a, s in zip(self.full_mesh.axes, self.full_mesh.sizes))
         for name in sorted(holders):
-            ranks_pp = tuple(sorted(holders[name]))
-            if len(ranks_pp) < 2:
+            pps = tuple(sorted(holders[name]))
+            if len(pps) < 2:
                 continue
-            if ranks_pp not in made:
-                alias = None
-                for loc in range(W):
-                    members = [r * W + loc for r in ranks_pp]
-                    pg = dist.new_group(members)
-                    if self.rank in members:
-                        alias = f"autoshard/{'x'.join(f'{a}{s}' for a, s in zip(self.full_mesh.axes, self.full_mesh.sizes))}" \
-                                f"/tie{'-'.join(map(str, ranks_pp))}"
-                        _register_alias(alias, pg)
-                made[ranks_pp] = alias
-            if made[ranks_pp] is not None and name in params:
-                out.append((params[name], made[ranks_pp]))
+            if pps not in made:     # one group per place in a stage, over the pipeline ranks holding it
+                made[pps] = ranks_group([tuple(r * W + loc for r in pps) for loc in range(W)],
+                                        f"autoshard/{shape}/tie{'-'.join(map(str, pps))}", self.rank)
+            if made[pps] is not None and name in params:
+                out.append((params[name], made[pps]))
         return out
 
     @property
     def tied(self) -> tuple[str, ...]:
         """The parameters whose gradient is summed over pipeline ranks (read on stages of several)."""
         names = {id(p): n for n, p in self.named_parameters(remove_duplicate=False)}
-        return tuple(names[id(p)] for p, _ in self._ties)
+        return tuple(names[id(p)] for p, _ in self.tie_groups)
 
     def sum_tied_grads(self) -> None:
         """Sum the gradients of the tied tensors over the pipeline ranks that read them
         (collective; :func:`autoshard.training.train.train_step` calls it after the schedule)."""
-        for p, group in self._ties:
+        for p, group in self.tie_groups:
             if p.grad is not None:
                 p.grad.copy_(C.all_reduce(p.grad, group, "sum"))
 
@@ -430,7 +425,9 @@ class PipelinedModule(nn.Module):
                           f"save_pretrained, then shard(..., pp=1))")
 
     # -- forward through the stages (evaluation)
-    def _batch(self, kwargs: dict) -> dict:
+    def batch_inputs(self, kwargs: dict) -> dict:
+        """A call's (or micro-batch's) tensors checked against the captured inputs and moved
+        to the module's device."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in self._constants}
         missing = [k for k in self.input_names if k not in kwargs]
         extra = [k for k in kwargs if k not in self.input_names]
@@ -444,7 +441,7 @@ class PipelinedModule(nn.Module):
                               f"({'·'.join(self.plan.batch_axes)}); with pp > 1 use a multiple of {split}")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
-    def _peer(self, stage: int) -> int:
+    def peer_rank(self, stage: int) -> int:
         """The global rank holding ``stage`` in this rank's pipeline."""
         return self.owners[stage] * self.mesh.world_size + self.local_rank
 
@@ -453,7 +450,7 @@ class PipelinedModule(nn.Module):
         """Run the batch through every stage (no gradients; train with
         :func:`autoshard.training.train.train_step`) and return the model's output on
         every rank."""
-        batch = self._batch(kwargs)
+        batch = self.batch_inputs(kwargs)
         pg = self.pp_group()
         carried: tuple = ()
         n = len(self.owners)
@@ -461,13 +458,13 @@ class PipelinedModule(nn.Module):
         for s in range(n):
             here = self.owners[s] == self.pp_rank
             if here and s and self.owners[s - 1] != self.pp_rank:
-                carried = _recv_tensors(self._peer(s - 1), pg, self.device)
+                carried = _recv_tensors(self.peer_rank(s - 1), pg, self.device)
             if here:
                 out = self._runners[s](*carried, **batch)
                 carried = out
                 if s + 1 < n and self.owners[s + 1] != self.pp_rank:
-                    _send_tensors(carried, self._peer(s + 1), pg)
-        last = self._peer(n - 1)
+                    _send_tensors(carried, self.peer_rank(s + 1), pg)
+        last = self.peer_rank(n - 1)
         obj = [tuple(t.cpu() for t in out) if self.rank == last else None]
         dist.broadcast_object_list(obj, src=last, group=pg)
         from torch.utils._pytree import tree_unflatten
@@ -489,10 +486,8 @@ class PipelinedModule(nn.Module):
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The dense tensors under Hugging Face names, gathered stage by stage (collective).
         Rank 0 gets them all (every rank with ``rank0_only=False``), the others ``{}``."""
-        from .io.gather import _gather_axes
-
         mesh = self.mesh
-        axes_sets = sorted({_gather_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
+        axes_sets = sorted({_spec_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
                            key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))
         for axes in axes_sets:          # every rank makes every group, in one order
             self.group_name(axes)
@@ -589,12 +584,10 @@ def _gather_block(module: PipelinedModule, local: torch.Tensor, spec, shape) -> 
     spec's axes of the stage's mesh)."""
     from torch.distributed import distributed_c10d as c10d
 
-    from .io.gather import _gather_axes
-
     if not spec.axes:
         return local
     mesh, W = module.mesh, module.mesh.world_size
-    pg = c10d._resolve_process_group(module.group_name(_gather_axes(spec, mesh)))
+    pg = c10d._resolve_process_group(module.group_name(_spec_axes(spec, mesh)))
     order = dist.get_process_group_ranks(pg)
     lst = [torch.empty_like(local.contiguous()) for _ in order]
     dist.all_gather(lst, local.contiguous(), group=pg)
@@ -602,6 +595,11 @@ def _gather_block(module: PipelinedModule, local: torch.Tensor, spec, shape) -> 
     for r, blk in zip(order, lst):
         spec.place(out, blk, mesh, r % W)
     return out
+
+
+def _spec_axes(spec, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes ``spec`` splits over, in the mesh's order (what its gather runs over)."""
+    return tuple(a for a in mesh.axes if a in spec.axes)
 
 
 def _send_tensors(ts: tuple, dst: int, pg) -> None:

@@ -22,16 +22,20 @@ def _build(name: str, layers: int | None = None, seed: int = 0):
         kw["n_layer" if "n_layer" in kw else "num_hidden_layers"] = layers
     torch.manual_seed(seed)
     model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**kw))
+    # models.build's widened init (0.2), narrowed for deeper stacks: its activations grow
+    # with depth and fp32 rounding of the tensor-parallel sums with them (the 8-layer Llama at
+    # 0.2 and tp=2 drifts 2e-5 from dense in 3 steps with or without pp; at tp=1 pp is bit-exact)
+    std = 0.2 * (2 / max(layers or 2, 2)) ** 0.5
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.2)
+                p.normal_(0, std)
     model.train()
     return model
 
 
 def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps=3, n_mb=4, depth=None, clip=None,
-                    save=None):
+                    save=None, eps=1e-6, untie=False):
     """Train the pipelined module and the dense model alike; returns per rank
     (pipelined losses, dense losses, max |state dict difference| on rank 0, stage info)."""
     import autoshard
@@ -42,8 +46,12 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
     model = copy.deepcopy(dense)
     mbs = [batch(name, b=2, s=8, seed=10 + i) for i in range(n_mb)]
     sharded = autoshard.shard(model, mode=mode, pp=pp, schedule=schedule, example_inputs=mbs[0], depth=depth)
-    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
-    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3)
+    if untie:       # the check that the tied gradients' sum matters: leave it out
+        sharded.sum_tied_grads = lambda: None
+    # eps 1e-6: a gradient that is 0 in exact arithmetic (GPT-2's key bias) is rounding noise
+    # in both runs, and at eps 1e-8 AdamW turns any noise into a full lr-sized step
+    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=eps)
+    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=eps)
     ls, ld, ns, nd = [], [], [], []
     for _ in range(steps):
         loss, norm = train_step(sharded, mbs, opt_s, clip=clip)
@@ -53,12 +61,14 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
         ld.append(loss)
         nd.append(norm)
     full = sharded.full_state_dict()
-    diff = None
+    diff = worst = None
     if rank == 0:
         ref = dense.state_dict()
         missing = sorted(set(ref) - set(full))
         assert not missing, missing
-        diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
+        per = {k: float((full[k].float() - ref[k].float()).abs().max()) for k in ref}
+        diff = max(per.values())
+        worst = sorted(per.items(), key=lambda kv: -kv[1])[:3]
     if save is not None:
         sharded.save_pretrained(save)
     out = sharded(**mbs[0])         # forward through the stages, outputs on every rank
@@ -66,19 +76,125 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
         dense_out = dense(**mbs[0])
     fwd = float((out.logits - dense_out.logits).abs().max()), abs(float(out.loss) - float(dense_out.loss))
     return dict(ls=ls, ld=ld, ns=ns, nd=nd, diff=diff, fwd=fwd, stages=sharded.stage_indices, tied=sharded.tied,
-                table=sharded.describe_stages(n_mb))
+                table=sharded.describe_stages(n_mb), worst=worst)
 
 
 def _check(results, tol_loss=1e-5, tol_state=1e-4):
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["ls"], r["ld"])) < tol_loss, (r["ls"], r["ld"])
         assert r["fwd"][0] < 1e-4 and r["fwd"][1] < 1e-5, r["fwd"]
-    assert results[0]["diff"] < tol_state, results[0]["diff"]
+        assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4 * max(1.0, b))
+                   for a, b in zip(r["ns"], r["nd"])), (r["ns"], r["nd"])
+    assert results[0]["diff"] < tol_state, (results[0]["diff"], results[0]["worst"])
     # every rank reports the same loss
     assert all(r["ls"] == results[0]["ls"] for r in results)
 
 
+# -------------------------------------------------------------------- cheap, one process
+
+def test_balance_keeps_blocks_whole_and_weighs_the_ends():
+    from autoshard.passes.stages import balance
+
+    assert balance([1, 1, 1, 1], 2) == (0, 2)
+    assert balance([1, 1, 1, 1], 4) == (0, 1, 2, 3)
+    assert balance([1] * 6, 3) == (0, 2, 4)
+    assert balance([1] * 6, 3, tail=2) == (0, 2, 5)       # the head and the loss weigh on the last stage
+    assert balance([4, 1, 1, 1, 1], 2) == (0, 1)
+
+
+def test_check_pipeline_names_the_valid_choices():
+    from autoshard.pipeline_parallel import check_pipeline
+
+    def msgs(**kw):
+        base = dict(pp=2, schedule="1f1b", world=4, mode="1d")
+        return " | ".join(p.message for p in check_pipeline(**{**base, **kw}))
+    assert msgs() == ""
+    assert "'gpipe', '1f1b', 'interleaved', 'zbv'" in msgs(schedule="zb")
+    assert "does not divide the 6 ranks" in msgs(world=6, pp=4)
+    assert "mode='auto'" in msgs(mode="auto")
+    assert "pp <= 1" in msgs(schedule="interleaved", config=type("C", (), {"num_hidden_layers": 3})())
+    assert "whole number" in msgs(pp=0)
+
+
+def test_cut_stages_compute_what_the_graph_computes():
+    """The captured Llama graph cut after its first block: stage 0 then stage 1 give the
+    graph's own outputs; the rotary cos/sin, the mask and the hidden states cross the cut
+    as tensors, and no symbolic size does (it is recomputed on stage 1)."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    from autoshard.passes.capture import capture
+    from autoshard.passes.stages import blocks_in_order, cut
+
+    model = _build("llama")
+    b = batch("llama", b=2, s=8)
+    cap = capture(model, example_inputs=b)
+    gm = cap.module
+    keys = blocks_in_order(gm.graph)
+    assert keys == ["model.layers.0", "model.layers.1"]
+    s0, s1 = cut(gm, keys[1:])
+    full = {**cap.constants, **b}
+    flat = tree_flatten_spec(((), full), gm._in_spec)
+    with torch.no_grad():
+        mid = s0.gm(*flat)
+        got = s1.gm(*flat, *mid)
+        want = gm(**full)
+    assert len(mid) == len(s1.carried_in) == len(s0.carried_out) >= 3
+    assert all(isinstance(t, torch.Tensor) for t in mid)
+    assert torch.equal(got[0], want.loss) and torch.equal(got[1], want.logits)
+    assert s0.blocks == ("model.layers.0",) and s1.blocks == ("model.layers.1",)
+    assert "lm_head.weight" in s1.tensors and "lm_head.weight" not in s0.tensors
+    assert any(n.target is torch.ops.aten.sym_size.int for n in s1.gm.graph.nodes)
+
+
+# -------------------------------------------------------------------- ranks
+
+def test_pp2_is_the_dense_step_bit_for_bit():
+    """tp = 1, two stages on two ranks, 1F1B: the losses and weights after two AdamW
+    steps are the dense model's exactly (no tensor-parallel sum reorders the floats)."""
+    res = get_pool(2).run(_train_vs_dense, "llama", "1d", 2, "1f1b", steps=2, n_mb=2)
+    for r in res:
+        assert r["ls"] == r["ld"], (r["ls"], r["ld"])
+    assert res[0]["diff"] == 0.0, res[0]["worst"]
+
+
+@pytest.mark.slow
 def test_llama_1d_tp2_pp2_1f1b():
-    res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, "1f1b")
+    """Acceptance: Llama, 1d tp2 × pp2 on 4 ranks, 3 AdamW steps over 4 micro-batches, clipped."""
+    res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, "1f1b", clip=0.5)
     _check(res)
     assert [r["stages"] for r in res] == [(0,), (0,), (1,), (1,)]
+
+
+@pytest.mark.slow
+def test_gpt2_pp4_tied_embedding_gradient_summed():
+    """GPT-2 at pp4 (4 layers): the tied wte/lm_head is read on stages 0 and 3, its
+    gradient summed over them; without the sum the run leaves dense at step 2."""
+    res = get_pool(4).run(_train_vs_dense, "gpt2", "1d", 4, "1f1b", layers=4)
+    _check(res)
+    assert res[0]["tied"] == res[3]["tied"] == ("lm_head.weight",) and res[1]["tied"] == ()
+    bad = get_pool(4).run(_train_vs_dense, "gpt2", "1d", 4, "1f1b", layers=4, steps=2, untie=True)
+    assert abs(bad[0]["ls"][1] - bad[0]["ld"][1]) > 1e-3
+
+
+@pytest.mark.slow
+def test_llama_interleaved_8_layers():
+    """Interleaved 1F1B: 4 stages of 2 blocks on pp2 (rank 0 holds stages 0 and 2), tp2."""
+    res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, "interleaved", layers=8)
+    _check(res)
+    assert [r["stages"] for r in res] == [(0, 2), (0, 2), (1, 3), (1, 3)]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
+def test_llama_other_schedules(schedule):
+    res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, schedule, layers=4 if schedule == "zbv" else None)
+    _check(res)
+    if schedule == "zbv":       # the V: rank 0 holds the first and the last stage
+        assert res[0]["stages"] == (0, 3) and res[2]["stages"] == (1, 2)
+
+
+@pytest.mark.slow
+def test_qwen2_2d_pp2_8_ranks():
+    """Qwen2 in 2d (SUMMA 2×2) × pp2 on 8 ranks."""
+    res = get_pool(8, timeout=900).run(_train_vs_dense, "qwen2", "2d", 2, "1f1b")
+    _check(res)

@@ -12,7 +12,7 @@ from . import collectives as C
 from .device import comm_device
 from .timeout import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups"]
+__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group"]
 
 
 def axes_label(axes) -> str:
@@ -73,6 +73,23 @@ def _register_alias(alias: str, pg) -> None:
     _register_process_group(alias, pg)
 
 
+
+
+def ranks_group(members: list[tuple[int, ...]], alias: str, rank: int) -> str | None:
+    """Create one process group per rank tuple of ``members`` (collectively: every rank
+    passes the same list) and register the one holding ``rank`` under ``alias`` (c10d
+    resolves it, as the mesh groups' aliases). Returns ``alias``, or None where ``rank``
+    is in none of them (pipeline parallelism's tied-tensor groups:
+    :mod:`autoshard.pipeline_parallel`)."""
+    mine = None
+    for ranks in members:
+        pg = dist.new_group(list(ranks), group_desc=alias, timeout=datetime.timedelta(seconds=timeout_seconds()))
+        if rank in ranks:
+            mine = pg
+    if mine is None:
+        return None
+    _register_alias(alias, mine)
+    return alias
 
 
 def plan_groups(plan, rank: int, mesh: Mesh | None = None) -> dict[str, str]:

@@ -35,7 +35,7 @@ def pipeline_schedule(module, n_micro: int, key=()):
     ``n_micro`` micro-batches of the shapes ``key`` names; made once per key."""
     from torch.distributed import pipelining
 
-    cache = module._schedules
+    cache = module.schedule_cache
     if (n_micro, key) in cache:
         return cache[(n_micro, key)]
     cls_name, per_rank = SCHEDULES[module.schedule]
@@ -69,7 +69,7 @@ def pipeline_grad_norm(module) -> torch.Tensor:
     """The global L2 norm of the gradients over every stage (collective): each dense entry
     counted once (a replica's copies divided out, a tied tensor's pipeline copies too)."""
     plans = {n: q for q in module.plan.params for n in (q.name, *q.aliases)}
-    ties = {id(p): group for p, group in module._ties}
+    ties = {id(p): group for p, group in module.tie_groups}
     total = torch.zeros((), dtype=torch.float64, device=module.device)
     for name, p in _unique(module):
         if p.grad is None or name not in plans:
@@ -90,7 +90,7 @@ def pipeline_train_step(module, micro_batches: list[dict], optimizer, scheduler=
     module doc). Returns (loss, grad norm before clipping or None), the same on every rank."""
     if not micro_batches:
         raise ConfigError("train_step: no micro-batches")
-    mbs = [module._batch(mb) for mb in micro_batches]
+    mbs = [module.batch_inputs(mb) for mb in micro_batches]
     shapes = [tuple((k, tuple(v.shape)) for k, v in sorted(mb.items()) if isinstance(v, torch.Tensor)) for mb in mbs]
     if len(set(shapes)) > 1:
         raise ConfigError(f"a pipeline schedule runs micro-batches of one shape; got {sorted(set(shapes))[:2]} ...: "
@@ -117,7 +117,7 @@ def pipeline_train_step(module, micro_batches: list[dict], optimizer, scheduler=
     if last in module.stage_indices:
         for part in losses:
             loss += part.detach().float() / n
-    dist.broadcast(loss, src=module._peer(last), group=module.pp_group())
+    dist.broadcast(loss, src=module.peer_rank(last), group=module.pp_group())
     norm = None
     if clip is not None:
         total = pipeline_grad_norm(module)
