@@ -524,12 +524,16 @@ class PipelinedModule(nn.Module):
         """A Hugging Face folder (``config.json`` + safetensors) of the dense model, gathered
         stage by stage; rank 0 writes it (collective). Loads with transformers'
         ``from_pretrained`` and shards again at any ``pp``."""
+        from .io.builder import with_architecture
         from .io.gather import write_folder
 
+        config = config if config is not None else self.config
+        if config is None:
+            raise ConfigError("save_pretrained needs the model's config: pass config=model.config")
         sd = self.full_state_dict()
         if self.rank == 0:
             entries = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
-            write_folder(path, entries, sd, config if config is not None else self.config,
+            write_folder(path, entries, iter(sd.items()), with_architecture(config, self.plan.model),
                          max_shard_size=max_shard_size)
         dist.barrier()
 
