@@ -62,6 +62,8 @@ class StageInfo:
     activation_bytes: int       # saved for backward per rank, at the planned batch
     seconds: float              # forward + backward compute and collectives, at the planned batch
     carried_in: int             # tensors received from the stage before
+    carried_bytes: int = 0      # their bytes per rank and micro-batch (at the planned batch)
+    grad_bytes: int = 0         # the bytes of their gradients sent back (the floating ones)
 
 
 def stage_ranks(schedule: str, pp: int) -> list[int]:
@@ -229,9 +231,35 @@ def _stage_infos(p: ShardingPlan, stages: list[Stage], owners, keys, starts, cos
         pbytes = sum(math.prod(q.local_shape(p.mesh)) * q.dtype_bytes for q in p.params if q.name in names)
         secs = sum(costs[lo:hi]) + (head if lo == 0 else 0.0) + (tail if hi == len(keys) else 0.0)
         acts = sum(saved.get(k, 0) for k in keys[lo:hi]) + (saved.get(None, 0) if lo == 0 or hi == len(keys) else 0)
+        fwd = grad = 0
+        for name, val in zip(st.carried_in, _carried_values(st)):
+            nbytes = _local_bytes(p, name, val)
+            fwd += nbytes
+            grad += nbytes if val is None or val.is_floating_point() else 0
         out.append(StageInfo(index=st.index, pp_rank=owners[st.index], blocks=tuple(keys[lo:hi]), param_bytes=pbytes,
-                             activation_bytes=int(acts), seconds=secs, carried_in=len(st.carried_in)))
+                             activation_bytes=int(acts), seconds=secs, carried_in=len(st.carried_in),
+                             carried_bytes=fwd, grad_bytes=grad))
     return tuple(out)
+
+
+def _carried_values(st: Stage) -> list:
+    """The captured values (fake tensors) of the tensors stage ``st`` receives (None where unknown)."""
+    phs = [n for n in st.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("carried_")]
+    vals = [n.meta.get("val") for n in phs]
+    return [v if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def _local_bytes(p: ShardingPlan, name: str, val) -> int:
+    """Bytes of one rank's block of the value ``name`` at the planned batch: its plan row's
+    local shape (the planned sizes), else the value's own shape where it is static."""
+    row = next((n for n in p.nodes if n.name == name), None)
+    size = val.element_size() if val is not None else 4
+    if row is not None and row.local_shape and not isinstance(row.local_shape[0], tuple):
+        return int(math.prod(row.local_shape)) * size
+    try:
+        return int(math.prod(int(d) for d in val.shape)) * size
+    except (TypeError, ValueError, AttributeError):
+        return 0
 
 
 def bubble(schedule: str, pp: int, micro_batches: int) -> float:
@@ -562,24 +590,45 @@ class PipelinedModule(nn.Module):
         return (f"PipelinedModule({self.plan.model}, mode={self.plan.mode}, pp={self.pp}, schedule={self.schedule}, "
                 f"stages={list(self.stage_indices)}, mesh={self.full_mesh}, rank={self.rank})")
 
-    def describe_stages(self, micro_batches: int | None = None) -> str:
+    def estimate(self, micro_batches: int | None = None, cluster=None):
+        """The cost model's price of a step of ``micro_batches`` (default: ``pp``) at the
+        planned micro-batch: :class:`~autoshard.planning.pipeline_cost.PipelineEstimate`
+        (step time, bubble, point-to-point bytes)."""
+        return estimate_stages(self.stages, self.schedule, self.full_mesh, micro_batches or self.pp, cluster)
+
+    def describe_stages(self, micro_batches: int | None = None, cluster=None) -> str:
         """The stages as a table (blocks, parameter and activation bytes per rank, time per
-        stage) and the schedule's bubble at ``micro_batches`` (default: ``pp``)."""
-        return describe_stages(self.stages, self.schedule, self.pp, micro_batches or self.pp)
+        stage, bytes received) and the schedule's bubble at ``micro_batches`` (default: ``pp``)."""
+        return describe_stages(self.stages, self.schedule, self.full_mesh, micro_batches or self.pp, cluster)
 
 
-def describe_stages(infos, schedule: str, pp: int, micro_batches: int) -> str:
+def estimate_stages(infos, schedule: str, mesh: Mesh, micro_batches: int, cluster=None):
+    """:func:`autoshard.planning.pipeline_cost.estimate_pipeline` of these stages."""
+    from .planning.cost import default_cluster
+    from .planning.pipeline_cost import estimate_pipeline
+
+    return estimate_pipeline([i.seconds for i in infos], [i.pp_rank for i in infos],
+                             [i.carried_bytes for i in infos], grad_bytes=[i.grad_bytes for i in infos],
+                             micro_batches=micro_batches, stages_per_rank=SCHEDULES[schedule][1], mesh=mesh,
+                             cluster=cluster if cluster is not None else default_cluster())
+
+
+def describe_stages(infos, schedule: str, mesh: Mesh, micro_batches: int, cluster=None) -> str:
     """A table of the stages and the bubble (see :meth:`PipelinedModule.describe_stages`)."""
     from .planning.cost import human_bytes
 
+    pp = mesh.size("pp")
+    est = estimate_stages(infos, schedule, mesh, micro_batches, cluster)
     rows = [f"pipeline: {len(infos)} stages on pp={pp}, schedule {schedule!r}, {micro_batches} micro-batches: "
-            f"bubble {bubble(schedule, pp, micro_batches):.1%} (idle share with equal stages)"]
+            f"bubble {bubble(schedule, pp, micro_batches):.1%} with equal stages, {est.bubble:.1%} predicted; "
+            f"step {est.step_s * 1e3:.2f} ms predicted; point-to-point {human_bytes(est.p2p_bytes)}/rank per step"]
     worst = max(i.seconds for i in infos) or 1.0
     for i in infos:
         span = f"{i.blocks[0]} .. {i.blocks[-1]}" if len(i.blocks) > 1 else i.blocks[0]
         rows.append(f"  stage {i.index} (pp rank {i.pp_rank}): {len(i.blocks)} block(s) {span}; params "
                     f"{human_bytes(i.param_bytes)}/rank, saved {human_bytes(i.activation_bytes)}/rank, "
-                    f"{i.seconds * 1e3:.2f} ms ({i.seconds / worst:.0%} of the slowest); receives {i.carried_in} tensor(s)")
+                    f"{i.seconds * 1e3:.2f} ms ({i.seconds / worst:.0%} of the slowest); receives {i.carried_in} tensor(s), "
+                    f"{human_bytes(i.carried_bytes)}/rank per micro-batch")
     return "\n".join(rows)
 
 
