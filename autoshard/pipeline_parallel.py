@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .ir.errors import ConfigError
+from .ir.kernels import Dropout
 from .ir.mesh import Mesh
 from .ir.plan import ShardingPlan
 from .ir.signature import batch_of, seq_of
@@ -132,6 +133,11 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     if not isinstance(model, nn.Module):
         raise ConfigError(f"shard(..., pp={pp}) takes a torch.nn.Module; got {type(model).__name__} "
                           f"(a folder path is not built with pp > 1 yet: load the model, then shard it)")
+    from .adapters import is_peft_model
+
+    if is_peft_model(model):
+        raise ConfigError(f"shard(peft model, pp={pp}): adapters are not built with pp > 1 yet; valid: pp=1, or "
+                          f"merge the adapters first (model.merge_and_unload())")
     config = getattr(model, "config", None)
     world = int(os.environ.get("WORLD_SIZE", "0") or 0) if not dist.is_initialized() else dist.get_world_size()
     raise_problems(check_pipeline(pp=pp, schedule=schedule, world=world or pp, mode=mode, config=config, fsdp=fsdp,
@@ -167,7 +173,7 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     mesh = Mesh(axes=("pp",) + p.mesh.axes, sizes=(pp,) + p.mesh.sizes)
     local = rank % W
     groups = plan_groups(p, rank, mesh=mesh)
-    if any(type(n.kernel).__name__ == "Dropout" for n in p.nodes):
+    if any(isinstance(n.kernel, Dropout) for n in p.nodes):
         check_same_rng(world, "the model has dropout", "replicas would drop different elements",
                        "before shard(), or shard(..., seed=s)")
     gm = rewrite(cap.module, p, rank=local, groups=groups)
