@@ -477,7 +477,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
          max_len: int | None = None, cp: int = 1, cp_attention: str = "ring",
-         cp_order: str = "balanced") -> ShardingPlan:
+         cp_order: str = "balanced", pp: int = 1, schedule: str | None = None,
+         micro_batches: int | None = None) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -487,6 +488,11 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         >>> p = plan(cfg, world_size=4, mode="2d", batch_size=4, seq_len=16)
         >>> p.mesh.axes, p.param("lm_head.weight").spec
         (('row', 'col'), [S(col), S(row)])
+
+    ``pp=P`` plans pipeline stages (see :func:`shard`) and returns a
+    :class:`~autoshard.pipeline_parallel.PipelinePlan` instead: the mode's plan of one
+    stage's ranks, the stages (blocks, bytes, time) and the priced bubble of
+    ``micro_batches`` per step (default ``pp``) of ``batch_size`` rows each.
 
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
@@ -503,6 +509,12 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     (:func:`autoshard.planning.cost.forward_latency` predicts the per-token time).
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.ir.plan")
+    if pp != 1 or schedule is not None:     # pipeline stages: a PipelinePlan (autoshard.pipeline_parallel)
+        from .pipeline_parallel import plan_pipeline
+
+        return plan_pipeline(model_or_config, world_size=world_size, mode=mode, pp=pp, schedule=schedule,
+                             depth=depth, dp=dp, batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches,
+                             cluster=cluster or "dgx-a100", example_inputs=example_inputs, dropout=dropout)
     if step is not None:
         from .io.builder import model_from as _model_from
         from .generate import LEN_QUANTUM, plan_step

@@ -45,7 +45,8 @@ from .planning.validate import Problem, check_dims, check_example_inputs, check_
 from .runtime import collectives as C
 from .runtime import parallel_ops
 
-__all__ = ["SCHEDULES", "PipelinedModule", "StageInfo", "check_pipeline", "shard_pipelined", "stage_ranks"]
+__all__ = ["SCHEDULES", "PipelinePlan", "PipelinedModule", "StageInfo", "bubble", "check_pipeline", "describe_stages",
+           "estimate_stages", "plan_pipeline", "shard_pipelined", "stage_ranks"]
 
 # schedule name -> (torch.distributed.pipelining class, stages per rank)
 SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
@@ -188,6 +189,68 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
     return PipelinedModule(stages, infos, p, mesh=mesh, rank=rank, groups=groups, schedule=schedule,
                            captured=cap, model=model, device=device)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline-parallel layout planned without processes (:func:`plan_pipeline`): the
+    mode's plan of one stage's block of ranks, the stages cut from the graph and the cost
+    model's price of a step. ``str()`` is the stage table."""
+
+    plan: ShardingPlan          # the mode's plan on world / pp ranks (every stage's layout)
+    mesh: Mesh                  # the whole mesh, pp outermost
+    schedule: str
+    micro_batches: int
+    stages: tuple               # StageInfo per stage
+    estimate: object            # autoshard.planning.pipeline_cost.PipelineEstimate
+
+    def __str__(self) -> str:
+        return describe_stages(self.stages, self.schedule, self.mesh, self.micro_batches)
+
+
+def plan_pipeline(model_or_config, *, world_size: int, mode: str, pp: int, schedule: str | None = None,
+                  depth: int | None = None, dp: int = 1, batch_size: int = 8, seq_len: int = 128,
+                  micro_batches: int | None = None, cluster="dgx-a100", example_inputs: dict | None = None,
+                  dropout: str = "sharded") -> PipelinePlan:
+    """Plan ``pp`` pipeline stages without processes or weights (the model is built on
+    the meta device): ``batch_size`` rows per micro-batch, ``micro_batches`` per step
+    (default ``pp``). What :func:`autoshard.plan` returns with ``pp > 1``.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        >>> pl = plan_pipeline(cfg, world_size=4, mode="1d", pp=2, batch_size=4, seq_len=16)
+        >>> [s.blocks for s in pl.stages]
+        [('model.layers.0', 'model.layers.1'), ('model.layers.2', 'model.layers.3')]
+    """
+    from .io.builder import model_from
+    from .launch.capture_share import capture_for_plan
+    from .passes.pipeline import plan_captured, prepare
+    from .policies import make_policy
+
+    schedule = schedule or "1f1b"
+    model = model_from(model_or_config)
+    config = getattr(model, "config", None)
+    raise_problems(check_pipeline(pp=pp, schedule=schedule, world=world_size, mode=mode, config=config),
+                   f"autoshard.plan(mode={mode!r}, pp={pp}, schedule={schedule!r})")
+    pol = make_policy(mode, world_size // pp, depth, dp)
+    model.train()
+    cap = prepare(capture_for_plan(model, example_inputs=example_inputs), pol)
+    p = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len, dropout=dropout)
+    mesh = Mesh(axes=("pp",) + p.mesh.axes, sizes=(pp,) + p.mesh.sizes)
+    owners = stage_ranks(schedule, pp)
+    keys = blocks_in_order(cap.module.graph)
+    costs, head, tail = _block_costs(p, keys, cluster)
+    if len(keys) < len(owners):
+        raise ConfigError(f"pp={pp} with schedule={schedule!r} needs {len(owners)} stages of whole transformer "
+                          f"blocks; the graph has {len(keys)}: use a smaller pp")
+    starts = balance(costs, len(owners), head, tail)
+    stages = cut(cap.module, [keys[i] for i in starts[1:]])
+    infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
+    m = micro_batches or pp
+    return PipelinePlan(plan=p, mesh=mesh, schedule=schedule, micro_batches=m, stages=infos,
+                        estimate=estimate_stages(infos, schedule, mesh, m, cluster))
 
 
 def _block_of(module: str, keys: list[str]) -> str | None:
@@ -632,7 +695,7 @@ def describe_stages(infos, schedule: str, mesh: Mesh, micro_batches: int, cluste
     for i in infos:
         span = f"{i.blocks[0]} .. {i.blocks[-1]}" if len(i.blocks) > 1 else i.blocks[0]
         rows.append(f"  stage {i.index} (pp rank {i.pp_rank}): {len(i.blocks)} block(s) {span}; params "
-                    f"{human_bytes(i.param_bytes)}/rank, saved {human_bytes(i.activation_bytes)}/rank, "
+                    f"{human_bytes(i.param_bytes)}/rank, saved {human_bytes(i.activation_bytes)}/rank per micro-batch, "
                     f"{i.seconds * 1e3:.2f} ms ({i.seconds / worst:.0%} of the slowest); receives {i.carried_in} tensor(s), "
                     f"{human_bytes(i.carried_bytes)}/rank per micro-batch")
     return "\n".join(rows)

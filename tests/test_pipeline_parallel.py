@@ -116,6 +116,7 @@ def test_check_pipeline_names_the_valid_choices():
     assert "whole number" in msgs(pp=0)
 
 
+@pytest.mark.slow
 def test_cut_stages_compute_what_the_graph_computes():
     """The captured Llama graph cut after its first block: stage 0 then stage 1 give the
     graph's own outputs; the rotary cos/sin, the mask and the hidden states cross the cut
@@ -148,6 +149,7 @@ def test_cut_stages_compute_what_the_graph_computes():
 
 # -------------------------------------------------------------------- ranks
 
+@pytest.mark.slow
 def test_pp2_is_the_dense_step_bit_for_bit():
     """tp = 1, two stages on two ranks, 1F1B: the losses and weights after two AdamW
     steps are the dense model's exactly (no tensor-parallel sum reorders the floats)."""
@@ -242,3 +244,24 @@ def test_checkpoint_saved_at_pp2_loads_dense_and_at_pp4(tmp_path):
     res = get_pool(4).run(_checkpoint_across_pp, str(tmp_path / "ckpt"))
     for diff_dense, fwd, fwd_loaded, step in res:
         assert diff_dense < 1e-4 and fwd < 1e-5 and fwd_loaded < 1e-5 and step < 1e-5, (diff_dense, fwd, fwd_loaded, step)
+
+
+@pytest.mark.slow
+def test_plan_with_pp_shows_the_stages_and_the_bubble():
+    """autoshard.plan(..., pp=2) without processes: two stages of two blocks, each block's
+    layout the 1d plan's on 2 ranks, the bubble priced; a bad schedule is refused by name."""
+    from transformers import LlamaConfig
+
+    import autoshard
+    from autoshard.ir.errors import ConfigError
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    pl = autoshard.plan(cfg, world_size=4, mode="1d", pp=2, batch_size=4, seq_len=16, micro_batches=4)
+    assert [s.blocks for s in pl.stages] == [("model.layers.0", "model.layers.1"), ("model.layers.2", "model.layers.3")]
+    assert pl.plan.mesh.world_size == 2 and pl.mesh.axes[0] == "pp"
+    assert pl.stages[1].carried_bytes >= 4 * 16 * 64 * 4          # at least the hidden states, fp32
+    assert 0 < pl.estimate.bubble < 1 and pl.estimate.p2p_bytes > 0
+    assert "bubble 20.0% with equal stages" in str(pl)
+    with pytest.raises(ConfigError, match="'gpipe', '1f1b'"):
+        autoshard.plan(cfg, world_size=4, mode="1d", pp=2, schedule="zb")
