@@ -604,15 +604,59 @@ class PipelinedModule(nn.Module):
             for name, b in buffers.items():
                 if name in self._state_keys and name not in mine:
                     mine[name] = b.detach().clone()
+        return self._collect({k: v.cpu() for k, v in mine.items()}, rank0_only)
+
+    def full_optimizer_state(self, optimizer, rank0_only: bool = True) -> dict:
+        """A per-tensor optimizer's state (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) as
+        dense tensors under the Hugging Face names, gathered stage by stage (collective);
+        :meth:`load_optimizer_state` takes it at any pp. Rank 0 gets it (every rank with
+        ``rank0_only=False``), the others ``{}``."""
+        mesh = self.mesh
+        for axes in sorted({_spec_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
+                           key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
+            self.group_name(axes)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        mine: dict = {}
+        lead = self.local_rank == 0
+        for q in self.plan.params:
+            p = params.get(q.name)
+            if p is None or p not in optimizer.state:
+                continue
+            entry = {}
+            for k, v in sorted(optimizer.state[p].items()):
+                if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) == tuple(p.shape):
+                    v = q.trim(_gather_block(self, v.detach(), q.spec, q.global_shape))
+                entry[k] = v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v
+            if lead:
+                mine[q.name] = entry
+        return self._collect(mine, rank0_only)
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        """Set ``optimizer``'s state for this rank's tensors from a dense one
+        (:meth:`full_optimizer_state`, saved at any pp; no collective): each tensor
+        sliced to this rank's block through the plan."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for q in self.plan.params:
+            p = params.get(q.name)
+            src = state.get(q.name) or next((state[a] for a in q.aliases if a in state), None)
+            if p is None or src is None:
+                continue
+            entry = {}
+            for k, v in src.items():
+                if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) == q.hf_shape:
+                    v = q.spec.local(q.pad(v), self.mesh, self.local_rank).clone()
+                entry[k] = v.to(self.device) if isinstance(v, torch.Tensor) and v.dim() else v
+            optimizer.state[p] = entry
+
+    def _collect(self, mine: dict, rank0_only: bool) -> dict:
+        """Every rank's ``mine`` merged on rank 0 (every rank with ``rank0_only=False``)."""
         gathered = [None] * dist.get_world_size() if (self.rank == 0 or not rank0_only) else None
         if rank0_only:
-            dist.gather_object({k: v.cpu() for k, v in mine.items()}, gathered, dst=0)
+            dist.gather_object(mine, gathered, dst=0)
         else:
-            dist.all_gather_object(gathered, {k: v.cpu() for k, v in mine.items()})
-        if gathered is None:
-            return {}
+            dist.all_gather_object(gathered, mine)
         out: dict = {}
-        for d in gathered:
+        for d in gathered or ():
             for k, v in (d or {}).items():
                 out.setdefault(k, v)
         return out

@@ -35,7 +35,7 @@ def _build(name: str, layers: int | None = None, seed: int = 0):
 
 
 def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps=3, n_mb=4, depth=None, clip=None,
-                    save=None, eps=1e-6, untie=False):
+                    save=None, eps=1e-6, untie=False, shard_kw=None):
     """Train the pipelined module and the dense model alike; returns per rank
     (pipelined losses, dense losses, max |state dict difference| on rank 0, stage info)."""
     import autoshard
@@ -45,7 +45,8 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
     dense = _build(name, layers)
     model = copy.deepcopy(dense)
     mbs = [batch(name, b=2, s=8, seed=10 + i) for i in range(n_mb)]
-    sharded = autoshard.shard(model, mode=mode, pp=pp, schedule=schedule, example_inputs=mbs[0], depth=depth)
+    sharded = autoshard.shard(model, mode=mode, pp=pp, schedule=schedule, example_inputs=mbs[0], depth=depth,
+                              **(shard_kw or {}))
     if untie:       # the check that the tied gradients' sum matters: leave it out
         sharded.sum_tied_grads = lambda: None
     # eps 1e-6: a gradient that is 0 in exact arithmetic (GPT-2's key bias) is rounding noise
@@ -203,8 +204,9 @@ def test_qwen2_2d_pp2_8_ranks():
 
 
 def _checkpoint_across_pp(rank, world, folder):
-    """Train at pp2 (tp2), save a Hugging Face folder; it loads in dense transformers and
-    at pp4 (tp1), where the forward and a further step match the dense model's."""
+    """Train at pp2 (tp2), save a Hugging Face folder and the AdamW state; the folder loads
+    in dense transformers and at pp4 (tp1), where the forward matches and, with the saved
+    optimizer state, two more steps give the dense run's losses."""
     import transformers
 
     import autoshard
@@ -220,6 +222,10 @@ def _checkpoint_across_pp(rank, world, folder):
         train_step(sharded, mbs, opt_s)
         train_step(dense, mbs, opt_d)
     sharded.save_pretrained(folder)
+    optim = sharded.full_optimizer_state(opt_s)
+    if rank == 0:
+        torch.save(optim, f"{folder}/optimizer.pt")
+    torch.distributed.barrier()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ref = dense.state_dict()
     got = loaded.state_dict()
@@ -233,10 +239,11 @@ def _checkpoint_across_pp(rank, world, folder):
     third = autoshard.shard(_build("llama", 4, seed=3), mode="1d", pp=2, example_inputs=mbs[0])
     third.load_state_dict(dense.state_dict())
     fwd_loaded = abs(float(third(**mbs[0]).loss) - float(want.loss))
+    # the resume at pp4 with the AdamW state saved at pp2 continues as the dense run does
     opt_a = torch.optim.AdamW(again.parameters(), lr=1e-3, eps=1e-6)
-    opt_r = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=1e-6)      # fresh state on both sides
-    step = abs(train_step(again, mbs, opt_a)[0] - train_step(dense, mbs, opt_r)[0])
-    return diff_dense, fwd, fwd_loaded, step
+    again.load_optimizer_state(opt_a, torch.load(f"{folder}/optimizer.pt"))
+    steps = [abs(train_step(again, mbs, opt_a)[0] - train_step(dense, mbs, opt_d)[0]) for _ in range(2)]
+    return diff_dense, fwd, fwd_loaded, max(steps)
 
 
 @pytest.mark.slow
@@ -265,3 +272,11 @@ def test_plan_with_pp_shows_the_stages_and_the_bubble():
     assert "bubble 20.0% with equal stages" in str(pl)
     with pytest.raises(ConfigError, match="'gpipe', '1f1b'"):
         autoshard.plan(cfg, world_size=4, mode="1d", pp=2, schedule="zb")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("shard_kw", [{"dp": 2}, {"sequence_parallel": True}], ids=["dp2", "1d-sp"])
+def test_llama_pp2_with_dp_or_sequence_parallel(shard_kw):
+    """pp2 composed with dp2 (tp1) and with 1d-sp (tp2) on 4 ranks."""
+    res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, "1f1b", shard_kw=shard_kw)
+    _check(res)
