@@ -583,11 +583,7 @@ class PipelinedModule(nn.Module):
     def full_state_dict(self, rank0_only: bool = True) -> dict:
         """The dense tensors under Hugging Face names, gathered stage by stage (collective).
         Rank 0 gets them all (every rank with ``rank0_only=False``), the others ``{}``."""
-        mesh = self.mesh
-        axes_sets = sorted({_spec_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
-                           key=lambda a: (len(a), [mesh.axes.index(x) for x in a]))
-        for axes in axes_sets:          # every rank makes every group, in one order
-            self.group_name(axes)
+        self._gather_groups()
         params = dict(self.named_parameters(remove_duplicate=False))
         buffers = dict(self.named_buffers(remove_duplicate=False))
         mine: dict = {}
@@ -611,10 +607,7 @@ class PipelinedModule(nn.Module):
         dense tensors under the Hugging Face names, gathered stage by stage (collective);
         :meth:`load_optimizer_state` takes it at any pp. Rank 0 gets it (every rank with
         ``rank0_only=False``), the others ``{}``."""
-        mesh = self.mesh
-        for axes in sorted({_spec_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
-                           key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
-            self.group_name(axes)
+        self._gather_groups()
         params = dict(self.named_parameters(remove_duplicate=False))
         mine: dict = {}
         lead = self.local_rank == 0
@@ -647,6 +640,14 @@ class PipelinedModule(nn.Module):
                     v = q.spec.local(q.pad(v), self.mesh, self.local_rank).clone()
                 entry[k] = v.to(self.device) if isinstance(v, torch.Tensor) and v.dim() else v
             optimizer.state[p] = entry
+
+    def _gather_groups(self) -> None:
+        """Make every group a tensor's gather runs over (every rank, every group, in one
+        order: later each rank gathers only its stages' tensors)."""
+        mesh = self.mesh
+        for axes in sorted({_spec_axes(q.spec, mesh) for q in self.plan.params if q.spec.axes},
+                           key=lambda a: (len(a), [mesh.axes.index(x) for x in a])):
+            self.group_name(axes)
 
     def _collect(self, mine: dict, rank0_only: bool) -> dict:
         """Every rank's ``mine`` merged on rank 0 (every rank with ``rank0_only=False``)."""

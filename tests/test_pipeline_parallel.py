@@ -280,3 +280,39 @@ def test_llama_pp2_with_dp_or_sequence_parallel(shard_kw):
     """pp2 composed with dp2 (tp1) and with 1d-sp (tp2) on 4 ranks."""
     res = get_pool(4).run(_train_vs_dense, "llama", "1d", 2, "1f1b", shard_kw=shard_kw)
     _check(res)
+
+
+def _refusals(rank, world):
+    """Bad pipeline arguments raise the same ConfigError on every rank before any
+    collective; generate() is refused by name."""
+    import autoshard
+    from autoshard.ir.errors import ConfigError
+
+    model = _build("llama")
+    b = batch("llama", b=2, s=8)
+    out = []
+    for kw in ({"pp": 2, "schedule": "zb"}, {"pp": 3}, {"pp": 2, "mode": "auto"}, {"pp": 2, "fsdp": True, "dp": 2}):
+        try:
+            autoshard.shard(model, **{"mode": "1d", **kw}, example_inputs=b)
+            out.append(None)
+        except ConfigError as e:
+            out.append(str(e))
+    sharded = autoshard.shard(model, mode="1d", pp=2, example_inputs=b)
+    try:
+        sharded.generate(b["input_ids"], max_new_tokens=2)
+        out.append(None)
+    except ConfigError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.slow
+def test_bad_pipeline_arguments_are_refused_on_every_rank():
+    res = get_pool(2).run(_refusals)
+    assert res[0] == res[1]
+    zb, three, auto, fsdp, gen = res[0]
+    assert "'gpipe', '1f1b', 'interleaved', 'zbv'" in zb
+    assert "pp=3 does not divide the 2 ranks" in three
+    assert "mode='auto'" in auto
+    assert "fsdp=True is not built with pp > 1" in fsdp
+    assert gen is not None and "generate() on a module sharded with pp=2" in gen

@@ -105,7 +105,6 @@ def pipeline_train_step(module, micro_batches: list[dict], optimizer, scheduler=
     target = torch.zeros(n, device=module.device)
     ctx = torch.autocast(module.device.type, dtype=dtype) if dtype not in (None, torch.float32) \
         else contextlib.nullcontext()
-    module.train()
     with ctx:
         sched.step(*args, target=target, losses=losses, return_outputs=False, **full)
     for _, p in _unique(module):            # each micro-batch's loss counts 1/n, as the dense accumulation
