@@ -203,9 +203,10 @@ class PipelinePlan:
     micro_batches: int
     stages: tuple               # StageInfo per stage
     estimate: object            # autoshard.planning.pipeline_cost.PipelineEstimate
+    cluster: object = "dgx-a100"  # what the stages and the step are priced on
 
     def __str__(self) -> str:
-        return describe_stages(self.stages, self.schedule, self.mesh, self.micro_batches)
+        return describe_stages(self.stages, self.schedule, self.mesh, self.micro_batches, self.cluster)
 
 
 def plan_pipeline(model_or_config, *, world_size: int, mode: str, pp: int, schedule: str | None = None,
@@ -250,7 +251,7 @@ def plan_pipeline(model_or_config, *, world_size: int, mode: str, pp: int, sched
     infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
     m = micro_batches or pp
     return PipelinePlan(plan=p, mesh=mesh, schedule=schedule, micro_batches=m, stages=infos,
-                        estimate=estimate_stages(infos, schedule, mesh, m, cluster))
+                        estimate=estimate_stages(infos, schedule, mesh, m, cluster), cluster=cluster)
 
 
 def _block_of(module: str, keys: list[str]) -> str | None:
