@@ -415,6 +415,10 @@ class PipelinedModule(nn.Module):
         self.tie_groups = self._tie_groups(stages)       # [(parameter, group)]: summed over pipeline ranks
         self.schedule_cache: dict = {}        # (micro-batches, shapes) -> the schedule (autoshard.training.pipeline)
         self.to(device)
+        from .runtime.device import retarget
+
+        for r in self._runners.values():       # the graphs' device literals and constants follow the slices
+            retarget(r.stage_gm, device)
 
     def train(self, mode: bool = True):
         """Train or eval mode for every stage this rank runs (dropout follows it)."""
