@@ -448,6 +448,11 @@ class PipelinedModule(nn.Module):
         return self._device
 
     @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 holds the parameters: never under pp (not built yet)."""
+        return False
+
+    @property
     def stage_indices(self) -> tuple[int, ...]:
         """The stages this rank runs, in order."""
         return tuple(sorted(self._runners))
