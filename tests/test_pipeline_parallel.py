@@ -61,13 +61,16 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
     opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=eps)
     opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=eps)
     ls, ld, ns, nd = [], [], [], []
-    for _ in range(steps):
+    grad_diff = None
+    for i in range(steps):
         loss, norm = train_step(sharded, mine, opt_s, clip=clip)
         ls.append(loss)
         ns.append(norm)
         loss, norm = train_step(dense, mbs, opt_d, clip=clip)
         ld.append(loss)
         nd.append(norm)
+        if i == 0:
+            grad_diff = _local_grad_diff(sharded, dense)
     full = sharded.full_state_dict()
     diff = worst = None
     if rank == 0:
@@ -84,12 +87,26 @@ def _train_vs_dense(rank, world, name, mode, pp, schedule, *, layers=None, steps
         dense_out = dense(**mbs[0])
     rows = local_rows_for(dp, index, {"logits": dense_out.logits})["logits"]
     fwd = float((out.logits - rows).abs().max()), abs(float(out.loss) - float(dense_out.loss))
-    return dict(ls=ls, ld=ld, ns=ns, nd=nd, diff=diff, fwd=fwd, stages=sharded.stage_indices, tied=sharded.tied,
+    return dict(ls=ls, ld=ld, ns=ns, nd=nd, diff=diff, fwd=fwd, grad_diff=grad_diff, stages=sharded.stage_indices, tied=sharded.tied,
                 table=sharded.describe_stages(n_mb), worst=worst)
+
+
+def _local_grad_diff(sharded, dense) -> float:
+    """The largest difference between this rank's local gradients (after the step's sums:
+    tensor-parallel, dp, tied) and its block of the dense model's."""
+    plans = {n: q for q in sharded.plan.params for n in (q.name, *q.aliases)}
+    ref = dict(dense.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in sharded.named_parameters(remove_duplicate=False):
+        q = plans[name]
+        want = q.spec.local(q.pad(ref[name].grad), sharded.mesh, sharded.local_rank)
+        worst = max(worst, float((p.grad - want).abs().max()))
+    return worst
 
 
 def _check(results, tol_loss=1e-5, tol_state=1e-4):
     for r in results:
+        assert r["grad_diff"] < 1e-5, r["grad_diff"]
         assert max(abs(a - b) for a, b in zip(r["ls"], r["ld"])) < tol_loss, (r["ls"], r["ld"])
         assert r["fwd"][0] < 1e-4 and r["fwd"][1] < 1e-5, r["fwd"]
         assert all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4 * max(1.0, b))
