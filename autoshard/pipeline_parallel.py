@@ -91,9 +91,10 @@ def _layers(config) -> int | None:
 
 
 def check_pipeline(*, pp, schedule, world: int, mode: str, config=None, fsdp: bool = False,
-                   activation_checkpointing: bool = False, weights=None, compiled: bool = False) -> list[Problem]:
+                   activation_checkpointing: bool = False, weights=None, auto: bool = False) -> list[Problem]:
     """Every problem of a pipeline-parallel request, found without a collective (the same
-    list on every rank)."""
+    list on every rank). ``auto``: ``mode="auto"`` is accepted (:func:`shard_pipelined`
+    searches each stage's layout; planning without processes does not)."""
     out: list[Problem] = []
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         return [Problem("pp", f"pp={pp!r}: the number of pipeline stages, a whole number >= 1")]
@@ -102,8 +103,8 @@ def check_pipeline(*, pp, schedule, world: int, mode: str, config=None, fsdp: bo
                                        f"{', '.join(repr(s) for s in SCHEDULES)}"))
     if world % pp:
         out.append(Problem("pp", f"pp={pp} does not divide the {world} ranks: world = pp × dp × cp × tp"))
-    if mode == "auto":
-        out.append(Problem("mode", "mode='auto' does not search pipeline layouts yet; with pp > 1 name the mode: "
+    if mode == "auto" and not auto:
+        out.append(Problem("mode", "mode='auto' with pp > 1 is searched by shard() only; here name the mode: "
                                    "'1d', '1d-sp', '2d', '2.5d' or '3d'"))
     for flag, name in ((fsdp, "fsdp=True"), (activation_checkpointing, "activation_checkpointing=True"),
                        (weights is not None, "weights= (or a folder path)")):
@@ -142,26 +143,38 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     config = getattr(model, "config", None)
     world = int(os.environ.get("WORLD_SIZE", "0") or 0) if not dist.is_initialized() else dist.get_world_size()
     raise_problems(check_pipeline(pp=pp, schedule=schedule, world=world or pp, mode=mode, config=config, fsdp=fsdp,
-                                  activation_checkpointing=activation_checkpointing, weights=weights),
+                                  activation_checkpointing=activation_checkpointing, weights=weights, auto=True),
                    f"autoshard.shard(mode={mode!r}, pp={pp}, schedule={schedule!r})")
     if ensure_dist is not None:
         ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
     W = world // pp
-    problems = check_pipeline(pp=pp, schedule=schedule, world=world, mode=mode, config=config)
-    try:
-        pol = make_policy(mode, W, depth, dp, cp, cp_attention, cp_order)
-    except ConfigError as e:
-        problems.append(Problem("mesh", f"each of the {pp} stages has {W} ranks: {e}"))
-        pol = None
+    problems = check_pipeline(pp=pp, schedule=schedule, world=world, mode=mode, config=config, auto=True)
+    pol = None
+    if mode != "auto":
+        try:
+            pol = make_policy(mode, W, depth, dp, cp, cp_attention, cp_order)
+        except ConfigError as e:
+            problems.append(Problem("mesh", f"each of the {pp} stages has {W} ranks: {e}"))
     problems += check_model(model) + check_example_inputs(example_inputs, config=config)
     if pol is not None:
         problems += check_dims(config, pol)
+    if cp > 1 and cp_attention == "auto":
+        problems.append(Problem("cp_attention", "cp_attention='auto' is not built with pp > 1 yet; valid: 'ring' "
+                                                "or 'gather'"))
     raise_problems(problems, f"autoshard.shard(mode={mode!r}, pp={pp}) on {world} ranks")
-    if pol.cp > 1 and pol.cp_attention == "auto":
-        raise ConfigError("cp_attention='auto' is not built with pp > 1 yet; valid: 'ring' or 'gather'")
     device = torch.device(device) if device is not None else rank_device()
-    cap = prepare(captured or capture_shared(model, example_inputs=example_inputs), pol)
+    cap = captured or capture_shared(model, example_inputs=example_inputs)
+    if pol is None:         # mode="auto": the layout of each stage's W ranks, searched alike on every rank
+        from .planning.cost import Cluster, default_cluster
+        from .planning.search import search
+
+        ex = cap.example_inputs
+        pol = search(cap, world_size=W, batch_size=batch_of(ex) * dp, seq_len=seq_of(ex) or 1, depth=depth, dp=dp,
+                     cp=cp, cp_attention=cp_attention, cp_order=cp_order,
+                     cluster=Cluster.preset(cluster) if cluster is not None else default_cluster()
+                     ).best.candidate.policy()
+    cap = prepare(cap, pol)
     ex = cap.example_inputs
     b, s = batch_of(ex), seq_of(ex) or 1
     split = pol.batch_split()[0]

@@ -99,8 +99,6 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.pp < 1:
         p.error(f"--pp must be >= 1, got {args.pp}")
     if args.pp > 1:
-        if args.mode == "auto":
-            p.error("--pp needs a named --mode (1d, 1d-sp, 2d, 2.5d or 3d): auto does not search pipeline layouts")
         off = [f for f, on in (("--lora", args.lora), ("--fsdp", args.fsdp), ("--zero", args.zero),
                                ("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir),
                                ("--activation-checkpointing", args.activation_checkpointing)) if on]

@@ -127,7 +127,7 @@ def test_check_pipeline_names_the_valid_choices():
     assert msgs() == ""
     assert "'gpipe', '1f1b', 'interleaved', 'zbv'" in msgs(schedule="zb")
     assert "does not divide the 6 ranks" in msgs(world=6, pp=4)
-    assert "mode='auto'" in msgs(mode="auto")
+    assert "mode='auto'" in msgs(mode="auto") and msgs(mode="auto", auto=True) == ""
     assert "pp <= 1" in msgs(schedule="interleaved", config=type("C", (), {"num_hidden_layers": 3})())
     assert "whole number" in msgs(pp=0)
 
@@ -276,7 +276,8 @@ def _refusals(rank, world):
     model = _build("llama")
     b = batch("llama", b=2, s=8)
     out = []
-    for kw in ({"pp": 2, "schedule": "zb"}, {"pp": 3}, {"pp": 2, "mode": "auto"}, {"pp": 2, "fsdp": True, "dp": 2}):
+    for kw in ({"pp": 2, "schedule": "zb"}, {"pp": 3}, {"pp": 2, "cp": 2, "cp_attention": "auto"},
+               {"pp": 2, "fsdp": True, "dp": 2}):
         try:
             autoshard.shard(model, **{"mode": "1d", **kw}, example_inputs=b)
             out.append(None)
@@ -298,6 +299,14 @@ def test_bad_pipeline_arguments_are_refused_on_every_rank():
     zb, three, auto, fsdp, gen = res[0]
     assert "'gpipe', '1f1b', 'interleaved', 'zbv'" in zb
     assert "pp=3 does not divide the 2 ranks" in three
-    assert "mode='auto'" in auto
+    assert "cp_attention='auto' is not built with pp > 1" in auto
     assert "fsdp=True is not built with pp > 1" in fsdp
     assert gen is not None and "generate() on a module sharded with pp=2" in gen
+
+
+@pytest.mark.extended
+def test_llama_pp2_mode_auto_searches_each_stage_layout():
+    """mode='auto' with pp2 on 4 ranks: the layout of each stage's 2 ranks is searched (the
+    same on every rank) and the run matches dense."""
+    res = get_pool(4).run(_train_vs_dense, "llama", "auto", 2, "1f1b", steps=2)
+    _check(res)
