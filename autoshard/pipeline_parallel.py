@@ -197,7 +197,7 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     if len(keys) < len(owners):
         raise ConfigError(f"pp={pp} with schedule={schedule!r} needs {len(owners)} stages of whole transformer "
                           f"blocks; the graph has {len(keys)} blocks ({', '.join(keys[:4])}): use a smaller pp")
-    starts = balance(costs, len(owners), head, tail)
+    starts = balance(costs, len(owners), head, tail, **_block_memory(p, keys, pp, cluster))
     stages = cut(gm, [keys[i] for i in starts[1:]])
     infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
     return PipelinedModule(stages, infos, p, mesh=mesh, rank=rank, groups=groups, schedule=schedule,
@@ -260,7 +260,7 @@ def plan_pipeline(model_or_config, *, world_size: int, mode: str, pp: int, sched
     if len(keys) < len(owners):
         raise ConfigError(f"pp={pp} with schedule={schedule!r} needs {len(owners)} stages of whole transformer "
                           f"blocks; the graph has {len(keys)}: use a smaller pp")
-    starts = balance(costs, len(owners), head, tail)
+    starts = balance(costs, len(owners), head, tail, **_block_memory(p, keys, pp, cluster))
     stages = cut(cap.module, [keys[i] for i in starts[1:]])
     infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
     m = micro_batches or pp
@@ -273,6 +273,55 @@ def _block_of(module: str, keys: list[str]) -> str | None:
         if module == k or module.startswith(k + "."):
             return k
     return None
+
+
+def _block_memory(p: ShardingPlan, keys: list[str], in_flight: int, cluster=None) -> dict:
+    """What :func:`~autoshard.passes.stages.balance` bounds each stage's memory with: per
+    block (and before the first, after the last) the bytes one rank holds, its parameters
+    with their gradients and AdamW's two moments (the trainable ones) plus the tensors its
+    nodes save for backward times the micro-batches in flight (``pp``, as in 1F1B's warm-up),
+    against the cluster's memory per rank."""
+    from .planning.cost import Cluster, default_cluster
+
+    cl = Cluster.preset(cluster) if cluster is not None else default_cluster()
+    per = {k: 0.0 for k in keys}
+    ends = [0.0, 0.0]           # before the first block, after the last
+    seen_block = False
+    for n in p.nodes:
+        k = _block_of(n.module, keys) if n.module else None
+        seen_block = seen_block or k is not None
+        saved = in_flight * sum(t.nbytes for t in (n.saved or ()))
+        if k is not None:
+            per[k] += saved
+        else:
+            ends[seen_block] += saved
+    head_names, tail_names = _ends_params(p, keys)
+    for q in p.params:
+        nbytes = math.prod(q.local_shape(p.mesh)) * q.dtype_bytes * (4 if q.trainable else 1)
+        k = _block_of(q.name.rpartition(".")[0], keys)
+        if k is not None:
+            per[k] += nbytes
+        else:       # the embedding before the blocks, the head and the final norm after (a tied one on both)
+            if q.name in head_names or q.name not in tail_names:
+                ends[0] += nbytes
+            if q.name in tail_names:
+                ends[1] += nbytes
+    return dict(memory=[per[k] for k in keys], mem_head=ends[0], mem_tail=ends[1], limit=float(cl.memory_bytes))
+
+
+def _ends_params(p: ShardingPlan, keys: list[str]) -> tuple[set, set]:
+    """The parameters outside the blocks read before the first block (head) and after the
+    last (tail), from the plan rows' modules (a tied one is in both)."""
+    head, tail = set(), set()
+    seen_block = False
+    for n in p.nodes:
+        if n.module and _block_of(n.module, keys) is not None:
+            seen_block = True
+            continue
+        for q in p.params:
+            if n.module and q.name.rpartition(".")[0] == n.module:
+                (tail if seen_block else head).add(q.name)
+    return head, tail
 
 
 def _block_costs(p: ShardingPlan, keys: list[str], cluster=None) -> tuple[list[float], float, float]:

@@ -70,15 +70,21 @@ def blocks_in_order(graph: fx.Graph, min_nodes: int = 4) -> list[str]:
     return [k for k, n in seen.items() if n >= min_nodes]
 
 
-def balance(costs: list[float], stages: int, head: float = 0.0, tail: float = 0.0) -> tuple[int, ...]:
+def balance(costs: list[float], stages: int, head: float = 0.0, tail: float = 0.0, *,
+            memory: list[float] | None = None, mem_head: float = 0.0, mem_tail: float = 0.0,
+            limit: float | None = None) -> tuple[int, ...]:
     """Cut ``len(costs)`` consecutive blocks into ``stages`` non-empty runs whose largest
     cost (``head`` added to the first run, ``tail`` to the last) is the least possible;
-    returns the index of the first block of each run (the first is 0).
+    returns the index of the first block of each run (the first is 0). With ``memory``
+    (bytes per block, ``mem_head`` / ``mem_tail`` on the first / last run) and ``limit``,
+    only cuts whose every run fits in ``limit`` are taken (:class:`ConfigError` if none).
 
         >>> balance([1, 1, 1, 1], 2)
         (0, 2)
         >>> balance([1, 1, 1, 1], 2, head=2.5)      # the embedding's cost weighs on stage 0
         (0, 1)
+        >>> balance([1, 1, 1, 1], 2, head=2.5, memory=[1, 1, 1, 1], limit=2)   # time yields to memory
+        (0, 2)
     """
     n = len(costs)
     if stages < 1 or stages > n:
@@ -88,7 +94,13 @@ def balance(costs: list[float], stages: int, head: float = 0.0, tail: float = 0.
     for c in costs:
         pre.append(pre[-1] + float(c))
 
+    mem = [0.0]
+    for m in memory or [0.0] * n:
+        mem.append(mem[-1] + float(m))
+
     def run(i: int, j: int) -> float:       # blocks i..j-1 as one stage
+        if limit is not None and mem[j] - mem[i] + (mem_head if i == 0 else 0.0) + (mem_tail if j == n else 0.0) > limit:
+            return float("inf")
         return pre[j] - pre[i] + (head if i == 0 else 0.0) + (tail if j == n else 0.0)
 
     # best[k][j]: the least largest cost of blocks 0..j-1 in k runs; ties go to the earliest cut
@@ -102,6 +114,10 @@ def balance(costs: list[float], stages: int, head: float = 0.0, tail: float = 0.
                 v = max(best[k - 1][i], run(i, j))
                 if v < best[k][j] - 1e-12 * max(1.0, abs(v)):
                     best[k][j], arg[k][j] = v, i
+    if best[stages][n] == float("inf"):
+        raise ConfigError(f"no cut of {n} blocks into {stages} pipeline stages fits {limit / 2**30:.2f} GiB per rank "
+                          f"(parameters, gradients, optimizer state and the activations in flight): use more stages, "
+                          f"more tensor-parallel ranks per stage, or a smaller micro-batch")
     starts, j = [], n
     for k in range(stages, 0, -1):
         i = arg[k][j]

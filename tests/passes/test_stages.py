@@ -18,6 +18,12 @@ def test_balance_keeps_blocks_whole_and_weighs_the_ends():
     assert balance([1] * 6, 3) == (0, 2, 4)
     assert balance([1] * 6, 3, tail=2) == (0, 2, 5)       # the head and the loss weigh on the last stage
     assert balance([4, 1, 1, 1, 1], 2) == (0, 1)
+    # memory bounds every stage: the time-best cut (0, 1) would put 3 blocks' bytes on stage 1
+    assert balance([1, 1, 1, 1], 2, head=2.5, memory=[1, 1, 1, 1], limit=2) == (0, 2)
+    from autoshard.ir.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no cut of 4 blocks into 2 pipeline stages fits"):
+        balance([1, 1, 1, 1], 2, memory=[1, 1, 1, 1], mem_tail=1, limit=2)
 
 
 @pytest.mark.slow
