@@ -124,7 +124,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
           activation_checkpointing: bool = False, dropout: str = "sharded", seed: int | None = None,
           sequence_parallel: bool = False, device: "torch.device | str | None" = None,
           fsdp: bool = False, cp: int = 1, cp_attention: str = "ring", cp_order: str = "balanced",
-          ep: int = 1) -> ShardedModule:
+          ep: int = 1, pp: int = 1, schedule: str | None = None) -> ShardedModule:
     """Shard ``model`` over the ranks of the default process group.
 
     Every rank calls it with the same model (same weights); each keeps its slices.
@@ -203,6 +203,14 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     experts' gradients are summed by that exchange instead of a dp all-reduce
     (docs/design.md, "Expert parallelism").
 
+    ``pp=P`` (pipeline parallelism, outermost: world = pp × dp × cp × the mode's mesh) cuts
+    the graph between transformer blocks into ``P`` stages (``2·P`` for the ``"interleaved"``
+    and ``"zbv"`` schedules), each the mode's sharded graph for its layers, run by
+    ``torch.distributed.pipelining`` with ``schedule`` (``"1f1b"`` default, ``"gpipe"``,
+    ``"interleaved"``, ``"zbv"``); returns a
+    :class:`~autoshard.pipeline_parallel.PipelinedModule`, trained with
+    :func:`autoshard.training.train.train_step` (docs/design.md, "Pipeline parallelism").
+
     Example (under ``torchrun --nproc-per-node 2``)::
 
         sharded = autoshard.shard(model, mode="1d")
@@ -210,6 +218,20 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
         out.loss.backward()
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.shard")
+    if pp != 1 or schedule is not None:     # pipeline stages: autoshard.pipeline_parallel
+        from .pipeline_parallel import shard_pipelined
+
+        if ep != 1:
+            raise ConfigError(f"ep={ep} with pp={pp}: expert parallelism does not compose with pipeline stages yet; "
+                              f"choose ep=1 with pp>1, or pp=1 with ep>1")
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        return shard_pipelined(model, mode=mode, pp=pp, schedule=schedule, depth=depth, dp=dp,
+                               example_inputs=example_inputs, gather_logits=gather_logits, dropout=dropout,
+                               device=device, cp=cp, cp_attention=cp_attention, cp_order=cp_order, cluster=cluster,
+                               ensure_dist=_ensure_dist, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
+                               weights=weights, captured=captured)
     if fsdp and dp < 2:
         raise ConfigError(f"fsdp=True shards the parameters over the data-parallel replicas: it needs dp >= 2, "
                           f"got dp={dp}")
@@ -470,7 +492,8 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,
          max_len: int | None = None, cp: int = 1, cp_attention: str = "ring",
-         cp_order: str = "balanced", ep: int = 1) -> ShardingPlan:
+         cp_order: str = "balanced", ep: int = 1, pp: int = 1, schedule: str | None = None,
+         micro_batches: int | None = None) -> ShardingPlan:
     """Plan without processes or weights (the model is built on the meta device).
 
     Example:
@@ -480,6 +503,11 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         >>> p = plan(cfg, world_size=4, mode="2d", batch_size=4, seq_len=16)
         >>> p.mesh.axes, p.param("lm_head.weight").spec
         (('row', 'col'), [S(col), S(row)])
+
+    ``pp=P`` plans pipeline stages (see :func:`shard`) and returns a
+    :class:`~autoshard.pipeline_parallel.PipelinePlan` instead: the mode's plan of one
+    stage's ranks, the stages (blocks, bytes, time) and the priced bubble of
+    ``micro_batches`` per step (default ``pp``) of ``batch_size`` rows each.
 
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
@@ -498,6 +526,16 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     (:func:`autoshard.planning.cost.forward_latency` predicts the per-token time).
     """
     mode = _sp_mode(mode, sequence_parallel, "autoshard.ir.plan")
+    if pp != 1 or schedule is not None:     # pipeline stages: a PipelinePlan (autoshard.pipeline_parallel)
+        from .pipeline_parallel import plan_pipeline
+
+        if ep != 1:
+            raise ConfigError(f"ep={ep} with pp={pp}: expert parallelism does not compose with pipeline stages yet; "
+                              f"choose ep=1 with pp>1, or pp=1 with ep>1")
+
+        return plan_pipeline(model_or_config, world_size=world_size, mode=mode, pp=pp, schedule=schedule,
+                             depth=depth, dp=dp, batch_size=batch_size, seq_len=seq_len, micro_batches=micro_batches,
+                             cluster=cluster or "dgx-a100", example_inputs=example_inputs, dropout=dropout)
     if step is not None:
         from .io.builder import model_from as _model_from
         from .generate import LEN_QUANTUM, plan_step

@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--mode auto, the ranked candidates.",
                         epilog=_EPILOG_PLAN.format(known=known))
     _add_common(pp, mode_default="auto")
+    pp.add_argument("--pp", type=int, default=1, metavar="P",
+                    help="pipeline stages, outermost (world = pp·dp·cp·the mode's mesh): print the stages cut "
+                         "between transformer blocks (blocks, bytes, time) and the schedule's bubble")
+    pp.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zbv"),
+                    help="with --pp: torch's pipeline schedule (default 1f1b)")
+    pp.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                    help="with --pp: micro-batches per step of --batch-size rows each (default: pp)")
     pp.add_argument("--json", metavar="PATH", default=None,
                     help="also write the plan, summary, cost and (auto) candidates as JSON")
     pp.add_argument("--all-nodes", action="store_true",
@@ -459,6 +466,8 @@ def cmd_plan(args) -> int:
 
     console = _console(args.width)
     cluster = _cluster(args.cluster)
+    if getattr(args, "pp", 1) != 1 or getattr(args, "schedule", None):
+        return _plan_pipeline(args, cluster, console)
     try:
         plan, res = _plan_or_search(args, cluster)
     except AutoshardError as e:
@@ -494,6 +503,27 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         console.print(f"wrote {args.json}")
+    return 0
+
+
+def _plan_pipeline(args, cluster, console) -> int:
+    """``autoshard plan --pp P``: the stage table of
+    :func:`autoshard.pipeline_parallel.plan_pipeline` and the summary of one stage's plan."""
+    from .ir.errors import AutoshardError
+    from .pipeline_parallel import plan_pipeline
+    from .planning.cost import estimate
+
+    try:
+        pl = plan_pipeline(resolve_model(args.model), world_size=args.world_size, mode=args.mode, pp=args.pp,
+                           schedule=args.schedule, depth=args.depth, dp=args.dp or 1, batch_size=args.batch_size or 1,
+                           seq_len=args.seq_len, micro_batches=args.micro_batches, cluster=cluster)
+    except AutoshardError as e:
+        console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
+        return 1
+    if not args.no_table:
+        console.print(pl.plan.table(all_nodes=args.all_nodes))
+    print_summary(console, pl.plan, estimate(pl.plan, cluster), cluster)
+    console.print(str(pl), markup=False, highlight=False)
     return 0
 
 

@@ -77,6 +77,11 @@ def parse_args(argv=None):
     p.add_argument("--no-dropout", action="store_true",
                    help="set the model's dropout to 0 (by default it trains with its own dropout, masks "
                         "consistent across ranks; evaluation runs in eval mode without it)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (outermost: world = pp·dp·the mode's mesh); --accum micro-batches run "
+                        "through torch's schedule each step")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zbv"], default="1f1b",
+                   help="with --pp: torch's pipeline schedule")
     args = p.parse_args(argv)
     check_args(p, args)
     return args
@@ -91,6 +96,14 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("dp", "batch_size", "seq_len", "steps", "accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pp < 1:
+        p.error(f"--pp must be >= 1, got {args.pp}")
+    if args.pp > 1:
+        off = [f for f, on in (("--lora", args.lora), ("--fsdp", args.fsdp), ("--zero", args.zero),
+                               ("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir),
+                               ("--activation-checkpointing", args.activation_checkpointing)) if on]
+        if off:
+            p.error(f"--pp with {', '.join(off)} is not built yet; leave them out (--export writes the model)")
     if args.depth is not None and args.depth < 1:
         p.error(f"--depth must be >= 1, got {args.depth}")
     if args.batch_size % args.dp:
@@ -299,8 +312,12 @@ def main(argv=None):
         log(f"resumed from {src} at step {start}")
     else:
         # with --fsdp the blocks become FSDP units, checkpointed inside them (autoshard.runtime.fsdp)
+        pipeline = dict(pp=args.pp, schedule=args.schedule) if args.pp > 1 else {}
         sharded = autoshard.shard(model, mode=args.mode, depth=args.depth, dp=args.dp, example_inputs=example,
-                                  fsdp=args.fsdp, activation_checkpointing=args.fsdp and args.activation_checkpointing)
+                                  fsdp=args.fsdp, activation_checkpointing=args.fsdp and args.activation_checkpointing,
+                                  **pipeline)
+        if args.pp > 1:
+            log(sharded.describe_stages(args.accum))
         opt, sched = T.make_optimizer(sharded, lr=args.lr, steps=args.steps, warmup=args.warmup, zero=args.zero)
     if args.activation_checkpointing and not args.fsdp:
         from autoshard.passes.remat import checkpoint_blocks
@@ -343,7 +360,10 @@ def main(argv=None):
         sharded.save_pretrained(args.save_adapter)    # peft's adapter folder (collective; rank 0 writes)
         log(f"saved the LoRA adapter to {args.save_adapter} (PeftModel.from_pretrained(base, dir) loads it)")
     if args.export:
-        sharded.save_pretrained(args.export, merged=True)   # collective: every rank calls it, rank 0 writes
+        if args.pp > 1:
+            sharded.save_pretrained(args.export)    # the stages gathered (collective; rank 0 writes)
+        else:
+            sharded.save_pretrained(args.export, merged=True)   # collective: every rank calls it, rank 0 writes
         what = "the adapters merged into the base" if args.lora else "Hugging Face format"
         log(f"exported the fine-tuned model to {args.export} ({sharded.plan.model}, {what})")
     dist.destroy_process_group()

@@ -12,7 +12,7 @@ from . import collectives as C
 from .device import comm_device
 from .timeout import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups"]
+__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group"]
 
 
 def axes_label(axes) -> str:
@@ -75,13 +75,32 @@ def _register_alias(alias: str, pg) -> None:
 
 
 
-def plan_groups(plan, rank: int) -> dict[str, str]:
+def ranks_group(members: list[tuple[int, ...]], alias: str, rank: int) -> str | None:
+    """Create one process group per rank tuple of ``members`` (collectively: every rank
+    passes the same list) and register the one holding ``rank`` under ``alias`` (c10d
+    resolves it, as the mesh groups' aliases). Returns ``alias``, or None where ``rank``
+    is in none of them (pipeline parallelism's tied-tensor groups:
+    :mod:`autoshard.pipeline_parallel`)."""
+    mine = None
+    for ranks in members:
+        pg = dist.new_group(list(ranks), group_desc=alias, timeout=datetime.timedelta(seconds=timeout_seconds()))
+        if rank in ranks:
+            mine = pg
+    if mine is None:
+        return None
+    _register_alias(alias, mine)
+    return alias
+
+
+def plan_groups(plan, rank: int, mesh: Mesh | None = None) -> dict[str, str]:
     """Create (once per mesh and axes, collectively, in a rank-independent order)
     the process groups ``plan`` needs; return label -> the name of this rank's group,
-    its :func:`group_alias` (one string on every rank; c10d resolves it)."""
+    its :func:`group_alias` (one string on every rank; c10d resolves it). ``mesh``: the
+    mesh the groups are made on, when the plan's own is one block of it (pipeline
+    parallelism: the plan's mesh with ``pp`` outermost; ``rank`` is then the rank in it)."""
     labels = set()
-    mesh = plan.mesh
-    for a in mesh.axes:
+    mesh = mesh if mesh is not None else plan.mesh
+    for a in plan.mesh.axes:
         labels.add((a,))
     for n in plan.nodes:
         for _, steps in n.arg_steps:

@@ -249,7 +249,13 @@ def train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, 
                dtype: torch.dtype | None = None) -> tuple[float, float | None]:
     """One optimizer step over ``len(micro_batches)`` accumulated micro-batches
     (each loss / accum, backward per micro-batch). Returns (loss, grad norm before
-    clipping; None without ``clip``). Works on a ShardedModule or a dense model."""
+    clipping; None without ``clip``). Works on a ShardedModule or a dense model; a
+    pipeline-parallel module (``shard(..., pp=P)``) runs its schedule over the micro-batches
+    (:func:`autoshard.training.pipeline.pipeline_train_step`)."""
+    if getattr(module, "pipelined", False):
+        from .pipeline import pipeline_train_step
+
+        return pipeline_train_step(module, micro_batches, optimizer, scheduler, clip=clip, dtype=dtype)
     optimizer.zero_grad(set_to_none=True)
     accum = len(micro_batches)
     total = None

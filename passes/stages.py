@@ -1,0 +1,228 @@
+"""Pipeline stages cut from a rewritten graph, between transformer blocks.
+
+The model's blocks are found from the graph, as :mod:`autoshard.passes.remat` finds
+them: the nodes whose module stack passes through a numbered child (``model.layers.3``,
+``h.11``: any ``ModuleList`` entry), in graph order. :func:`balance` groups consecutive
+blocks into stages of about equal cost (the cost model's time per block, the
+embedding's cost on the first stage, the head's and the loss's on the last), keeping
+every block whole. :func:`cut` then splits the graph at the first node of each stage's
+first block: a node runs on the stage its position falls in (the graph's order is a
+topological one, so no node needs a later stage's value).
+
+What crosses a cut is explicit. A tensor computed on stage ``t`` and used on stage
+``s > t`` (the residual stream, rotary cos/sin, the attention mask, position ids)
+becomes an output of stages ``t .. s-1`` and an input of stages ``t+1 .. s`` (passed
+through the stages between). A value that is not a tensor (a symbolic size, a tuple)
+cannot travel point-to-point: the nodes that compute it are copied into the stage that
+uses it, with their own tensor operands carried. Parameters are read where they are used:
+a tensor read on two stages (tied embedding and head) is held by both, and its gradient
+is the sum of the two stages' (:mod:`autoshard.pipeline_parallel` sums them each step).
+
+Every stage takes the model's inputs by name (the batch's tensors go to each stage)
+and its carried tensors positionally, first; the last stage returns the graph's outputs.
+
+Example::
+
+    from autoshard.passes.stages import blocks_in_order, cut
+    keys = blocks_in_order(gm.graph)            # ["model.layers.0", "model.layers.1"]
+    stages = cut(gm, [keys[1]])                 # two stages: layers.0 | layers.1
+    stages[1].carried_in                        # e.g. ("embedding", "to_5", "to_6", ...)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoshard.ir.errors import ConfigError, ShardingError
+
+from .remat import block_key, block_segments
+
+__all__ = ["Stage", "blocks_in_order", "balance", "cut"]
+
+_MISSING = object()
+
+
+@dataclass
+class Stage:
+    """One pipeline stage's graph: ``gm(*inputs, *carried)`` with ``inputs`` the captured
+    graph's flat inputs (in its placeholder order) and ``carried`` the tensors the stage
+    before sent; returns the tensors for the next stage (``carried_out``), or the graph's
+    flat outputs on the last stage."""
+
+    index: int
+    gm: fx.GraphModule
+    blocks: tuple[str, ...]             # the block paths whose nodes run here
+    carried_in: tuple[str, ...]         # names (in the cut graph) of the tensors received, in order
+    carried_out: tuple[str, ...]        # names of the tensors sent on (empty on the last stage)
+    tensors: tuple[str, ...]            # the get_attr targets (parameters, buffers) the stage reads
+
+
+def blocks_in_order(graph: fx.Graph, min_nodes: int = 4) -> list[str]:
+    """The block paths of ``graph`` (numbered modules with at least ``min_nodes`` compute
+    nodes), in the order their first node runs."""
+    seen: dict[str, int] = {}
+    for key, nodes in block_segments(graph):
+        seen[key] = seen.get(key, 0) + len(nodes)
+    return [k for k, n in seen.items() if n >= min_nodes]
+
+
+def balance(costs: list[float], stages: int, head: float = 0.0, tail: float = 0.0, *,
+            memory: list[float] | None = None, mem_head: float = 0.0, mem_tail: float = 0.0,
+            limit: float | None = None) -> tuple[int, ...]:
+    """Cut ``len(costs)`` consecutive blocks into ``stages`` non-empty runs whose largest
+    cost (``head`` added to the first run, ``tail`` to the last) is the least possible;
+    returns the index of the first block of each run (the first is 0). With ``memory``
+    (bytes per block, ``mem_head`` / ``mem_tail`` on the first / last run) and ``limit``,
+    only cuts whose every run fits in ``limit`` are taken (:class:`ConfigError` if none).
+
+        >>> balance([1, 1, 1, 1], 2)
+        (0, 2)
+        >>> balance([1, 1, 1, 1], 2, head=2.5)      # the embedding's cost weighs on stage 0
+        (0, 1)
+        >>> balance([1, 1, 1, 1], 2, head=2.5, memory=[1, 1, 1, 1], limit=2)   # time yields to memory
+        (0, 2)
+    """
+    n = len(costs)
+    if stages < 1 or stages > n:
+        raise ConfigError(f"{stages} pipeline stages need at least {stages} transformer blocks; the model has {n}: "
+                          f"use pp (× interleaved stages per rank) <= {n}")
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + float(c))
+
+    mem = [0.0]
+    for m in memory or [0.0] * n:
+        mem.append(mem[-1] + float(m))
+
+    def run(i: int, j: int) -> float:       # blocks i..j-1 as one stage
+        if limit is not None and mem[j] - mem[i] + (mem_head if i == 0 else 0.0) + (mem_tail if j == n else 0.0) > limit:
+            return float("inf")
+        return pre[j] - pre[i] + (head if i == 0 else 0.0) + (tail if j == n else 0.0)
+
+    # best[k][j]: the least largest cost of blocks 0..j-1 in k runs; ties go to the earliest cut
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], run(i, j))
+                if v < best[k][j] - 1e-12 * max(1.0, abs(v)):
+                    best[k][j], arg[k][j] = v, i
+    if best[stages][n] == float("inf"):
+        raise ConfigError(f"no cut of {n} blocks into {stages} pipeline stages fits {limit / 2**30:.2f} GiB per rank "
+                          f"(parameters, gradients, optimizer state and the activations in flight): use more stages, "
+                          f"more tensor-parallel ranks per stage, or a smaller micro-batch")
+    starts, j = [], n
+    for k in range(stages, 0, -1):
+        i = arg[k][j]
+        starts.append(i)
+        j = i
+    return tuple(reversed(starts))
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    """Whether ``n``'s value is a tensor. Nodes the rewrite inserted (re-layout steps)
+    carry no value and are tensors; a symbolic size or a tuple is not."""
+    v = n.meta.get("val", _MISSING)
+    return v is _MISSING or isinstance(v, torch.Tensor)
+
+
+def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
+    """Split ``gm`` into ``len(openers) + 1`` stages, stage ``i + 1`` opening at the first
+    node of block ``openers[i]`` (see the module doc). ``gm`` is not changed; every stage
+    reads the very parameter and buffer tensors of ``gm``."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    cuts = []
+    for key in openers:
+        first = next((i for i, n in enumerate(nodes) if n.op == "call_function" and n.meta.get("nn_module_stack")
+                      and block_key(n) == key), None)
+        if first is None:
+            raise ShardingError(f"pipeline cut: block {key!r} has no node in the graph")
+        cuts.append(first)
+    if cuts != sorted(set(cuts)):
+        raise ShardingError(f"pipeline cut: the blocks {openers} do not open in graph order")
+    n_stages = len(cuts) + 1
+    last = n_stages - 1
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    out_node = next(n for n in nodes if n.op == "output")
+    compute = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    owner = {n: bisect.bisect_right(cuts, pos[n]) for n in compute}
+
+    # what each stage needs from earlier ones: tensors (carried) and the operands of the
+    # non-tensor values it recomputes
+    needs: list[set] = []
+    for s in range(n_stages):
+        need: set = set()
+        seen: set = set()
+
+        def visit(a, s=s, need=need, seen=seen):
+            if a.op in ("placeholder", "get_attr") or owner[a] == s:
+                return
+            if _is_tensor(a):
+                need.add(a)
+            elif a not in seen:
+                seen.add(a)
+                for b in a.all_input_nodes:
+                    visit(b)
+        for n in compute:
+            if owner[n] == s:
+                for b in n.all_input_nodes:
+                    visit(b)
+        if s == last:
+            for b in out_node.all_input_nodes:
+                visit(b)
+        needs.append(need)
+    carried = []        # carried[s]: the tensors stage s sends to s + 1
+    for s in range(last):
+        later = set().union(*needs[s + 1:])
+        carried.append(sorted((v for v in later if owner[v] <= s), key=pos.__getitem__))
+
+    stages = []
+    for s in range(n_stages):
+        g = fx.Graph()
+        env: dict = {}
+        for p in inputs:
+            env[p] = g.placeholder(p.name)
+            env[p].meta = dict(p.meta)
+        received = carried[s - 1] if s else []
+        for v in received:
+            env[v] = g.placeholder(f"carried_{v.name}")
+            env[v].meta = dict(v.meta)
+        attrs: list[str] = []
+
+        def get(a, s=s, g=g, env=env, attrs=attrs):
+            if a in env:
+                return env[a]
+            if a.op == "get_attr":
+                env[a] = g.get_attr(a.target)
+                env[a].meta = dict(a.meta)
+                attrs.append(a.target)
+            elif a.op != "placeholder" and owner[a] < s and not _is_tensor(a):
+                env[a] = g.node_copy(a, get)        # a symbolic size or tuple: computed again here
+            else:
+                raise ShardingError(f"pipeline cut: stage {s} reads {a.name} ({a.op}), computed on stage "
+                                    f"{owner.get(a)} and not carried", node=a)
+            return env[a]
+        for n in compute:
+            if owner[n] == s:
+                env[n] = g.node_copy(n, get)
+        if s == last:
+            g.output(fx.node.map_arg(out_node.args[0], get))
+        else:
+            g.output(tuple(get(v) for v in carried[s]))
+        g.lint()
+        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        blocks = tuple(dict.fromkeys(block_key(n) for n in compute if owner[n] == s and n.meta.get("nn_module_stack")
+                                     and block_key(n) is not None))
+        stages.append(Stage(index=s, gm=sgm, blocks=blocks, carried_in=tuple(v.name for v in received),
+                            carried_out=tuple(v.name for v in carried[s]) if s < last else (),
+                            tensors=tuple(attrs)))
+    return stages
