@@ -112,7 +112,7 @@ def check_same_rng(world: int, what: str, why: str, fix: str) -> None:
     from ..ir.errors import ConfigError
 
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = comm_device().type == "cuda"
     if on_gpu:
         h.update(torch.cuda.get_rng_state().numpy().tobytes())
     mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64, device=comm_device())
