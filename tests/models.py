@@ -242,8 +242,7 @@ def shared_capture(name: str, model, inputs: dict):
 def _drop_axis_from_grad_sync(sharded, axis: str) -> None:
     from autoshard.module import _sync_hook
 
-    for h in sharded._hooks:
-        h.remove()
+    sharded.clear_grad_sync()
     params = dict(sharded.named_parameters(remove_duplicate=False))
     for pp in sharded.plan.params:
         axes = tuple(a for a in pp.grad_sync if a != axis)

@@ -25,6 +25,7 @@ def _compare(rank, world, mode, dp, bucket_bytes):
     rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
     inputs = {k: v[rows] for k, v in full.items()}
     plain = autoshard.shard(copy.deepcopy(dense), mode=mode, dp=dp, example_inputs=inputs)
+    plain.set_grad_sync()          # one blocking all-reduce per parameter
     over = autoshard.shard(copy.deepcopy(dense), mode=mode, dp=dp, example_inputs=inputs)
     over.overlap_grad_sync(bucket_bytes=bucket_bytes)
     half = {k: v[:2] for k, v in inputs.items()}

@@ -584,7 +584,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
         notes.append(f"asynchronous TP: {chunked} row-parallel {what}"
                      + (f" and {gathers} sequence all-gather(s)" if gathers else "") + f" in {async_tp} chunks")
-    for c in plan.grad_sync_comms():
+    for c in plan.grad_sync_buckets():       # as a ShardedModule runs them: bucketed
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
     extra = _dp_grad_comms(plan)
