@@ -28,6 +28,25 @@ except ImportError:     # another torch: the graph as it is (dynamo recompiles a
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
 
+_CUDAGRAPHS_REFUSED = ("{what} captures CUDA graphs, which record each collective once and replay it outside "
+                       "c10d's and autoshard's accounting (and a communicator's error handling); valid choices: "
+                       "sharded.compile() or torch.compile(sharded) with mode='default' or "
+                       "'max-autotune-no-cudagraphs' and no 'triton.cudagraphs' option")
+
+
+def _cudagraphs_on(callback) -> bool:
+    """Whether the torch.compile running ``callback`` (dynamo's frame callback) was asked for
+    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"`` set inductor's
+    ``triton.cudagraphs``): the backend is found down the wrappers' ``_torchdynamo_orig_backend``."""
+    for _ in range(6):
+        if callback is None or callback is False:
+            return False
+        config = getattr(callback, "config", None)
+        if isinstance(config, dict) and config.get("triton.cudagraphs"):
+            return True
+        callback = getattr(callback, "_torchdynamo_orig_backend", None)
+    return False
+
 
 class ShardedModule(nn.Module):
     """One rank's part of a sharded model.
@@ -386,6 +405,8 @@ class ShardedModule(nn.Module):
         method and the input checks, graph lookup and padding it runs are outside the
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
+        if _cudagraphs_on(_eval_frame_callback()):      # torch.compile(sharded, mode="reduce-overhead")
+            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="torch.compile(sharded, mode='reduce-overhead')"))
         g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
             if self._dynamic_dims:
@@ -588,6 +609,8 @@ class ShardedModule(nn.Module):
             raise ConfigError(f"compile(mode={kwargs['mode']!r}) captures CUDA graphs, which replay the collectives "
                               f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
                               f"'max-autotune-no-cudagraphs'")
+        if (kwargs.get("options") or {}).get("triton.cudagraphs"):
+            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="compile(options={'triton.cudagraphs': True})"))
         self._dynamic_dims = kwargs.get("dynamic") is True
         self._compile_kw = {k: v for k, v in kwargs.items() if not (k == "dynamic" and v is True)}
         self._compile_backend = None if once_per_host is False else \

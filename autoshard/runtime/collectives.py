@@ -134,10 +134,19 @@ def _record(kind: str, group: str, buffer_bytes: int, x: torch.Tensor | None = N
     if not stack:
         return
     pg = c10d._resolve_process_group(group)
-    rec = CallRecord(kind, getattr(pg, "group_desc", group) or group, pg.size(), int(buffer_bytes),
+    rec = CallRecord(kind, _label(group, pg), pg.size(), int(buffer_bytes),
                      *(() if x is None else (str(x.dtype).removeprefix("torch."), x.device.type)))
     for led in stack:
         led.calls.append(rec)
+
+
+def _label(group: str, pg) -> str:
+    """The mesh axes a call's group is over: the label in an autoshard alias
+    (``"autoshard/dp2xtp2/tp"`` -> ``"tp"``; one group may serve several labels, and
+    the default group serves the axes that span every rank), else the group's description."""
+    if group.startswith("autoshard/"):
+        return group.split("/")[2]
+    return getattr(pg, "group_desc", group) or group
 
 
 def _pg(group: str):
@@ -193,6 +202,7 @@ def rank_in(group: str, like: torch.Tensor):
 def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     """:func:`all_reduce`'s body (the conjugate pairs call it from inside their own op)."""
     _record("all_reduce", group, x.numel() * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     ch = shm.channel(group, x)
     if ch is not None and ch.can_reduce(x.dtype):
         return ch.all_reduce(x, op)
@@ -235,6 +245,7 @@ def ring_shift_start(x: torch.Tensor, group: str, tag: int = 0):
     src = x.contiguous()
     out = torch.empty_like(src)
     _record("send_recv", group, src.numel() * src.element_size(), src)
+    shm.check_cpu_tensor(group, src)
     ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(pg, (r + 1) % p), pg, tag),
            dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (r - 1) % p), pg, tag)]
     works = dist.batch_isend_irecv(ops)
@@ -251,6 +262,7 @@ def all_reduce_async(x: torch.Tensor, group: str):
     and return its work handle (``.wait()``). Not a graph op: the bucketed gradient
     hooks of :mod:`autoshard.runtime.overlap` use it outside autograd."""
     _record("all_reduce", group, x.numel() * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
 
 
@@ -272,6 +284,7 @@ def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
     shape = list(x.shape)
     shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
     _record(kind, group, (math.prod(shape) if kind == "all_gather" else x.numel()) * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     ch = None if async_op else shm.channel(group, x)
     if ch is not None and (kind == "all_gather" or ch.can_reduce(x.dtype)):
         out = torch.empty(shape, dtype=x.dtype, device=x.device)

@@ -838,6 +838,10 @@ def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
     is not computed, and the next block travels while this one is (asynchronous send/recv)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    # under autocast in its compute dtype, as autocast runs scaled_dot_product_attention: the
+    # key/value blocks travel at half the bytes (rotary embeddings leave q and k in float32)
+    wire = _wire_dtype(q)
+    q, k, v = (_to_wire(t, wire) for t in (q, k, v))
     return _RingAttention.apply(q, k, v, mask, group, float(scale))
 
 

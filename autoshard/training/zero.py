@@ -58,7 +58,6 @@ class ZeroAdamW(torch.optim.AdamW):
     def __init__(self, sharded, *, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         from ..ir.errors import ConfigError
-        from ..runtime.groups import mesh_group
         from ..module import unique_params
 
         if stage not in (1, 2):
@@ -68,7 +67,9 @@ class ZeroAdamW(torch.optim.AdamW):
         mesh = sharded.mesh
         self.dp = mesh.dp
         self.index = sharded.coords["dp"] if self.dp > 1 else 0
-        self.group = mesh_group(mesh, ("dp",), sharded.rank).group_name if self.dp > 1 else None
+        # its alias (one name on every rank): the ledger labels the calls "dp" even where the
+        # dp ranks are every rank and the group is the default one
+        self.group = sharded.group_name(("dp",)) if self.dp > 1 else None
         self.entries = []           # (ParamPlan, local parameter, chunk length)
         chunks = []
         for pp, p in unique_params(sharded):
