@@ -191,7 +191,7 @@ def fake_rank(rank: int, world: int, backend: str = "fake", meta: bool = True):
         else:
             os.environ["AUTOSHARD_HEARTBEAT"] = heartbeat
         G._GROUPS.clear()
-        G._BY_RANKS.clear()
+        getattr(G, "_BY_RANKS", {}).clear()
         C._BALANCED.clear()
 
 
