@@ -98,11 +98,9 @@ def cpu_backend(pg) -> str | None:
     cached = _CPU_BACKENDS.get(pg.group_name)
     if cached is not None and cached[0] is pg:
         return cached[1]
-    config = dist.get_backend_config(pg).lower()
-    if ":" not in config:
-        be = None if config == "nccl" else config
-    else:
-        be = dict(p.split(":", 1) for p in config.split(",") if ":" in p).get("cpu")
+    from .device import device_backends
+
+    be = device_backends(dist.get_backend_config(pg)).get("cpu")
     _CPU_BACKENDS[pg.group_name] = (pg, be)
     return be
 
