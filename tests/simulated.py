@@ -43,10 +43,7 @@ class Call:
 
 
 def _desc(pg) -> str:
-    """A group's mesh axes: the label of the autoshard alias it is registered under (one
-    group may serve several labels: the first), else its description."""
-    from torch.distributed import distributed_c10d as c10d
-
+    """A group's description: the mesh axes it was made for (``"default_pg"``: WORLD)."""
     return getattr(pg, "group_desc", "") or ""
 
 

@@ -71,6 +71,7 @@ def _run(job, case, rank: int, meta: bool = True):
                                   seed=0, device="meta" if meta else "cpu")
         sharded.self_check = False
         calls.shard_calls = len(calls.ops)
+        calls.labels = tuple(sharded.groups)
         S.step(sharded, inputs, autocast=not meta, calls=calls)
     return calls
 
@@ -85,6 +86,7 @@ def _check_job(job, case, ranks):
         assert on_cpu == [], f"rank {r}: collectives on CPU tensors while the device is the GPU: {on_cpu[:3]}"
         # one communicator per set of ranks, none for WORLD's (a balanced cp group is its own: its name marks the order)
         dup = {g for g in calls.made if calls.made.count(g) > 1 and len(g) != case[3]}
+        assert len(calls.made) <= len(calls.labels), (r, calls.made, calls.labels)
         assert not dup, f"rank {r}: {sorted(dup)} made twice"
         assert tuple(range(world)) not in calls.made, f"rank {r}: a second communicator over every rank"
     return runs
