@@ -71,9 +71,11 @@ test-fast: venv
 test-extended: venv
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "extended or slow" tests
 
-# the CUDA + NCCL path, one rank per GPU (tests/gpu; every test skips where torch sees no GPU).
+# the CUDA + NCCL path, one rank per GPU (tests/gpu: every mode that divides the GPUs present,
+# dp, cp, ZeRO, FSDP2, compile, bf16). Fails, saying why, where torch sees no GPU.
 # Needs a CUDA build of torch 2.13 in the venv: make venv VENV_SYSTEM_TORCH=1
 test-gpu: venv
+	$(VPY) tests/gpu/preflight.py
 	AUTOSHARD_GPU_TESTS=1 $(VPY) -m pytest -q -p no:xdist tests/gpu
 
 bench: venv

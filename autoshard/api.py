@@ -27,7 +27,7 @@ from .io.builder import model_from
 from .runtime.heartbeat import stale_after
 from .runtime.heartbeat import start as start_heartbeat
 from .io.hf_fill import open_folder
-from .runtime.device import comm_device, init_process_group, rank_device
+from .runtime.device import bind_user_group, check_model_device, comm_device, init_process_group, rank_device
 from .runtime.groups import check_same_rng, plan_groups
 from .runtime.timeout import timeout_seconds
 from .planning.validate import (Problem, check_batch, check_dims, check_environment, check_example_inputs, check_group,
@@ -44,8 +44,10 @@ def _ensure_dist() -> None:
     seconds, default :data:`autoshard.runtime.timeout.DEFAULT_TIMEOUT_S`): a dead or stuck rank
     becomes an error on the others instead of a hang. A process group the caller made
     keeps its own timeout. Under NCCL each rank binds its own GPU, ``cuda:LOCAL_RANK``
-    (:func:`autoshard.runtime.device.init_process_group`)."""
+    (:func:`autoshard.runtime.device.init_process_group`); in a group the caller made,
+    :func:`~autoshard.runtime.device.bind_user_group` makes it current."""
     if dist.is_available() and dist.is_initialized():
+        bind_user_group()
         return
     raise_problems(check_environment(os.environ), "autoshard.shard")
     init_process_group(timeout_s=timeout_seconds())
@@ -255,6 +257,7 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device(device) if device is not None else rank_device()
+    check_model_device(model, device)
     check_dropout_mode(dropout)
     if seed is not None:
         torch.manual_seed(seed)

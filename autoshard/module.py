@@ -12,7 +12,7 @@ from torch import fx, nn
 from .runtime import collectives as C
 from .runtime import parallel_ops
 from .ir.errors import ConfigError
-from .ir.plan import ShardingPlan
+from .ir.plan import GRAD_BUCKET_BYTES, ShardingPlan
 from .launch.compile_share import HostShared
 from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
@@ -27,6 +27,25 @@ except ImportError:     # another torch: the graph as it is (dynamo recompiles a
         return None
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
+
+_CUDAGRAPHS_REFUSED = ("{what} captures CUDA graphs, which record each collective once and replay it outside "
+                       "c10d's and autoshard's accounting (and a communicator's error handling); valid choices: "
+                       "sharded.compile() or torch.compile(sharded) with mode='default' or "
+                       "'max-autotune-no-cudagraphs' and no 'triton.cudagraphs' option")
+
+
+def _cudagraphs_on(callback) -> bool:
+    """Whether the torch.compile running ``callback`` (dynamo's frame callback) was asked for
+    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"`` set inductor's
+    ``triton.cudagraphs``): the backend is found down the wrappers' ``_torchdynamo_orig_backend``."""
+    for _ in range(6):
+        if callback is None or callback is False:
+            return False
+        config = getattr(callback, "config", None)
+        if isinstance(config, dict) and config.get("triton.cudagraphs"):
+            return True
+        callback = getattr(callback, "_torchdynamo_orig_backend", None)
+    return False
 
 
 class ShardedModule(nn.Module):
@@ -115,7 +134,7 @@ class ShardedModule(nn.Module):
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
-        self.set_grad_sync()
+        self.overlap_grad_sync(GRAD_BUCKET_BYTES)   # bucketed by default (the plan's comms count buckets)
         track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (see track)
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:
@@ -135,7 +154,8 @@ class ShardedModule(nn.Module):
                 self.add_module(name, child)
 
     def set_grad_sync(self, exclude: tuple[str, ...] = ()) -> None:
-        """(Re-)register the gradient hooks that all-reduce each parameter's gradient
+        """(Re-)register the gradient hooks that all-reduce each parameter's gradient, one
+        blocking call per parameter (the default is bucketed: :meth:`overlap_grad_sync`),
         over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
         reduce-scatters the ``dp`` part itself: :mod:`autoshard.training.zero`). Collective when
         a new axes subset needs a process group (call on every rank)."""
@@ -160,7 +180,9 @@ class ShardedModule(nn.Module):
         """All-reduce the gradients in buckets of about ``bucket_bytes``, launched
         asynchronously during backward so they travel while autograd computes the next
         gradients (:mod:`autoshard.runtime.overlap`; DDP-style). Exact, and fewer calls than the
-        plan's per-parameter list (the ledger counts buckets). ``None``: back to one
+        plan's per-parameter list (the ledger counts buckets). The default, at
+        :data:`~autoshard.ir.plan.GRAD_BUCKET_BYTES` (25 MiB), which the plan's
+        :meth:`~autoshard.ir.plan.ShardingPlan.comms` counts. ``None``: back to one
         blocking all-reduce per parameter (:meth:`set_grad_sync`). Collective where a
         process group is new (call on every rank)."""
         if bucket_bytes is None:
@@ -383,6 +405,8 @@ class ShardedModule(nn.Module):
         method and the input checks, graph lookup and padding it runs are outside the
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
+        if _cudagraphs_on(_eval_frame_callback()):      # torch.compile(sharded, mode="reduce-overhead")
+            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="torch.compile(sharded, mode='reduce-overhead')"))
         g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
             if self._dynamic_dims:
@@ -585,6 +609,8 @@ class ShardedModule(nn.Module):
             raise ConfigError(f"compile(mode={kwargs['mode']!r}) captures CUDA graphs, which replay the collectives "
                               f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
                               f"'max-autotune-no-cudagraphs'")
+        if (kwargs.get("options") or {}).get("triton.cudagraphs"):
+            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="compile(options={'triton.cudagraphs': True})"))
         self._dynamic_dims = kwargs.get("dynamic") is True
         self._compile_kw = {k: v for k, v in kwargs.items() if not (k == "dynamic" and v is True)}
         self._compile_backend = None if once_per_host is False else \
@@ -736,6 +762,8 @@ class ShardedModule(nn.Module):
             # the range check reads the ids on the host: on an accelerator that is a sync per
             # call, so there it runs once per input signature (every call under debug)
             on_host = ids.device.type == "cpu" or self.debug
+            if ids.device.type == "meta":       # no values (a simulated run: tests/test_simulated_gpus.py)
+                voc = None
             sig = None if on_host else InputSignature.of(full).describe()      # keyed only off the host
             if voc and ids.numel() and not ids.dtype.is_floating_point and (on_host or sig not in self._ids_checked):
                 if sig is not None:

@@ -45,6 +45,19 @@ def slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) 
             setattr(gm.get_submodule(mod_path) if mod_path else gm, attr, local)
 
 
+def _gather_in_compute_dtype(graph: fx.Graph) -> None:
+    """Mark each gather step whose every reader is a product autocast runs in its compute
+    dtype (an ATen matmul / linear / conv, or a kernel that casts its operands itself):
+    under autocast the step casts first and gathers half the bytes, the readers seeing
+    the values they would have cast to (docs/design.md, "Mixed precision"). Without
+    autocast the mark does nothing."""
+    readers = parallel_ops.AUTOCAST_PRODUCTS | parallel_ops.casting_kernels()
+    for node in graph.nodes:
+        if node.target is parallel_ops.step and node.args[1] in ("gather", "gather_partial") and node.users \
+                and all(u.op == "call_function" and u.target in readers for u in node.users):
+            node.kwargs = {**node.kwargs, "wire": True}
+
+
 def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[str, str],
             copy_module: bool = True) -> fx.GraphModule:
     """Return this rank's module. ``groups`` maps an axes label (``"dep,row"``) to
@@ -103,6 +116,7 @@ def rewrite(gm: fx.GraphModule, plan: ShardingPlan, *, rank: int, groups: dict[s
         if target.op == "call_function" and np_.out_spec is not None:
             # the runtime self-check's promise: the value's global (capture) shape and its spec
             last.meta[selfcheck.META] = (np_.name, np_.out_spec, target.meta.get("val"))
+    _gather_in_compute_dtype(graph)
     # dtype checks baked in at capture would pin the captured dtype: a module run
     # under autocast (or fed another dtype) must not fail them
     for node in list(graph.nodes):

@@ -24,6 +24,11 @@ TINY = {
 for _name in ("gpt2", "llama", "bert"):
     _cls, _cfg, _kw = TINY[_name]
     TINY[f"{_name}-v131"] = (_cls, _cfg, {**_kw, "vocab_size": 131})
+# 8 heads (and 8 kv heads): every head split divides on 2, 4 and 8 GPUs (make test-gpu)
+TINY["gpt2-h8"] = (TINY["gpt2"][0], TINY["gpt2"][1], {**TINY["gpt2"][2], "n_head": 8})
+TINY["llama-h8"] = (TINY["llama"][0], TINY["llama"][1],
+                    {**TINY["llama"][2], "num_attention_heads": 8, "num_key_value_heads": 8})
+TINY["bert-h8"] = (TINY["bert"][0], TINY["bert"][1], {**TINY["bert"][2], "num_attention_heads": 8})
 TINY["gpt2-v130"] = (TINY["gpt2"][0], TINY["gpt2"][1], {**TINY["gpt2"][2], "vocab_size": 130})   # 2 divides, 4 not
 # q/k RMSNorms over the whole projection, all heads at once (a distributed norm in 1d)
 TINY["olmo2"] = ("Olmo2ForCausalLM", "Olmo2Config", {**TINY["llama"][2], "num_key_value_heads": 4})
@@ -257,8 +262,7 @@ def shared_capture(name: str, model, inputs: dict):
 def _drop_axis_from_grad_sync(sharded, axis: str) -> None:
     from autoshard.module import _sync_hook
 
-    for h in sharded._hooks:
-        h.remove()
+    sharded.clear_grad_sync()
     params = dict(sharded.named_parameters(remove_duplicate=False))
     for pp in sharded.plan.params:
         axes = tuple(a for a in pp.grad_sync if a != axis)

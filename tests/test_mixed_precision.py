@@ -101,3 +101,34 @@ def test_float64_stays_float64_through_a_split_layer_norm():
     at least, not in float32 always (it did: 1.2e-6 off, the float32 rounding)."""
     for rank, (dtype, err) in enumerate(get_pool(4).run(_float64, "2d")):
         assert dtype == "torch.float64" and err <= 1e-12, (rank, dtype, err)
+
+
+def _wire_bytes(rank: int, world: int, name: str, mode: str) -> dict:
+    import autoshard
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    model = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(model), mode=mode, example_inputs=inputs,
+                              captured=models.shared_capture(name, model, inputs))
+    out = {}
+    for how in ("fp32", "autocast"):
+        ctx = torch.autocast("cpu", torch.bfloat16) if how == "autocast" else contextlib.nullcontext()
+        with CommLedger() as led, torch.no_grad(), ctx:
+            sharded(**inputs)
+        out[how] = led.bytes_per_rank()
+        out[how + "_dtypes"] = sorted({c.dtype for c in led.calls if c.kind == "all_gather"})
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_2d_forward_under_autocast_moves_half_the_bytes(name):
+    """Under bf16 autocast SUMMA gathers its operands in bf16 (cast before gathering: the
+    product casts them anyway): a 2d forward on 4 ranks moves at most 0.55× the bytes of
+    the fp32 forward (the rest: the norms' float32 statistics and the float32 logits
+    gathered at the end). Measured 0.546 (GPT-2) and 0.549 (Llama); 0.97 and 0.98 when the
+    float32 activations and weights were gathered before the cast."""
+    for rank, r in enumerate(get_pool(4).run(_wire_bytes, name, "2d")):
+        assert r["autocast"] <= 0.55 * r["fp32"], (rank, r)
+        assert "bfloat16" in r["autocast_dtypes"] and r["fp32_dtypes"] == ["float32"], (rank, r)

@@ -25,6 +25,7 @@ def _compare(rank, world, mode, dp, bucket_bytes):
     rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
     inputs = {k: v[rows] for k, v in full.items()}
     plain = autoshard.shard(copy.deepcopy(dense), mode=mode, dp=dp, example_inputs=inputs)
+    plain.set_grad_sync()          # one blocking all-reduce per parameter
     over = autoshard.shard(copy.deepcopy(dense), mode=mode, dp=dp, example_inputs=inputs)
     over.overlap_grad_sync(bucket_bytes=bucket_bytes)
     half = {k: v[:2] for k, v in inputs.items()}
@@ -158,3 +159,35 @@ def test_async_tp_refuses_a_bad_chunk_count():
 
     with pytest.raises(ConfigError, match=r"async_tp\(chunks=0\): a whole number of row blocks >= 1"):
         ShardedModule.async_tp(object.__new__(ShardedModule), 0)
+
+
+def _default_calls(rank, world):
+    import autoshard
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    dense = models.build("llama")
+    inputs = models.batch("llama", b=4)
+    cap = models.shared_capture("llama", dense, inputs)
+    counts = {}
+    for how in ("default", "overlap", "per-parameter"):
+        m = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=2, example_inputs=inputs, captured=cap)
+        if how == "overlap":
+            m.overlap_grad_sync()
+        elif how == "per-parameter":
+            m.set_grad_sync()
+        with CommLedger() as led:
+            m(**inputs).loss.backward()
+        counts[how] = led.count()
+        if how == "default":
+            counts["plan"] = len(m.plan.comms())
+    return counts
+
+
+def test_a_default_training_step_syncs_gradients_in_buckets():
+    """The default gradient sync is bucketed: a 1d step (tp2 × dp2) makes no more calls than
+    after ``overlap_grad_sync()`` (1 MiB buckets), fewer than one all-reduce per parameter,
+    and as many as the plan counts."""
+    for rank, c in enumerate(get_pool(4, timeout=600).run(_default_calls)):
+        assert c["default"] <= c["overlap"] < c["per-parameter"], (rank, c)
+        assert c["default"] == c["plan"], (rank, c)

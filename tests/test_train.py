@@ -222,3 +222,35 @@ def test_torch_clip_grad_norm_with_fsdp2_over_dp():
         assert r["dtensor"] == "DTensor", r
         assert abs(r["theirs"] - r["ours"]) <= 1e-6 * r["ours"] and abs(r["ours"] - r["ref"]) <= 1e-5 * r["ref"], r
         assert r["grads"] <= 1e-7, r
+
+
+def test_train_step_reads_the_norm_after_the_optimizer_step(monkeypatch):
+    """The clipped norm is a device tensor until the step is launched: a host read
+    (``.item()``, ``float()``) before ``optimizer.step()`` would stall a GPU step."""
+    import types
+
+    from autoshard.training.train import train_step
+
+    log = []
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return types.SimpleNamespace(loss=(self.w * x).sum())
+
+    class Logged(torch.optim.SGD):
+        def step(self, closure=None):
+            log.append("step")
+            return super().step(closure)
+
+    m = Tiny()
+    opt = Logged(m.parameters(), lr=0.1)
+    real_item, real_float = torch.Tensor.item, torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: (log.append("read"), real_item(t))[1])
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: (log.append("read"), real_float(t))[1])
+    loss, norm = train_step(m, [{"x": torch.full((3,), 2.0)}], opt, clip=1.0)
+    assert loss == 6.0 and abs(norm - 12 ** 0.5) < 1e-6
+    assert log.index("step") < log.index("read"), log

@@ -57,7 +57,7 @@ def test_zero_equals_dense(case):
     gradient summed over dp before the lookup), 2d q2 x dp2 (ZeRO-2): losses within 1e-4 and
     norms within 1e-5 (relative) of the dense run; the AdamW state per rank is
     1/dp of a plain optimizer's over the same shards (within 2%); ZeRO-2 reduce-
-    scatters over dp instead of all-reducing."""
+    scatters over dp instead of all-reducing, in buckets."""
     name, mode, world, stage = case
     res = get_pool(world, timeout=900).run(_zero_run, name, 2, stage, mode, STEPS)
     ref_losses, ref_norms = _dense_reference(name)
@@ -73,7 +73,8 @@ def test_zero_equals_dense(case):
         ag = {k: n for k, n in r["calls"].items() if k.startswith("all_gather(dp")}
         assert sum(ag.values()) == 1, r["calls"]           # the parameters: one flat all-gather per step
         if stage == 2:      # the gradients: reduce-scattered; what all-reduces over dp is the loss's mean
-            assert sum(rs.values()) == r["n_synced"] * ACCUM, r["calls"]
+            # in buckets: one reduce-scatter per backward (the tiny model's gradients fit one bucket)
+            assert r["n_synced"] > 1 and sum(rs.values()) == ACCUM, r["calls"]
             ar = sum(n for k, n in r["calls"].items() if k.startswith("all_reduce(dp"))
             assert ar == r["node_dp"] * ACCUM, (r["calls"], r["node_dp"])
         else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_linear", "grouped_ops", "grouped_weight_dims"]
+__all__ = ["grouped_linear", "grouped_ops", "grouped_weight_dims", "run_impl"]
 
 
 def grouped_ops() -> dict:
@@ -34,9 +34,36 @@ def grouped_ops() -> dict:
     return ops
 
 
+def run_impl(impl: str, device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+    """The grouped matmul to run for a node captured with ``impl``, on ``device_type`` in
+    ``dtype`` (autocast's compute dtype, or the weight's): transformers' fallback (the
+    one a float32 capture records, export being a compile) loops over the groups reading
+    ``offs`` on the host, a stop of the GPU per expert layer, forward and backward; on a
+    CUDA device of compute capability 8.0 or more in bfloat16, ``aten._grouped_mm`` (one
+    kernel, no host read) computes the same products.
+
+    >>> run_impl("transformers", "cuda", torch.bfloat16, (9, 0))
+    'aten'
+    >>> run_impl("transformers", "cpu", torch.bfloat16, None)
+    'transformers'
+    """
+    if impl == "transformers" and device_type == "cuda" and dtype == torch.bfloat16 \
+            and capability is not None and capability >= (8, 0) and hasattr(torch.ops.aten, "_grouped_mm"):
+        return "aten"
+    return impl
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transposed: bool, impl: str) -> torch.Tensor:
     """``impl``'s grouped matmul of ``x`` with ``w`` (``[E, n, k]`` when ``transposed``,
-    the stored per-expert ``nn.Linear`` layout, else ``[E, k, n]``) over the groups ``offs``."""
+    the stored per-expert ``nn.Linear`` layout, else ``[E, k, n]``) over the groups ``offs``
+    (on a GPU in bfloat16: :func:`run_impl`'s, with the operands in that dtype, as autocast
+    would cast them for the fallback's per-group products)."""
+    if x.device.type == "cuda":
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else w.dtype
+        run = run_impl(impl, "cuda", dtype, torch.cuda.get_device_capability(x.device))
+        if run != impl:
+            x, w = x.to(dtype), w.to(dtype)
+            impl = run
     return grouped_ops()[impl](x, w.transpose(-2, -1) if transposed else w, offs)
 
 

@@ -16,7 +16,11 @@ from .kernels import Kernel
 from .mesh import Mesh
 from .spec import ShardSpec
 
-__all__ = ["Step", "Comm", "SavedTensor", "NodePlan", "ParamPlan", "ShardingPlan"]
+__all__ = ["Step", "Comm", "SavedTensor", "NodePlan", "ParamPlan", "ShardingPlan", "GRAD_BUCKET_BYTES"]
+
+# A ShardedModule all-reduces its gradients in buckets of about this many bytes per group
+# and dtype, launched during backward (autoshard.runtime.overlap; DDP's default bucket size).
+GRAD_BUCKET_BYTES = 25 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,8 +330,31 @@ class ShardingPlan:
         plan's batch size; 0 for a training graph)."""
         return sum(n.param_bytes for n in self.nodes if n.kind == "state")
 
+    def grad_sync_buckets(self, bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[Comm]:
+        """:meth:`grad_sync_comms` as a ShardedModule runs them by default: per group and
+        dtype, the gradients in the order backward produces them (the parameters' reverse
+        order) fill a bucket, all-reduced once it holds ``bucket_bytes``; the partial
+        buckets at the end of backward. The same bytes, fewer calls (the count follows the
+        order gradients arrive in, which the plan assumes)."""
+        pending: dict = {}
+        out = []
+        for p in reversed([p for p in self.params if p.grad_sync and not p.is_buffer and p.trainable]):
+            key = (p.grad_sync, p.dtype_bytes)
+            size = pending.get(key, 0) + p.local_bytes(self.mesh)
+            if size >= bucket_bytes:
+                out.append(self._bucket(key[0], size))
+                size = 0
+            pending[key] = size
+        for (axes, _), size in sorted(pending.items(), key=lambda kv: (",".join(kv[0][0]), kv[0][1])):
+            if size:
+                out.append(self._bucket(axes, size))
+        return out
+
+    def _bucket(self, axes: tuple[str, ...], nbytes: int) -> Comm:
+        return Comm(phase="bwd", kind="all_reduce", axes=axes, group_size=self.mesh.size(axes), buffer_bytes=nbytes)
+
     def comms(self, phase: str | None = None) -> list[Comm]:
-        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_comms()
+        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_buckets()
         return [c for c in cs if phase is None or c.phase == phase]
 
     def comm_bytes_per_rank(self, phase: str | None = None) -> float:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from .activations import saved_bytes
 from ..ir.errors import ConfigError
-from ..ir.kernels import RowLinear
+from ..ir.kernels import PartialHead, RingAttention, RowLinear, Summa, ThreeDLinear
 from ..ir.mesh import Mesh
 from ..ir.plan import Comm, NodePlan, ShardingPlan
 from ..ir.spec import ShardSpec
@@ -485,6 +485,14 @@ def activation_bytes(plan: ShardingPlan, dtype_bytes: int | None = None, device:
     return int(total)
 
 
+_CASTING = (Summa, ThreeDLinear, RowLinear, PartialHead, RingAttention)     # cast to autocast's dtype first
+
+
+def _at_compute_dtype(c: Comm, nbytes: int) -> Comm:
+    """``c`` moving ``nbytes``-byte elements instead of the plan's 4 (float32 capture)."""
+    return dataclasses.replace(c, buffer_bytes=c.buffer_bytes * nbytes // 4)
+
+
 def _node_comm_times(n: NodePlan, mesh: Mesh, cluster: Cluster) -> list[CommTime]:
     """The node's collectives, timed. A kernel whose collectives go two at a time
     (``Kernel.paired``: a SUMMA / 3D Linear's two operand gathers, its two gradient
@@ -545,8 +553,14 @@ def _async_tp_times(n: NodePlan, plan: ShardingPlan, cluster: Cluster, chunks: i
 
 
 def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimizer: str | None = "adamw",
-             activation_dtype_bytes: int | None = None, zero: int = 0, async_tp: int = 1) -> CostEstimate:
+             activation_dtype_bytes: int | None = None, zero: int = 0, async_tp: int = 1,
+             compute_dtype_bytes: int | None = None) -> CostEstimate:
     """Predict one training step of ``plan`` on ``cluster`` for one rank.
+
+    ``compute_dtype_bytes=2`` (bf16 autocast): the Linears' and ring attention's
+    collectives move the compute dtype, as the kernels cast before they gather
+    (docs/design.md, "Mixed precision"); statistics, re-layout steps and the gradient sync
+    keep the plan's dtype.
 
     ``zero=1`` (:class:`autoshard.training.zero.ZeroAdamW`): the optimizer state is split
     over the ``dp`` replicas; ``zero=2``: the gradients too. The bytes on the wire
@@ -582,12 +596,14 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         if pipelined is not None:
             chunked += isinstance(n.kernel, RowLinear)
             gathers += not isinstance(n.kernel, RowLinear)
+        if compute_dtype_bytes is not None and pipelined is None and isinstance(n.kernel, _CASTING):
+            n = dataclasses.replace(n, comms=tuple(_at_compute_dtype(c, compute_dtype_bytes) for c in n.comms))
         timed += pipelined if pipelined is not None else _node_comm_times(n, mesh, cluster)
     if chunked or gathers:
         what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
         notes.append(f"asynchronous TP: {chunked} row-parallel {what}"
                      + (f" and {gathers} sequence all-gather(s)" if gathers else "") + f" in {async_tp} chunks")
-    for c in plan.grad_sync_comms():
+    for c in plan.grad_sync_buckets():       # as a ShardedModule runs them: bucketed
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
     extra = _dp_grad_comms(plan)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .cost import Cluster
 from ..ir.errors import ConfigError
 from ..runtime import collectives as C
+from ..runtime.device import uses_cuda
 
 __all__ = ["profile"]
 
@@ -157,7 +158,7 @@ def _probe(ranks_per_node: int | None, iters: int) -> _Probe:
     rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if rpn < 1 or world % rpn:
         raise ConfigError(f"ranks_per_node={rpn} must divide the world size {world}")
-    cuda = dist.get_backend() == "nccl" and torch.cuda.is_available()
+    cuda = uses_cuda()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     probe = _Probe(world=world, rank=rank, rpn=rpn, cuda=cuda, device=device,
                    weight=torch.randn(256, 256, device=device))

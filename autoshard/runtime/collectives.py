@@ -81,6 +81,8 @@ class CallRecord:
     group: str           # label of the group (mesh axes, e.g. "dep,row")
     group_size: int
     buffer_bytes: int    # full buffer (see ring_bytes)
+    dtype: str = ""      # what travels, e.g. "bfloat16" (bf16 under autocast: docs/design.md, "Mixed precision")
+    device: str = ""     # the device type of the tensor handed to the process group
 
     @property
     def bytes_per_rank(self) -> float:
@@ -128,14 +130,24 @@ class CommLedger:
         return out
 
 
-def _record(kind: str, group: str, buffer_bytes: int) -> None:
+def _record(kind: str, group: str, buffer_bytes: int, x: torch.Tensor | None = None) -> None:
     stack = _active()
     if not stack:
         return
     pg = c10d._resolve_process_group(group)
-    rec = CallRecord(kind, getattr(pg, "group_desc", group) or group, pg.size(), int(buffer_bytes))
+    rec = CallRecord(kind, _label(group, pg), pg.size(), int(buffer_bytes),
+                     *(() if x is None else (str(x.dtype).removeprefix("torch."), x.device.type)))
     for led in stack:
         led.calls.append(rec)
+
+
+def _label(group: str, pg) -> str:
+    """The mesh axes a call's group is over: the label in an autoshard alias
+    (``"autoshard/dp2xtp2/tp"`` -> ``"tp"``; one group may serve several labels, and
+    the default group serves the axes that span every rank), else the group's description."""
+    if group.startswith("autoshard/"):
+        return group.split("/")[2]
+    return getattr(pg, "group_desc", group) or group
 
 
 def _pg(group: str):
@@ -190,7 +202,8 @@ def rank_in(group: str, like: torch.Tensor):
 # pairs below.
 def _all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     """:func:`all_reduce`'s body (the conjugate pairs call it from inside their own op)."""
-    _record("all_reduce", group, x.numel() * x.element_size())
+    _record("all_reduce", group, x.numel() * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     ch = shm.channel(group, x)
     if ch is not None and ch.can_reduce(x.dtype):
         return ch.all_reduce(x, op)
@@ -232,7 +245,8 @@ def ring_shift_start(x: torch.Tensor, group: str, tag: int = 0):
     r, p = dist.get_rank(pg), pg.size()
     src = x.contiguous()
     out = torch.empty_like(src)
-    _record("send_recv", group, src.numel() * src.element_size())
+    _record("send_recv", group, src.numel() * src.element_size(), src)
+    shm.check_cpu_tensor(group, src)
     ops = [dist.P2POp(dist.isend, src, dist.get_global_rank(pg, (r + 1) % p), pg, tag),
            dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (r - 1) % p), pg, tag)]
     works = dist.batch_isend_irecv(ops)
@@ -265,7 +279,8 @@ def all_reduce_async(x: torch.Tensor, group: str):
     """Start a sum all-reduce of ``x`` in place over ``group`` (counted by the ledger)
     and return its work handle (``.wait()``). Not a graph op: the bucketed gradient
     hooks of :mod:`autoshard.runtime.overlap` use it outside autograd."""
-    _record("all_reduce", group, x.numel() * x.element_size())
+    _record("all_reduce", group, x.numel() * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_pg(group), async_op=True)
 
 
@@ -286,7 +301,8 @@ def _launch(kind: str, x: torch.Tensor, dim: int, group: str, async_op: bool):
     dim = dim % x.dim()
     shape = list(x.shape)
     shape[dim] = shape[dim] * p if kind == "all_gather" else shape[dim] // p
-    _record(kind, group, (math.prod(shape) if kind == "all_gather" else x.numel()) * x.element_size())
+    _record(kind, group, (math.prod(shape) if kind == "all_gather" else x.numel()) * x.element_size(), x)
+    shm.check_cpu_tensor(group, x)
     ch = None if async_op else shm.channel(group, x)
     if ch is not None and (kind == "all_gather" or ch.can_reduce(x.dtype)):
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -419,12 +435,26 @@ def _chunk_order(p: int) -> list[int]:
     return [c for r in range(p) for c in balanced_chunks(r, p)]
 
 
+_ORDERS: dict = {}      # (order, device) -> its index tensor, made once
+
+
+def _order_index(order: list[int], device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, made once per device: a tensor built
+    from a Python list on a GPU is a host-to-device copy, and every collective on a
+    balanced group would pay one."""
+    key = (tuple(order), device)
+    idx = _ORDERS.get(key)
+    if idx is None:
+        idx = _ORDERS[key] = torch.tensor(order, device=device)
+    return idx
+
+
 def _reorder(x: torch.Tensor, dim: int, order: list[int]) -> torch.Tensor:
     """``x`` with ``dim`` cut into ``len(order)`` chunks, taken in ``order``."""
     n = len(order)
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not hold {n} equal chunks (balanced order)")
-    idx = torch.tensor(order, device=x.device)
+    idx = _order_index(order, x.device)
     return x.unflatten(dim, (n, x.shape[dim] // n)).index_select(dim, idx).flatten(dim, dim + 1)
 
 

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["local_rank", "backend_for", "rank_device", "comm_device", "init_process_group", "retarget",
-           "lifted_constants"]
+__all__ = ["local_rank", "backend_for", "device_backends", "uses_cuda", "rank_device", "comm_device",
+           "init_process_group", "bind_user_group", "check_model_device", "retarget", "lifted_constants"]
 
 
 def local_rank(environ: Mapping[str, str] | None = None) -> int:
@@ -48,20 +48,54 @@ def backend_for() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def device_backends(backend: str | None = None) -> dict[str, str]:
+    """Device type -> backend of a backend string, or of the default group's when None.
+
+    torch names a group's backend by what was asked for: ``"nccl"``, ``"gloo"``,
+    ``"cuda:nccl,cpu:gloo"``, or ``"undefined"`` for ``init_process_group()`` with no
+    backend (then each device type gets its default, NCCL for CUDA where it is built).
+    The configuration (``dist.get_backend_config``) says per device type what runs.
+
+    >>> device_backends("cuda:nccl,cpu:gloo")
+    {'cuda': 'nccl', 'cpu': 'gloo'}
+    >>> device_backends("nccl")
+    {'cuda': 'nccl'}
+    """
+    if backend is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return {}
+        backend = dist.get_backend_config()
+    backend = backend.lower()
+    if ":" not in backend:      # one backend for the device types it serves
+        return {"cuda": backend} if backend == "nccl" else {"cpu": backend, "cuda": backend}
+    return dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+
+
+def uses_cuda(backend: str | None = None) -> bool:
+    """Whether a job on ``backend`` (default: the running group's) keeps its tensors on
+    CUDA: CUDA is available and a backend other than gloo (which carries CPU tensors,
+    and copies CUDA ones through the host) serves the ``cuda`` device type."""
+    be = device_backends(backend).get("cuda")
+    return be not in (None, "gloo", "undefined") and torch.cuda.is_available()
+
+
 def rank_device(backend: str | None = None, environ: Mapping[str, str] | None = None) -> torch.device:
     """This rank's device under ``backend`` (default: the running group's, else
-    :func:`backend_for`): ``cuda:LOCAL_RANK`` for NCCL, CPU otherwise."""
-    if backend is None:
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else backend_for()
-    if backend == "nccl":
+    :func:`backend_for`): ``cuda:LOCAL_RANK`` where the group carries CUDA tensors
+    (:func:`uses_cuda`: ``"nccl"``, ``"cuda:nccl,cpu:gloo"``, ``init_process_group()``
+    with no backend on a CUDA host), the CPU otherwise."""
+    if backend is None and not (dist.is_available() and dist.is_initialized()):
+        backend = backend_for()
+    if uses_cuda(backend):
         return torch.device("cuda", local_rank(environ))
     return torch.device("cpu")
 
 
 def comm_device() -> torch.device:
     """Where a tensor given to a collective of the default group must live: the
-    current CUDA device under NCCL, the CPU under gloo."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    current CUDA device where the group carries CUDA tensors (:func:`uses_cuda`), the
+    CPU otherwise."""
+    if dist.is_available() and dist.is_initialized() and uses_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -93,6 +127,60 @@ def init_process_group(*, timeout_s: float | None = None, environ: Mapping[str, 
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(backend, **kw)
     return backend
+
+
+def bind_user_group(environ: Mapping[str, str] | None = None) -> torch.device | None:
+    """Make this rank's GPU current in a process group the caller created; returns it
+    (None where the group carries CPU tensors).
+
+    :func:`init_process_group` binds ``cuda:LOCAL_RANK`` before creating the group; a
+    group made by the caller may not have: every rank's current device is then cuda:0
+    and the first collective puts all ranks on GPU 0. The GPU is the one the group was
+    bound to (``init_process_group(device_id=...)``), else the current device if the
+    caller set one (not cuda:0), else ``cuda:LOCAL_RANK`` (torchrun sets it), else
+    ``cuda:(rank % device_count)``. A rank that would share a GPU with another on its
+    node (``LOCAL_RANK`` past its GPUs) is refused before any collective."""
+    if not uses_cuda():
+        return None
+    from ..ir.errors import ConfigError
+
+    env = os.environ if environ is None else environ
+    n, rank = torch.cuda.device_count(), dist.get_rank()
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    cur = torch.cuda.current_device()
+    if bound is not None:
+        want = bound.index if bound.index is not None else cur
+    elif cur != 0:
+        want = cur                          # the caller's own choice
+    elif "LOCAL_RANK" in env:
+        want = local_rank(env)
+        if want >= n:
+            raise ConfigError(f"LOCAL_RANK={want} but this node has {n} GPU(s) (cuda:0..cuda:{n - 1}): start at "
+                              f"most {n} processes per node, or torch.cuda.set_device() on each rank before shard()")
+    else:
+        want = rank % n                     # one visible GPU per process (CUDA_VISIBLE_DEVICES): cuda:0
+    dev = torch.device("cuda", want)
+    if want != cur:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def check_model_device(model: torch.nn.Module, device: torch.device) -> None:
+    """Warn when ``model``'s parameters sit on a GPU: ``shard()`` keeps only this rank's
+    slices on ``device``, but a model moved with ``.cuda()`` first holds a full copy per
+    rank on its GPU (on cuda:0 for every rank when no device was set), which the
+    sharded module does not free."""
+    on = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+    if not on:
+        return
+    from ..ir.errors import AutoshardWarning
+    from ..ir.log import warn
+
+    where = "this rank's own GPU" if on == [str(device)] else f"{', '.join(on)}, not this rank's device {device}"
+    warn(f"the model's parameters are on {where}: every rank then holds a full copy of the model there, and "
+         f"shard() keeps only its slices. Build or load the model on the CPU (or on meta, with weights=) "
+         f"and let shard() place the slices; call .cuda() on the sharded module, not before", AutoshardWarning,
+         stacklevel=3)
 
 
 def _move_literal(v, device: torch.device):

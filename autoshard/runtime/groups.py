@@ -34,8 +34,7 @@ def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int, balanced: bool = Fa
     if key not in _GROUPS:
         mine = None
         for ranks in mesh.all_groups(axes):
-            pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
-                                timeout=datetime.timedelta(seconds=timeout_seconds()))
+            pg = _group_of(tuple(ranks), axes, balanced)
             if rank in ranks:
                 mine = pg
         if mine is not None:
@@ -45,6 +44,29 @@ def mesh_group(mesh: Mesh, axes: tuple[str, ...], rank: int, balanced: bool = Fa
                 C.mark_balanced(group_alias(mesh, axes, balanced))
         _GROUPS[key] = mine
     return _GROUPS[key]
+
+
+_BY_RANKS: dict = {}        # (id(WORLD), ranks in order) -> the group made for them (None: this rank is not in it)
+
+
+def _group_of(ranks: tuple[int, ...], axes: tuple[str, ...], balanced: bool):
+    """The process group over ``ranks`` (in that order): the default group where they are
+    all its ranks in its order, the group already made for the same ranks (a mesh axis of
+    size 1 next to another, ``(dp, tp)`` with ``dp = 1``), else a new one. Each group is a
+    communicator with its own memory under NCCL: 1d with tp = world would otherwise hold
+    a second copy of WORLD. A balanced cp group keeps a group of its own (its name marks
+    the order)."""
+    world = dist.group.WORLD
+    if not balanced and ranks == tuple(range(dist.get_world_size())):
+        return world
+    key = (id(world), ranks)
+    if not balanced and key in _BY_RANKS:
+        return _BY_RANKS[key]
+    pg = dist.new_group(list(ranks), group_desc=axes_label(axes), sort_ranks=False,
+                        timeout=datetime.timedelta(seconds=timeout_seconds()))
+    if not balanced:
+        _BY_RANKS[key] = pg
+    return pg
 
 
 def group_alias(mesh: Mesh, axes: tuple[str, ...], balanced: bool = False) -> str:
@@ -131,7 +153,7 @@ def check_same_rng(world: int, what: str, why: str, fix: str) -> None:
     from ..ir.errors import ConfigError
 
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = comm_device().type == "cuda"
     if on_gpu:
         h.update(torch.cuda.get_rng_state().numpy().tobytes())
     mine = torch.tensor([int.from_bytes(h.digest()[:7], "big")], dtype=torch.int64, device=comm_device())

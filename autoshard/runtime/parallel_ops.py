@@ -19,7 +19,8 @@ from . import collectives as C
 from ..ir import kernels as K
 from ..ir.spec import ShardSpec
 
-__all__ = ["bind", "step", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding", "dist_layer_norm", "sync_batch_norm",
+__all__ = ["bind", "step", "AUTOCAST_PRODUCTS", "casting_kernels", "row_linear", "summa", "three_d", "partial_head", "vocab_embedding",
+           "dist_layer_norm", "sync_batch_norm",
            "cross_entropy", "dropout", "dropout_active", "attention_dropout", "paired_collectives",
            "gather_weight_start", "gathered_linears"]
 
@@ -37,16 +38,49 @@ _STEPS = {
 }
 
 
-def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments: int, factor: float | None):
-    """Apply one :class:`~autoshard.ir.plan.Step` to a local tensor."""
+def step(x: torch.Tensor, op: str, group: str | None, dim: int | None, segments: int, factor: float | None,
+         wire: bool = False):
+    """Apply one :class:`~autoshard.ir.plan.Step` to a local tensor. ``wire``: every reader
+    of the result is a product that autocast runs in its compute dtype
+    (:data:`AUTOCAST_PRODUCTS`), so under autocast ``x`` is cast to it first and travels at
+    half the bytes (the readers get the values they would have cast to)."""
     if op not in _STEPS:
         raise ValueError(f"unknown step {op!r}; valid: {', '.join(_STEPS)}")
+    if wire:
+        x = _to_wire(x, _wire_dtype(x))
     return _STEPS[op](x, group, dim, segments, factor)
+
+
+def _autocast_products() -> frozenset:
+    """The ATen products autocast runs in its compute dtype on CPU and CUDA alike (both
+    lists name them), casting every floating operand."""
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name).default for name in (
+        "linear", "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "conv1d", "conv2d", "conv3d"))
+
+
+AUTOCAST_PRODUCTS = _autocast_products()
 
 
 def _autocast_on(t: torch.Tensor) -> bool:
     """Whether autocast is on for ``t``'s device (never on meta, where the trace runs)."""
     return t.device.type != "meta" and torch.is_autocast_enabled(t.device.type)
+
+
+def _wire_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype a product's operands travel in: autocast's compute dtype while autocast is
+    on for ``t``'s device (the product casts them to it anyway), else None (as they are)."""
+    return torch.get_autocast_dtype(t.device.type) if _autocast_on(t) else None
+
+
+def _to_wire(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` (autocast's compute dtype) when autocast would cast it: a float16,
+    bfloat16 or float32 tensor (float64 is not autocast-eligible and stays). Cast before
+    gathering: the gathered value is the one the product would have cast, at half the
+    bytes on the wire (docs/design.md, "Mixed precision")."""
+    if dtype is None or t.dtype == dtype or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return t
+    return t.to(dtype)
 
 
 # ----------------------------------------------------------------------- linears
@@ -149,7 +183,7 @@ def gathered_linears(x, weights: tuple, biases: tuple, *, group: str, dim: int, 
     fewer samples than chunks)."""
     d = dim % x.dim()
     if not _pipelinable(x, weights) or d == 0 or x.shape[0] < chunks:
-        xg = C.gather_partial(x, dim, group)
+        xg = C.gather_partial(_to_wire(x, _wire_dtype(x)), dim, group)     # autocast: gathered in bf16
         return tuple(F.linear(xg, w, b) for w, b in zip(weights, biases))
     return _GatheredLinears.apply(x, group, d, chunks, len(weights), *weights, *biases)
 
@@ -270,12 +304,15 @@ class _Summa(torch.autograd.Function):
                 rows_whole: bool = False):
         ctx.save_for_backward(x, w, offs)
         ctx.cfg = (row, col, n_dim, k_dim, impl, rows_whole)
+        # under autocast both operands travel in the compute dtype, forward and backward
+        ctx.wire = wire = _wire_dtype(x)
+        xw = _to_wire(x, wire)
         # X over the column [N_loc, k] and W over the row [k, n/q] (per expert when grouped), together;
         # W already on its way when a prefetch launched it (passes.prefetch)
         if ready is not None:
-            xg, wg = C.all_gather(x, x.dim() - 1, col), ready.result()
+            xg, wg = C.all_gather(xw, x.dim() - 1, col), ready.result()
         else:
-            xg, wg = _two("all_gather", x, x.dim() - 1, col, w, k_dim, row)
+            xg, wg = _two("all_gather", xw, x.dim() - 1, col, _to_wire(w, wire), k_dim, row)
         if offs is not None:                         # groups of this rank's rows: the same along the row
             return _grouped(xg, wg, offs, n_dim, impl)
         return _matmul(xg, wg, n_dim)
@@ -291,37 +328,43 @@ class _Summa(torch.autograd.Function):
             (lambda t: C.reduce_scatter(t, k_dim, row))
         # re-gather instead of saving the gathered copies (docs/design.md, "Pitfalls"); each operand
         # only for the gradient that reads it (kernels.Summa.comms says the same)
-        # under autocast dy is low precision while x / w are not: compute in dy's
-        # dtype (as autocast's matmul did) and sum each gradient in its input's dtype
+        # under autocast dy is low precision while x / w are not: compute in dy's dtype (as
+        # autocast's matmul did), gather and scatter in it (ctx.wire), and hand each gradient
+        # back in its input's dtype
+        wire = ctx.wire
+        xw, ww = _to_wire(x, wire), _to_wire(w, wire)
+        gx = x.dtype if wire is None else wire          # the dtype the gradients travel in
+        gw = w.dtype if wire is None else wire
         nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if nx and nw and not rows_whole:    # both operands gathered together, both gradients scattered together
-            wg, xg = _two("all_gather", w, k_dim, row, x, x.dim() - 1, col)
+            wg, xg = _two("all_gather", ww, k_dim, row, xw, x.dim() - 1, col)
             if offs is not None:
                 dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, True, True)
-                dxg, dwg = dxg.to(x.dtype), dwg.to(w.dtype)
+                dxg, dwg = dxg.to(gx), dwg.to(gw)
             else:
-                dxg = _summa_dx(dy, wg, n_dim, x.dtype)
+                dxg = _summa_dx(dy, wg, n_dim, gx)
                 if _overlap(dxg):      # dX's scatter travels while dW is computed
                     dx = C.reduce_scatter_start(dxg, dxg.dim() - 1, col)
-                    dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, w.dtype), k_dim, row)
-                    return (dx(), dw) + (None,) * 8
-                dwg = _summa_dw(dy, xg, n_dim, w.dtype)
-            return _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row) + (None,) * 8
+                    dw = C.reduce_scatter(_summa_dw(dy, xg, n_dim, gw), k_dim, row)
+                    return (dx().to(x.dtype), dw.to(w.dtype)) + (None,) * 8
+                dwg = _summa_dw(dy, xg, n_dim, gw)
+            dx, dw = _two("reduce_scatter", dxg, dxg.dim() - 1, col, dwg, k_dim, row)
+            return (dx.to(x.dtype), dw.to(w.dtype)) + (None,) * 8
         if offs is not None:
-            wg = C.all_gather(w, k_dim, row) if nx else w
-            xg = C.all_gather(x, x.dim() - 1, col) if nw else x
+            wg = C.all_gather(ww, k_dim, row) if nx else ww
+            xg = C.all_gather(xw, x.dim() - 1, col) if nw else xw
             dxg, dwg = _grouped_grads(xg, wg, offs, n_dim, impl, dy, nx, nw)
             if nx:
-                dx = C.reduce_scatter(dxg.to(x.dtype), dxg.dim() - 1, col)
+                dx = C.reduce_scatter(dxg.to(gx), dxg.dim() - 1, col).to(x.dtype)
             if nw:
-                dw = reduce_dw(dwg.to(w.dtype))
+                dw = reduce_dw(dwg.to(gw)).to(w.dtype)
             return dx, dw, None, None, None, None, None, None, None, None
         if nx:
-            dxg = _summa_dx(dy, C.all_gather(w, k_dim, row), n_dim, x.dtype)
-            dx = C.reduce_scatter(dxg, dxg.dim() - 1, col)
+            dxg = _summa_dx(dy, C.all_gather(ww, k_dim, row), n_dim, gx)
+            dx = C.reduce_scatter(dxg, dxg.dim() - 1, col).to(x.dtype)
         if nw:
-            dwg = _summa_dw(dy, C.all_gather(x, x.dim() - 1, col), n_dim, w.dtype)
-            dw = reduce_dw(dwg)
+            dwg = _summa_dw(dy, C.all_gather(xw, x.dim() - 1, col), n_dim, gw)
+            dw = reduce_dw(dwg).to(w.dtype)
         return dx, dw, None, None, None, None, None, None, None, None
 
 
@@ -363,34 +406,39 @@ def _rs_seg(t, dim: int, group: str, m: int):
 class _ThreeD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, a: str, b: str, c: str, row_dim: int, n_dim: int, m: int, ready=None):
+        wire = _wire_dtype(x)                      # autocast: the operands travel in the compute dtype
         if ready is not None:                      # W already on its way (passes.prefetch)
-            xg, wg = C.all_gather(x, row_dim, b), ready.result()
-        else:
-            xg, wg = _two("all_gather", x, row_dim, b, w, n_dim, a, m)     # X_il: rows (a); W_lj: n (b)
+            xg, wg = C.all_gather(_to_wire(x, wire), row_dim, b), ready.result()
+        else:                                      # X_il: rows (a); W_lj: n (b)
+            xg, wg = _two("all_gather", _to_wire(x, wire), row_dim, b, _to_wire(w, wire), n_dim, a, m)
         ctx.save_for_backward(xg, wg)              # saved, as the 3D cost formula assumes
         ctx.cfg = (a, b, c, row_dim, n_dim, m)
+        ctx.dtypes = (x.dtype, w.dtype)
         return C.reduce_scatter(_matmul(xg, wg, n_dim), row_dim, c)
 
     @staticmethod
     def backward(ctx, dy):
         xg, wg = ctx.saved_tensors
         a, b, c, row_dim, n_dim, m = ctx.cfg
+        x_dtype, w_dtype = ctx.dtypes
         dyg = C.all_gather(dy.contiguous(), row_dim, c)
         dx = dw = None
-        # as in _Summa: compute in dy's dtype, sum each gradient in its input's dtype
+        # as in _Summa: compute in dy's dtype, scatter in the dtype the operands travelled in
+        # (the compute dtype under autocast), hand each gradient back in its input's dtype
         nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dxg = _summa_dx(dyg, wg, n_dim, xg.dtype) if nx else None
         if nx and nw and _overlap(dxg):        # dX's scatter travels while dW is computed
             dx = C.reduce_scatter_start(dxg, row_dim, b)
             dw = _rs_seg(_summa_dw(dyg, xg, n_dim, wg.dtype), n_dim, a, m)
-            return (dx(), dw) + (None,) * 7
+            return (dx().to(x_dtype), dw.to(w_dtype)) + (None,) * 7
         dwg = _summa_dw(dyg, xg, n_dim, wg.dtype) if nw else None
         if nx and nw:       # the two gradients scattered together
-            return _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m) + (None,) * 7
+            dx, dw = _two("reduce_scatter", dxg, row_dim, b, dwg, n_dim, a, m)
+            return (dx.to(x_dtype), dw.to(w_dtype)) + (None,) * 7
         if nx:
-            dx = C.reduce_scatter(dxg, row_dim, b)
+            dx = C.reduce_scatter(dxg, row_dim, b).to(x_dtype)
         if nw:
-            dw = _rs_seg(dwg, n_dim, a, m)
+            dw = _rs_seg(dwg, n_dim, a, m).to(w_dtype)
         return dx, dw, None, None, None, None, None, None, None
 
 
@@ -421,7 +469,7 @@ def gather_weight_start(w, dim: int, group: str, segments: int = 1) -> _Gatherin
     fused segments, each split) now, for a SUMMA / 3D Linear that runs later
     (``ready=``): :mod:`autoshard.passes.prefetch` puts it before the Linear ahead, so the
     weight travels while that one computes. Counted by the ledger at launch."""
-    ws, d = _seg(w.detach(), dim, segments)
+    ws, d = _seg(_to_wire(w.detach(), _wire_dtype(w)), dim, segments)
     return _Gathering(C.all_gather_start(ws, d, group), dim, segments)
 
 
@@ -757,8 +805,10 @@ def ring_work():
 def _visible(mask, R: int, p: int, hq: int, hk: int):
     """``vis[a][c]``: whether the rank's query chunk ``a`` (of ``R``) may see key chunk ``c``
     (of ``R·p``, the whole sequence's) anywhere under ``mask``; None: every block is computed
-    (no mask, or the shape-only trace)."""
-    if mask is None or mask.device.type == "meta":
+    (no mask, the shape-only trace, or a mask off the CPU: reading it would stop the host
+    until the device caught up, every layer, forward and backward; a hidden block computed
+    contributes exactly nothing)."""
+    if mask is None or mask.device.type != "cpu":
         return None
     m = mask if mask.dtype == torch.bool else mask != float("-inf")
     m = m.unflatten(-2, (R, hq)) if m.shape[-2] != 1 else m.unsqueeze(-3)
@@ -800,7 +850,7 @@ class _RingAttention(torch.autograd.Function):
             # ops save nothing: the p·R² blocks are not walked, the results are their shapes
             # (contiguous, as the merge's torch.where makes them; docs/design.md, "Pricing the search")
             out, lse = torch.empty(q.shape, dtype=q.dtype, device="meta"), \
-                torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device="meta")
+                torch.empty(q.shape[:-1] + (1,), dtype=torch.promote_types(q.dtype, torch.float32), device="meta")
             ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
             return out
         r, p = C.group_rank_size(group)
@@ -808,9 +858,11 @@ class _RingAttention(torch.autograd.Function):
         hq, hk = q.shape[-2] // R, k.shape[-2] // R
         vis = _visible(mask, R, p, hq, hk)
         overlap = _overlap(q)
-        m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
+        # running max, sum and output in float32 at least (bf16 under autocast), as the dense kernels accumulate
+        acc = torch.promote_types(q.dtype, torch.float32)
+        m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=acc, device=q.device)
         l = torch.zeros_like(m)
-        o = torch.zeros_like(q)
+        o = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(p):
             j = (r - step) % p                  # the block held now started on rank j
@@ -818,7 +870,7 @@ class _RingAttention(torch.autograd.Function):
             for a, b, c in _sub_blocks(group, R, j, vis):
                 rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
                 kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
-                s = _masked((q[..., rows, :] @ kj.transpose(-2, -1)) * scale, _sub_mask(mask, a, c, hq, hk))
+                s = _masked((q[..., rows, :] @ kj.transpose(-2, -1)).to(acc) * scale, _sub_mask(mask, a, c, hq, hk))
                 for box in _RING_WORK:
                     box["scores"] += s.numel()
                 m_old = m[..., rows, :]
@@ -827,7 +879,7 @@ class _RingAttention(torch.autograd.Function):
                 e = torch.exp(s - base)
                 alpha = torch.exp(m_old - base)
                 l[..., rows, :] = l[..., rows, :] * alpha + e.sum(-1, keepdim=True)
-                o[..., rows, :] = o[..., rows, :] * alpha + e @ vj
+                o[..., rows, :] = o[..., rows, :] * alpha + (e.to(vj.dtype) @ vj).to(acc)
                 m[..., rows, :] = m_new
             if nxt is not None:
                 kv = nxt()
@@ -835,7 +887,7 @@ class _RingAttention(torch.autograd.Function):
         # a row no key may see (a padding query under a causal mask) is 0, as the dense op's
         # safe softmax makes it; its log-sum-exp +inf makes its probabilities 0 in backward
         seen = l > 0
-        out = torch.where(seen, o / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(o))
+        out = torch.where(seen, o / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(o)).to(q.dtype)
         lse = torch.where(seen, base + torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
         ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
         return out
@@ -852,8 +904,9 @@ class _RingAttention(torch.autograd.Function):
         vis = _visible(mask, R, p, hq, hk)
         overlap = _overlap(q)
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(q)
+        acc = lse.dtype         # the forward's accumulation dtype (float32 at least)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         # a float mask with a gradient (T5's learned position bias): d(bias) = d(scores)
         dmask = torch.zeros_like(mask) if mask is not None and ctx.needs_input_grad[3] else None
         kv = torch.stack([k, v])
@@ -866,15 +919,15 @@ class _RingAttention(torch.autograd.Function):
                 rows, cols = slice(a * hq, (a + 1) * hq), slice(b * hk, (b + 1) * hk)
                 qa, da = q[..., rows, :], dout[..., rows, :]
                 kj, vj = _expand_kv(kv[0][..., cols, :], heads), _expand_kv(kv[1][..., cols, :], heads)
-                prob = torch.exp(_masked((qa @ kj.transpose(-2, -1)) * scale, _sub_mask(mask, a, c, hq, hk))
+                prob = torch.exp(_masked((qa @ kj.transpose(-2, -1)).to(acc) * scale, _sub_mask(mask, a, c, hq, hk))
                                  - lse[..., rows, :])
-                d[1][..., cols, :] += _fold_kv(prob.transpose(-2, -1) @ da, ctx.kv_heads)
-                dscores = prob * (da @ vj.transpose(-2, -1) - delta[..., rows, :])
+                d[1][..., cols, :] += _fold_kv(prob.to(da.dtype).transpose(-2, -1) @ da, ctx.kv_heads)
+                dscores = prob * ((da @ vj.transpose(-2, -1)).to(acc) - delta[..., rows, :])
                 if dmask is not None:   # summed over the dims the mask broadcasts on (none: as is)
                     sub = _sub_mask(dmask, a, c, hq, hk)
                     wide = [x for x in range(dscores.dim()) if sub.shape[x] == 1 and dscores.shape[x] != 1]
                     sub += dscores.sum(wide, keepdim=True) if wide else dscores
-                ds = dscores * scale
+                ds = (dscores * scale).to(q.dtype)
                 dq[..., rows, :] += ds @ kj
                 d[0][..., cols, :] += _fold_kv(ds.transpose(-2, -1) @ qa, ctx.kv_heads)
             if partial is not None:
@@ -884,7 +937,7 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kv = nxt()
         home = partial()
-        return dq, home[0], home[1], dmask, None, None
+        return dq.to(q.dtype), home[0], home[1], dmask, None, None
 
 
 def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
@@ -896,6 +949,10 @@ def ring_attention(q, k, v, mask, *, group: str, scale: float | None = None):
     is not computed, and the next block travels while this one is (asynchronous send/recv)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    # under autocast in its compute dtype, as autocast runs scaled_dot_product_attention: the
+    # key/value blocks travel at half the bytes (rotary embeddings leave q and k in float32)
+    wire = _wire_dtype(q)
+    q, k, v = (_to_wire(t, wire) for t in (q, k, v))
     return _RingAttention.apply(q, k, v, mask, group, float(scale))
 
 
@@ -934,6 +991,12 @@ _IMPLEMENTATIONS = {
     K.Dropout: dropout, K.AttentionDropout: attention_dropout, K.RingAttention: ring_attention,
     K.SequenceConv: sequence_conv,
 }
+
+
+def casting_kernels() -> frozenset:
+    """The kernels that cast their operands to autocast's compute dtype before they gather
+    them (a value only they read may be cast before an earlier gather too)."""
+    return frozenset((row_linear, summa, three_d, partial_head, gathered_linears))
 
 
 def bind(kernel: K.Kernel, node, group, size) -> tuple:

@@ -51,7 +51,7 @@ from torch.distributed import distributed_c10d as c10d
 from ..ir.env import positive_number
 from .timeout import timeout_seconds
 
-__all__ = ["channel", "enabled", "Channel"]
+__all__ = ["channel", "enabled", "Channel", "cpu_backend", "check_cpu_tensor"]
 
 _HEADER = 4096                       # bytes before the buffers: flags and pids (3 × int64 per rank)
 _REDUCE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
@@ -82,9 +82,46 @@ def channel(group: str, x: torch.Tensor) -> "Channel | None":
     cached = _CHANNELS.get(pg.group_name)         # one channel per group, named by c10d's name or an alias
     if cached is not None and cached[0] is pg:
         return cached[1]
+    # only where the group itself carries CPU tensors with gloo: a CPU tensor on an NCCL group
+    # is a bug that shared memory would hide on one host until the job spans two
+    if cpu_backend(pg) != "gloo":
+        _CHANNELS[pg.group_name] = (pg, None)
+        return None
     ch = Channel.open(pg, group) if pg.size() > 1 else None
     _CHANNELS[pg.group_name] = (pg, ch)
     return ch
+
+
+def cpu_backend(pg) -> str | None:
+    """The backend that carries ``pg``'s CPU tensors (``"gloo"``), None where none does
+    (NCCL alone), from the group's configuration (``"cuda:nccl,cpu:gloo"``)."""
+    cached = _CPU_BACKENDS.get(pg.group_name)
+    if cached is not None and cached[0] is pg:
+        return cached[1]
+    from .device import device_backends
+
+    be = device_backends(dist.get_backend_config(pg)).get("cpu")
+    _CPU_BACKENDS[pg.group_name] = (pg, be)
+    return be
+
+
+_CPU_BACKENDS: dict = {}    # group name -> (its process group, its CPU backend)
+
+
+def check_cpu_tensor(group: str, x: torch.Tensor) -> None:
+    """Refuse a CPU tensor handed to a collective of a group with no CPU backend (NCCL
+    alone): the process group would fail with an unhelpful error, or (through shared
+    memory on one host) not at all until the job spans two hosts."""
+    if x.device.type != "cpu" or group.startswith("autoshard-sim:"):
+        return
+    pg = c10d._resolve_process_group(group)
+    if cpu_backend(pg) is None:
+        from ..ir.errors import CollectiveError
+
+        raise CollectiveError(f"a CPU tensor {tuple(x.shape)} ({x.dtype}) was handed to a collective of group "
+                              f"{group!r}, whose backend ({dist.get_backend_config(pg)}) carries no CPU tensors: the "
+                              f"module's tensors must be on this rank's GPU (shard(..., device=...) or the device rule "
+                              f"of autoshard.runtime.device), or the job must run with a CPU backend (gloo)")
 
 
 def _alive(pid: int) -> bool:

@@ -270,17 +270,17 @@ def train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, 
         part = loss.detach().float() / accum        # summed on the device: one host read per step
         total = part if total is None else total + part
     norm = None
-    if clip is not None:
+    if clip is not None:        # a device tensor: read with the loss after the step is launched, no stall before it
         if hasattr(optimizer, "clip_grad_norm_"):        # autoshard.training.zero.ZeroAdamW: the norm of its chunks
-            norm = optimizer.clip_grad_norm_(clip).item()
+            norm = optimizer.clip_grad_norm_(clip)
         elif _is_sharded(module):
-            norm = clip_grad_norm_(module, clip).item()
+            norm = clip_grad_norm_(module, clip)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip).item()
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return (float(total) if total is not None else 0.0), norm
+    return (float(total) if total is not None else 0.0), (float(norm) if norm is not None else None)
 
 
 def _device_of(module) -> torch.device:

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from ..ir.plan import GRAD_BUCKET_BYTES
 from ..runtime import collectives as C
 
 __all__ = ["ZeroAdamW", "optimizer_state_bytes"]
@@ -58,7 +59,6 @@ class ZeroAdamW(torch.optim.AdamW):
     def __init__(self, sharded, *, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         from ..ir.errors import ConfigError
-        from ..runtime.groups import mesh_group
         from ..module import unique_params
 
         if stage not in (1, 2):
@@ -68,7 +68,9 @@ class ZeroAdamW(torch.optim.AdamW):
         mesh = sharded.mesh
         self.dp = mesh.dp
         self.index = sharded.coords["dp"] if self.dp > 1 else 0
-        self.group = mesh_group(mesh, ("dp",), sharded.rank).group_name if self.dp > 1 else None
+        # its alias (one name on every rank): the ledger labels the calls "dp" even where the
+        # dp ranks are every rank and the group is the default one
+        self.group = sharded.group_name(("dp",)) if self.dp > 1 else None
         self.entries = []           # (ParamPlan, local parameter, chunk length)
         chunks = []
         for pp, p in unique_params(sharded):
@@ -90,9 +92,14 @@ class ZeroAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------ gradients
     def _shard_gradients(self) -> None:
         """Stage 2: the parameter hooks all-reduce over the TP part of each
-        parameter's gradient sync only; once autograd has accumulated a gradient,
-        it is reduce-scattered over ``dp`` into this replica's chunk and freed."""
+        parameter's gradient sync only; once autograd has accumulated a gradient, it
+        joins a bucket that is reduce-scattered over ``dp`` once it holds
+        :data:`~autoshard.ir.plan.GRAD_BUCKET_BYTES` (the rest at the end of backward),
+        each parameter's part landing in this replica's chunk, and is freed."""
         self.sharded.set_grad_sync(exclude=("dp",))
+        self._bucket: list = []          # (entry index, gradient padded to dp chunks)
+        self._bucket_bytes = 0
+        self._flush_queued = False
         for k, (pp, p, c) in enumerate(self.entries):
             # a parameter whose plan has no dp in its gradient sync gets the gradient
             # already summed over dp (the all-reduce ran on an activation's gradient,
@@ -106,13 +113,37 @@ class ZeroAdamW(torch.optim.AdamW):
             lo, hi = self._bounds(k)
             flat = p.grad.reshape(-1)
             if summed:
-                part = flat[lo:hi].clone()
+                self._add(k, flat[lo:hi].clone())
             else:
-                flat = torch.nn.functional.pad(flat, (0, c * self.dp - flat.numel()))
-                part = C.reduce_scatter(flat, 0, self.group)[:hi - lo]
-            self._gshard[k] = part if self._gshard[k] is None else self._gshard[k] + part
+                if not self._flush_queued:      # once per backward: the last bucket after autograd's last node
+                    torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+                    self._flush_queued = True
+                self._bucket.append((k, torch.nn.functional.pad(flat, (0, c * self.dp - flat.numel()))))
+                self._bucket_bytes += c * self.dp * flat.element_size()
+                if self._bucket_bytes >= GRAD_BUCKET_BYTES:
+                    self._flush()
             p.grad = None
         return hook
+
+    def _add(self, k: int, part: torch.Tensor) -> None:
+        self._gshard[k] = part if self._gshard[k] is None else self._gshard[k] + part
+
+    def _flush(self) -> None:
+        """Reduce-scatter the bucket's gradients over ``dp`` in one call: laid out as a
+        ``[dp, Σ chunks]`` block, row ``r`` holds every gradient's chunk ``r``, so this
+        replica's row comes back; summed element by element as one call per parameter sums."""
+        bucket, self._bucket, self._bucket_bytes = self._bucket, [], 0
+        self._flush_queued = False
+        if not bucket:
+            return
+        rows = torch.cat([g.view(self.dp, -1) for _, g in bucket], dim=1)
+        mine = C.reduce_scatter(rows.reshape(-1), 0, self.group)
+        off = 0
+        for k, _ in bucket:
+            c = self.entries[k][2]
+            lo, hi = self._bounds(k)
+            self._add(k, mine[off:off + hi - lo].clone())
+            off += c
 
     def _bounds(self, k: int) -> tuple[int, int]:
         n, c = self.entries[k][1].numel(), self.entries[k][2]

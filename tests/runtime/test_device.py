@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import copy
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -251,3 +252,89 @@ def test_the_scan_finds_each_kind():
     assert [f.split(": ", 1)[1] for f in device_findings(src, "f")] == [
         "torch.zeros(...) without device=", "torch.Generator() without a device",
         "autocast('cpu') (autocast follows the module's device)"]
+
+
+# ------------------------------------------------------------------ backend strings
+@pytest.mark.parametrize("config", ["nccl", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl"])
+def test_a_cuda_backend_in_any_spelling_puts_the_rank_on_its_gpu(fake_cuda, monkeypatch, config):
+    """torch names a group's backend as it was asked for ("cuda:nccl,cpu:gloo"; "undefined"
+    for ``init_process_group()`` without one, whose configuration is "cpu:gloo,cuda:nccl"
+    on a CUDA host): each puts the rank on cuda:LOCAL_RANK, and a collective's tensors on
+    the current GPU."""
+    import torch.distributed as dist
+
+    from autoshard.runtime.device import comm_device, rank_device, uses_cuda
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert uses_cuda(config) and rank_device(config) == torch.device("cuda", 3)
+    # the running group's: its configuration, never the string asked for
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert rank_device() == torch.device("cuda", 3) and comm_device() == torch.device("cuda", 3)
+
+
+@pytest.mark.parametrize("config", ["gloo", "cpu:gloo", "cpu:gloo,cuda:gloo"])
+def test_gloo_in_any_spelling_stays_on_the_cpu_even_with_gpus(fake_cuda, config):
+    from autoshard.runtime.device import rank_device, uses_cuda
+
+    assert not uses_cuda(config) and rank_device(config) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("env,current,bound,want", [
+    ({"LOCAL_RANK": "2"}, 0, None, 2),          # never set: LOCAL_RANK
+    ({}, 0, None, 5 % 4),                       # no LOCAL_RANK: rank % GPUs
+    ({"LOCAL_RANK": "2"}, 1, None, 1),          # the caller's own choice stays
+    ({"LOCAL_RANK": "2"}, 0, 3, 3),             # the group's bound GPU wins
+])
+def test_a_group_the_caller_made_gets_this_ranks_gpu(fake_cuda, monkeypatch, env, current, bound, want):
+    """``shard()`` in a process group the caller created without ``set_device``: every rank's
+    current GPU would be cuda:0; the rank's own is made current before any collective."""
+    import torch.distributed as dist
+
+    from autoshard import api
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    pg = type("PG", (), {"bound_device_id": None if bound is None else torch.device("cuda", bound)})()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: pg)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    api._ensure_dist()
+    assert fake_cuda.log == ([] if want == current else [("set_device", torch.device("cuda", want))])
+
+
+def test_a_local_rank_past_the_gpus_in_a_callers_group_is_refused(fake_cuda, monkeypatch):
+    import torch.distributed as dist
+
+    from autoshard import ConfigError, api
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl,cpu:gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: type("PG", (), {"bound_device_id": None})())
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=6 but this node has 4 GPU"):
+        api._ensure_dist()
+
+
+def test_a_model_moved_to_a_gpu_before_shard_is_warned_about():
+    """``model.cuda()`` before ``shard()`` leaves a full copy on a GPU per rank (cuda:0 for
+    every rank whose device was not set): said, with what to do instead."""
+    from autoshard.ir.errors import AutoshardWarning
+    from autoshard.runtime.device import check_model_device
+
+    class OnGpu(torch.nn.Module):       # parameters that report cuda:0 (no GPU here)
+        def parameters(self, recurse=True):
+            return iter([type("P", (), {"device": torch.device("cuda", 0)})()])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_model_device(torch.nn.Linear(2, 2, device="meta"), torch.device("cuda", 1))   # nothing to say
+    with pytest.warns(AutoshardWarning, match=r"cuda:0, not this rank's device cuda:1.*full copy.*on the CPU"):
+        check_model_device(OnGpu(), torch.device("cuda", 1))
