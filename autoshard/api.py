@@ -14,6 +14,7 @@ from .ir.errors import AutoshardWarning, ConfigError, ShardingError
 from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .adapters import unwrap
+from .hf_face import bind_call, embedding_names, forward_names
 from .ir.signature import Recipe, batch_of, main_input, pad_blocker, seq_input, seq_of
 from .ir.plan import ShardingPlan
 from .launch.capture_share import capture_for_plan, capture_shared
@@ -219,6 +220,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                           f"Hugging Face folder (config.json + safetensors), got {type(model).__name__}"
                           + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
     model, adapters = unwrap(model)     # a peft wrapper: its injected model (autoshard.adapters)
+    if isinstance(example_inputs, (tuple, list)):       # positional, as the model is called
+        example_inputs = bind_call(forward_names(model), tuple(example_inputs), {}, "example_inputs")
     stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -391,6 +394,7 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
                        limits=_input_limits(config, facts.seq_range), seq_split=(pol.seq_split(), pol.seq_split_why()), config=config,
                        model_tensors=_tensor_names(model))
     sm.adapters = adapters
+    sm._call_names, sm._embedding_names = forward_names(model), embedding_names(model)
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     return sm
 

@@ -19,6 +19,7 @@ from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
 from .planning.validate import Problem as _P
 from .io.gather import unique_params
+from .hf_face import ModelFace
 
 try:        # whether dynamo traces the frames the caller calls (torch.compile(sharded) runs forward eagerly)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
@@ -29,7 +30,7 @@ except ImportError:     # another torch: the graph as it is (dynamo recompiles a
 __all__ = ["ShardedModule", "unique_params", "replicas"]
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(ModelFace, nn.Module):
     """One rank's part of a sharded model.
 
     Takes the keyword arguments of the Hugging Face model it came from and
@@ -374,16 +375,17 @@ class ShardedModule(nn.Module):
         return [g.signature.describe() for g in self._graphs]
 
     @torch.compiler.disable(recursive=False)
-    def forward(self, **kwargs):
+    def forward(self, *args, **kwargs):
         """Run the graph captured for this call's inputs (capturing one first if no
         graph has them). A batch that does not divide the batch split is padded and
         the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`).
+        Positional arguments bind to the model's own parameter names (:mod:`autoshard.hf_face`).
 
         ``torch.compile(sharded)`` compiles the graph in one piece, with no break: this
         method and the input checks, graph lookup and padding it runs are outside the
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
-        g, full, b, padded, run = self._prepare(kwargs)
+        g, full, b, padded, run = self._prepare(self._bind(args, kwargs))
         if self._compile_kw is not None:
             if self._dynamic_dims:
                 full = _mark_dynamic(g, full)

@@ -47,8 +47,11 @@ class Captured:
     stamped: bool = False           # layers copied from a shallower export (passes.stamp)
 
 
-def _max_positions(config) -> int:
-    for c in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
+def _max_positions(model) -> int:
+    """The longest sequence the model takes: its config's positions, else an attribute of
+    the module itself (a plain module's ``max_seq_len``), else 4096."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None), getattr(config, "decoder", None), model):
         for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions"):
             v = getattr(c, key, None) if c is not None else None
             if isinstance(v, int) and v > 2:
@@ -86,7 +89,11 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     ...                                          intermediate_size=64, image_size=8, patch_size=4))
     >>> {k: tuple(v.shape) for k, v in default_example_inputs(m).items()}
     {'pixel_values': (2, 3, 8, 8), 'labels': (2,)}"""
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError(f"{type(model).__name__} has no Hugging Face config to make example inputs from: pass "
+                          f"example_inputs (the keyword arguments of its forward, e.g. "
+                          f"{{{', '.join(repr(n) + ': ...' for n in _tensor_params(model)) or '...'}}})")
     params = inspect.signature(model.forward).parameters
     g = torch.Generator().manual_seed(0)
     out: dict = {}
@@ -127,6 +134,16 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     return out
 
 
+def _tensor_params(model) -> list[str]:
+    """The names of ``model.forward``'s parameters without a default (what a call must give)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def log_mel_shape(config) -> tuple[int, int]:
     """``(mel bins, frames)`` of a speech encoder's input: its positions × its conv stride (2) frames."""
     return int(getattr(config, "num_mel_bins", 80)), 2 * int(getattr(config, "max_source_positions", 1500))
@@ -165,7 +182,7 @@ def _no_cache(model, params, kwargs):
     """A model that hands ``use_cache`` to its decoder through ``**kwargs`` (LLaVA-like)
     is captured with its text config's ``use_cache`` off (a cache object is not a graph
     output), restored after."""
-    text = _sub(model.config, "text")
+    text = _sub(getattr(model, "config", None), "text")
     if "use_cache" in params or "use_cache" in kwargs or not getattr(text, "use_cache", False):
         yield
         return
@@ -260,7 +277,7 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     # that dim is then captured static, a graph for this size only (no mode may split
     # a static batch: passes/pipeline.py; a module captures one graph per static
     # sequence length it is called with).
-    lo, hi = 2, _max_positions(model.config)
+    lo, hi = 2, _max_positions(model)
     static_batch = static_seq = False
     deferred = _DEFER_GUARDS
     for _ in range(6):
@@ -287,6 +304,14 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
                     and not static_seq:
                 static_seq = True
                 continue
+            fix = re.search(r"seq = Dim\('seq', (?:min=(\d+))?,? ?(?:max=(\d+))?\)", msg)
+            if s is not None and "Constraints violated (seq)" in msg and fix is not None:
+                # the model checks the length itself (``if seq_len > self.max_seq_len: raise``):
+                # the range torch proposes, where it holds the example's length
+                new_lo, new_hi = int(fix.group(1) or lo), int(fix.group(2) or hi)
+                if (new_lo, new_hi) != (lo, hi) and max(new_lo, 2) <= s <= new_hi and new_hi > max(new_lo, 2):
+                    lo, hi = max(new_lo, 2), new_hi
+                    continue
             if s is not None and "Constraints violated (seq)" in msg:
                 excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
                 if hi in excluded and hi - 1 >= max(lo, s):

@@ -51,9 +51,25 @@ SEQ_INPUTS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
 def main_input(kwargs: Mapping[str, Any]) -> str | None:
     """The name of the call's main input (see :data:`MAIN_INPUTS`), or None.
 
+    A call of a module that is not a Hugging Face model names its inputs as it likes
+    (``tokens``, ``x``): there the first tensor with a batch dim leads, in the call's
+    order, a label or mask only when nothing else is batched.
+
     >>> main_input({"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.zeros(2)})
-    'pixel_values'"""
-    return next((k for k in MAIN_INPUTS if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].dim() >= 1), None)
+    'pixel_values'
+    >>> main_input({"target": torch.zeros(2), "mask": torch.ones(2, 5), "tokens": torch.zeros(2, 5)})
+    'tokens'"""
+    hf = next((k for k in MAIN_INPUTS if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].dim() >= 1), None)
+    if hf is not None:
+        return hf
+    batched = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1]
+    return next((k for k in batched if not _secondary(k) and kwargs[k].dim() >= 2),
+                next((k for k in batched if not _secondary(k)), batched[0] if batched else None))
+
+
+def _secondary(name: str) -> bool:
+    """An input that follows a main one (a target, a mask), by the names the field uses."""
+    return name.endswith(("labels", "label", "target", "targets", "mask"))
 
 
 def seq_input(kwargs: Mapping[str, Any]) -> str | None:
@@ -66,6 +82,11 @@ def seq_input(kwargs: Mapping[str, Any]) -> str | None:
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == b and \
                 (k == "inputs_embeds" or v.dim() == 2) and (k != "labels" or not v.is_floating_point()):
             return k
+    main = main_input(kwargs)
+    if main is not None and main not in MAIN_INPUTS:     # a plain module: token ids [batch, seq] under its own name
+        v = kwargs[main]
+        if v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool:
+            return main
     return None
 
 
