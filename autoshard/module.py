@@ -846,7 +846,8 @@ class ShardedModule(ModelFace, nn.Module):
         prepared = prepare(cap, POLICIES[self.plan.mode](self.plan.mesh))
         dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
         with torch.no_grad():
-            values = record(prepared.module, {**_on_device(kwargs, dev), **prepared.constants})
+            values = record(prepared.module, {k: v for k, v in {**_on_device(kwargs, dev), **prepared.constants}.items()
+                                              if k in prepared.input_names})
         local = kwargs
         if "dp" in self.mesh.axes:      # this replica's rows of the global batch
             b = batch_of(kwargs)

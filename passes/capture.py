@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ class Captured:
     module: torch.fx.GraphModule    # program.module(): parameters as get_attr
     model_name: str
     input_names: tuple[str, ...]
-    constants: dict                 # non-tensor kwargs baked in (use_cache=False)
+    constants: dict                 # non-tensor kwargs baked in (use_cache=False); those not in input_names
+                                    # are bound into forward, not graph inputs (see bound_constants)
     batch_symbol: Any               # sympy symbol of the batch dim
     seq_symbol: Any
     example_inputs: dict
@@ -193,6 +195,23 @@ def _no_cache(model, params, kwargs):
         text.use_cache = True
 
 
+@contextlib.contextmanager
+def _bound(model, bound: dict):
+    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export."""
+    if not bound:
+        yield
+        return
+    own = model.__dict__.get("forward")
+    model.forward = functools.partial(model.forward, **bound)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
 # True: every export defers torch's guards to run time, as the capture retry does for a
 # guard an older torch cannot prove (tests/passes/test_capture.py forces it on 2.13)
 _DEFER_GUARDS = False
@@ -267,6 +286,12 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     for k, v in kwargs.items():
         if not isinstance(v, torch.Tensor):
             constants[k] = v
+    # a non-tensor that forward takes through ``**kwargs`` (``return_dict=True`` on BERT) is
+    # bound into forward rather than given to export (whose dynamic-shapes matching fails on
+    # it): a constant of the graph, not one of its inputs (``input_names``)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    bound = {k: v for k, v in constants.items() if var_kw and k not in params}
+    inputs = {k: v for k, v in kwargs.items() if k not in bound}
     name = type(model).__name__
     # Export proves the graph for a range of sequence lengths. Two guards models are
     # known to add narrow it, each retried once: encoder-decoders shift the labels
@@ -282,9 +307,9 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     deferred = _DEFER_GUARDS
     for _ in range(6):
         try:
-            with _no_cache(model, params, kwargs):
-                ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=_as_signature(_dynamic(
-                    kwargs, None if static_batch else b, None if static_seq else s, lo, hi), params),
+            with _no_cache(model, params, kwargs), _bound(model, bound):
+                ep = torch.export.export(model, (), inputs, strict=False, dynamic_shapes=_as_signature(_dynamic(
+                    inputs, None if static_batch else b, None if static_seq else s, lo, hi), params),
                     prefer_deferred_runtime_asserts_over_guards=deferred)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
@@ -327,7 +352,7 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
     if static_seq:
         lo = hi = s
-    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
+    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(inputs), constants=constants,
                     seq_range=(lo, hi), guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))

@@ -188,7 +188,11 @@ class SignatureGraph:
     def accepts(self, kwargs: dict) -> dict | None:
         """The full keyword arguments of this graph for ``kwargs``, or None if the
         call's signature is another one."""
-        if set(kwargs) - set(self.input_names):
+        bound = {k: v for k, v in self.constants.items() if k not in self.input_names}
+        for k, v in bound.items():      # bound into the graph's forward (passes/capture.py): the call's own
+            if k not in kwargs or isinstance(kwargs[k], torch.Tensor) or repr(kwargs[k]) != repr(v):
+                return None
+        if set(kwargs) - set(self.input_names) - set(bound):
             return None
         full = {}
         for name in self.input_names:
@@ -203,7 +207,7 @@ class SignatureGraph:
                 full[name] = torch.ones_like(kwargs["input_ids"])
             else:
                 return None
-        sig = InputSignature.of(full, static_batch=not self.batch_inputs, static_seq=self.static_seq)
+        sig = InputSignature.of({**full, **bound}, static_batch=not self.batch_inputs, static_seq=self.static_seq)
         return full if sig == self.signature else None
 
 
