@@ -24,7 +24,7 @@ from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
 from .policies import POLICIES, make_policy
-from .io.builder import model_from
+from .io.builder import model_from, skeleton
 from .runtime.heartbeat import stale_after
 from .runtime.heartbeat import start as start_heartbeat
 from .io.hf_fill import open_folder
@@ -384,10 +384,11 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
     if weights is not None:
         weights(gm, p, rank)
     config = getattr(model, "config", None)
-    recipe = None if config is None else Recipe(
+    recipe = Recipe(
         model_class=type(model), config=config, training=facts.training, policy=pol,
         batch_size=facts.batch_size, seq_len=facts.seq_len, gather_outputs=gather_logits, dropout=dropout,
-        activation_checkpointing=activation_checkpointing, adapt=adapters.inject if adapters is not None else None)
+        activation_checkpointing=activation_checkpointing, adapt=adapters.inject if adapters is not None else None,
+        skeleton=skeleton(model) if config is None else None)      # no config: recaptured from a meta copy
     sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
                        constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
                        recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,

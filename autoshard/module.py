@@ -698,13 +698,15 @@ class ShardedModule(ModelFace, nn.Module):
             raise ConfigError(f"inputs {InputSignature.of(kwargs).describe()} do not match the captured "
                               f"{g.signature.describe()}, and this module's blocks run as modules (split_blocks(), "
                               f"fsdp=True), so it captures no other graph; shard with example_inputs of these shapes")
+        # a graph whose batch export made static (the model reads it as a Python int: CLIP's
+        # contrastive loss, LLaVA's per-sample features): another batch size is captured anew
         static = next((g for g in self._graphs if g.static_batch is not None), None)
-        if static is not None and batch_of(kwargs) != static.static_batch:
-            raise ConfigError(f"batch size {batch_of(kwargs)}: this module's graph was captured for a batch of "
-                              f"{static.static_batch} only ({static.signature.describe()}): torch.export "
-                              f"made the batch static because the model reads it as a Python int; call it with "
-                              f"that batch size, or shard with example_inputs of the batch size you will use")
-        g = capture_graph(self, kwargs)
+        batch = batch_of(kwargs) if static is not None else None
+        if batch is not None and batch < 2:
+            raise ConfigError(f"batch size {batch}: this module's graphs are captured per batch size (torch.export "
+                              f"made the batch static: {static.signature.describe()}), and export cannot capture "
+                              f"a batch of 1 apart from other sizes; call it with a batch of 2 or more")
+        g = capture_graph(self, kwargs, batch=batch)
         self._graphs.append(g)
         full = g.accepts(kwargs)
         if full is None:        # the capture was made from these very inputs

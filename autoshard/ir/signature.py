@@ -160,6 +160,8 @@ class Recipe:
     dropout: str
     activation_checkpointing: bool = False
     adapt: Any = None       # model -> model: what a model rebuilt from the config needs (peft adapters)
+    skeleton: Any = None    # a module with no config: its copy on meta (autoshard.io.builder.skeleton),
+                            # what a new signature is captured from
 
 
 @dataclass
