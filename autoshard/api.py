@@ -70,6 +70,13 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
     problems += check_model(model, weights_given=weights_given)
     config = getattr(model, "config", None)
+    if config is None and example_inputs is None:       # nothing to make example inputs from
+        from .passes.capture import default_example_inputs
+
+        try:
+            default_example_inputs(model)
+        except ConfigError as e:
+            problems.append(Problem("example_inputs", str(e)))
     if pol is not None:
         problems += check_dims(config, pol)
     # a batch that does not divide the batch split is padded (refused later only where

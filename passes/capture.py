@@ -93,9 +93,11 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     {'pixel_values': (2, 3, 8, 8), 'labels': (2,)}"""
     config = getattr(model, "config", None)
     if config is None:
+        names = _tensor_params(model)
         raise ConfigError(f"{type(model).__name__} has no Hugging Face config to make example inputs from: pass "
-                          f"example_inputs (the keyword arguments of its forward, e.g. "
-                          f"{{{', '.join(repr(n) + ': ...' for n in _tensor_params(model)) or '...'}}})")
+                          f"example_inputs, a batch as its forward takes it: a tuple "
+                          f"({', '.join(names) or '...'},) or a dict "
+                          f"{{{', '.join(repr(n) + ': ...' for n in names) or '...'}}}")
     params = inspect.signature(model.forward).parameters
     g = torch.Generator().manual_seed(0)
     out: dict = {}

@@ -157,10 +157,10 @@ def skeleton(model: nn.Module) -> Built:
     >>> b.model.weight.device.type, b.buffers["running_var"].tolist()
     ('meta', [1.0, 1.0, 1.0, 1.0])"""
     memo: dict = {}
-    for t in model.parameters(remove_duplicate=False):
+    for _, t in model.named_parameters(remove_duplicate=False):
         memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
-    for b in model.buffers(remove_duplicate=False):
+    for _, b in model.named_buffers(remove_duplicate=False):
         memo[id(b)] = torch.empty_like(b, device="meta")
     meta = copy.deepcopy(model, memo)
     pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
