@@ -37,12 +37,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from dataclasses import dataclass
 
 import torch
+from transformers.utils import ModelOutput
 
 from .ir.errors import ConfigError
+from .ir.log import logger
 
-__all__ = ["ModelFace", "forward_names", "bind_call", "embedding_names"]
+__all__ = ["ModelFace", "forward_names", "bind_call", "embedding_names", "token_log_probs", "TokenLogProbs",
+           "CLIENT_OPTIONS"]
 
 
 def forward_names(model: torch.nn.Module) -> tuple[str, ...]:
@@ -94,8 +98,38 @@ class ModelFace:
         """The model's positional parameter names: what ``sharded(a, b)`` binds ``a``, ``b`` to."""
         return self._call_names
 
-    def _bind(self, args: tuple, kwargs: dict) -> dict:
-        return bind_call(self._call_names, args, kwargs) if args else kwargs
+    def _bind(self, args: tuple, kwargs: dict):
+        """``(the graph's keyword arguments, what turns the graph's output into the answer)``:
+        positional arguments bound, a client's own call options (:data:`CLIENT_OPTIONS`) taken out."""
+        kwargs = bind_call(self._call_names, args, kwargs) if args else kwargs
+        if not any(k in kwargs for k in CLIENT_OPTIONS):
+            return kwargs, _same
+        kwargs = dict(kwargs)
+        opts = {k: kwargs.pop(k) for k in CLIENT_OPTIONS if k in kwargs}
+        if not opts.get("fused_lm_head"):
+            if opts.get("shift_labels") is not None or opts.get("num_items_in_batch") is not None:
+                raise ConfigError(f"a sharded module's call takes {', '.join(sorted(opts))} only with "
+                                  f"fused_lm_head=True (TRL's per-token log-probabilities); its loss is the "
+                                  f"global mean over the labelled tokens")
+            return kwargs, _same
+        labels = opts.get("shift_labels")
+        shifted = labels is not None
+        if labels is None:
+            labels = kwargs.get("labels")
+        if labels is None:
+            raise ConfigError("fused_lm_head=True needs labels (or shift_labels): the log-probabilities are of "
+                              "the next tokens")
+        return kwargs, lambda out: token_log_probs(out, labels, shifted, opts.get("num_items_in_batch"))
+
+    def __setattr__(self, name, value):
+        # a client that patches ``model.forward`` (TRL's fused LM head) would run the model's
+        # Python on this rank's slices: the module keeps its own forward, which answers the
+        # client's options itself (:data:`CLIENT_OPTIONS`)
+        if name == "forward" and callable(value) and "_graphs" in self.__dict__:
+            logger.info("a client replaced forward (%s): the sharded module keeps its own, which answers "
+                        "fused_lm_head=True from its gathered logits", getattr(value, "__qualname__", value))
+            return
+        super().__setattr__(name, value)
 
     # -- tags (TRL's trainers tag the model they train)
     @property
@@ -117,13 +151,25 @@ class ModelFace:
         r = getattr(self, "_recipe", None)
         return bool(getattr(self, "_remat_on", False) or (r is not None and r.activation_checkpointing))
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+    is_activation_checkpointing = is_gradient_checkpointing
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """:meth:`activation_checkpointing_enable` under its older name."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
         """Activation checkpointing, as ``shard(..., activation_checkpointing=True)``: every
         repeated block of each graph (and of every graph captured later) recomputes its
         activations in backward (:mod:`autoshard.passes.remat`; non-reentrant, whatever
-        ``use_reentrant`` says: a graph block has no reentrant form)."""
+        ``use_reentrant`` says: a graph block has no reentrant form). ``every_n_layers`` other
+        than 1 and ``offload=True`` are refused: every block is checkpointed, on the device."""
         from .passes.remat import checkpoint_blocks
 
+        if every_n_layers != 1 or offload:
+            raise ConfigError(f"activation checkpointing with every_n_layers={every_n_layers}, offload={offload}: "
+                              f"a sharded module checkpoints every repeated block, its saved inputs on the device; "
+                              f"valid choices: every_n_layers=1, offload=False")
         if self.is_gradient_checkpointing:
             return
         if self._compile_kw is not None or self._eager_passes_on or self._blocks_split:
@@ -134,6 +180,10 @@ class ModelFace:
         if self._recipe is not None:
             self._recipe = dataclasses.replace(self._recipe, activation_checkpointing=True)
         self._remat_on = True
+
+    def activation_checkpointing_disable(self) -> None:
+        """:meth:`gradient_checkpointing_disable`."""
+        self.gradient_checkpointing_disable()
 
     def gradient_checkpointing_disable(self) -> None:
         """Refused once enabled: the blocks are outlined into checkpointed submodules of
@@ -177,6 +227,53 @@ class ModelFace:
 
     def tie_weights(self, *args, **kwargs) -> None:
         """A no-op: tied weights are one parameter of the plan already (its aliases)."""
+
+
+# call options a client adds to a model's call (TRL's ``add_fused_lm_head`` patches
+# ``forward`` to take them); the module answers them from its graph's gathered logits
+CLIENT_OPTIONS = ("fused_lm_head", "shift_labels", "num_items_in_batch")
+
+
+def _same(out):
+    return out
+
+
+@dataclass
+class TokenLogProbs(ModelOutput):
+    """What TRL's fused LM head returns (``FusedCausalLMOutput``): per-token log-probabilities
+    of the next tokens, the mask of labelled ones and their mean negative as ``loss``."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def token_log_probs(out, labels: torch.Tensor, shifted: bool = False, num_items=None) -> TokenLogProbs:
+    """TRL's ``fused_lm_head=True`` answer from a causal LM's full logits: the log-probability
+    of each next token (``labels`` shifted by one unless ``shifted``), zero where the label is
+    ``-100``, with its entropy, top-1 hit, and ``loss = -sum / (labelled tokens or
+    num_items)`` (the model's own mean loss).
+
+    >>> logits = torch.tensor([[[0.0, 0.0], [0.0, 5.0], [1.0, 1.0]]])
+    >>> r = token_log_probs({"logits": logits}, torch.tensor([[-100, 1, -100]]))
+    >>> r.label_mask.tolist(), round(float(r.loss), 4)
+    ([[True, False]], 0.6931)"""
+    logits = out["logits"]
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    mask = labels != -100
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0)
+    entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0)
+    top1 = (logits.argmax(-1) == labels) & mask
+    denom = mask.sum().clamp(min=1) if num_items is None else num_items
+    return TokenLogProbs(loss=-picked.sum() / denom, log_probs=picked, entropy=entropy, is_top1=top1,
+                         label_mask=mask, aux_loss=out.get("aux_loss") if hasattr(out, "get") else None)
 
 
 def embedding_names(model: torch.nn.Module) -> tuple:

@@ -385,7 +385,8 @@ class ShardedModule(ModelFace, nn.Module):
         method and the input checks, graph lookup and padding it runs are outside the
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
-        g, full, b, padded, run = self._prepare(self._bind(args, kwargs))
+        kwargs, answer = self._bind(args, kwargs)
+        g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
             if self._dynamic_dims:
                 full = _mark_dynamic(g, full)
@@ -394,7 +395,7 @@ class ShardedModule(ModelFace, nn.Module):
             run = self._compile_copy(g)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
-        return self._trim(out, b, padded) if padded != b else out
+        return answer(self._trim(out, b, padded) if padded != b else out)
 
     @staticmethod
     @torch.compiler.disable

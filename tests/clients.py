@@ -112,3 +112,73 @@ def sentence_transformer(rank: int, world: int, mode: str, depth=None) -> dict:
         if g is None or not torch.allclose(g, want, atol=1e-5, rtol=1e-5):
             out["failures"].append(f"grad {pp.name}: " + ("missing" if g is None else f"{(g - want).abs().max():.3g}"))
     return out
+
+
+def sft_trainer(rank: int, world: int, mode: str, out: str, steps: int = 3) -> dict:
+    """TRL's ``SFTTrainer`` (as ``ShardedTrainer``'s mixin: no DDP, batches per data-parallel
+    replica, global gradient norm) on a sharded tiny Llama, ``steps`` steps with TRL's own
+    defaults where they bear (its fused LM head, gradient checkpointing, its collator), and
+    the same batches on the dense model by hand: the loss (TRL's ``-log_probs.sum() /
+    labelled tokens``) of every step, and the weights after the last one."""
+    import datasets
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    import autoshard
+    from autoshard.training.trainer import ShardedTrainer
+
+    torch.set_num_threads(1)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)                  # as under torchrun: Trainer sees a multi-process job
+    try:
+        with shared_folder(lambda d: tokenizer_folder(d, "gpt2")) as d:
+            tok = transformers.AutoTokenizer.from_pretrained(d)
+        g = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": torch.randint(2, len(WORDS) + 2, (8,), generator=g).tolist()} for _ in range(24)]
+        ds = datasets.Dataset.from_list(rows)
+        torch.manual_seed(0)
+        dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=len(WORDS) + 2, max_position_embeddings=64, pad_token_id=0, eos_token_id=0))
+        ids = torch.tensor([r["input_ids"] for r in rows[:4]])
+        sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs={
+            "input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+        batches, losses = [], []
+
+        class Trainer(ShardedTrainer, SFTTrainer):
+            def compute_loss(self, model, inputs, return_outputs=False, **kw):
+                batches.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+                loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kw)
+                losses.append((loss[0] if return_outputs else loss).item())
+                return loss
+
+        args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-3,
+                         report_to=[], use_cpu=True, bf16=False, save_strategy="no", lr_scheduler_type="constant",
+                         warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, seed=0, optim="adamw_torch",
+                         disable_tqdm=True, logging_steps=1, max_length=None)
+        trainer = Trainer(model=sharded, args=args, train_dataset=ds, processing_class=tok)
+        trainer.train()
+        res = {"trainer": losses, "tags": sharded.model_tags, "checkpointing": sharded.is_gradient_checkpointing,
+               "keys": sorted(batches[0]), "signatures": sharded.signatures}
+        # the same batches on the dense model: the loss TRL computes, AdamW, the global norm clipped at 1
+        opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, weight_decay=0.0)
+        ref = []
+        for b in batches:
+            kw = {k: v for k, v in b.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
+            loss = dense(**kw).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ref.append(loss.item())
+        res["dense"] = ref
+        full = sharded.full_state_dict(rank0_only=False)
+        res["weights_err"] = max((full[n] - p).abs().max().item() for n, p in dense.state_dict().items() if n in full)
+        return res
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
