@@ -35,7 +35,9 @@ def test_plain_module_equals_dense(name, mode, kind, call):
     res = get_pool(world, timeout=600).run(plain_models.check, name, mode, depth, kind=kind, call=call)
     for rank, r in enumerate(res):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
-        assert r["fallbacks"] == [], r["fallbacks"]
+        # the ViT's fused qkv reshaped to (3, heads, head_dim): under 2d its reshape is gathered
+        # (exact; the plan's fallback rows say why), the transformer's separate q/k/v are split
+        assert r["fallbacks"] == [] or name == "vit", r["fallbacks"]
     # split, not replicated: the attention and MLP weights of every block
     assert any(n.endswith("w1.weight") or n.endswith("fc1.weight") for n in res[0]["split"]), res[0]["split"]
 
