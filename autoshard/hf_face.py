@@ -8,8 +8,8 @@ client library that calls a ``PreTrainedModel``'s methods (TRL's ``SFTTrainer``:
 :class:`ModelFace`, so each method maps to what it means for the sharded graph, or is
 refused naming the method and what to do instead:
 
-- ``add_model_tags`` / ``model_tags``: kept, and written by ``save_pretrained`` as
-  transformers writes them (the config's model tags);
+- ``add_model_tags`` / ``model_tags``: kept on the module, as transformers keeps them for
+  the model card a client writes;
 - ``gradient_checkpointing_enable()``: activation checkpointing of every repeated block
   of every graph (:mod:`autoshard.passes.remat`), and of the graphs captured later;
   ``gradient_checkpointing_disable()`` after that is refused (the blocks are outlined);
@@ -138,8 +138,8 @@ class ModelFace:
         return self._model_tags
 
     def add_model_tags(self, tags) -> None:
-        """Add ``tags`` (a string or a list) to the tags ``save_pretrained`` writes, as
-        transformers' ``PreTrainedModel.add_model_tags`` does."""
+        """Add ``tags`` (a string or a list) to :attr:`model_tags`, as transformers'
+        ``PreTrainedModel.add_model_tags`` does."""
         tags = [tags] if isinstance(tags, str) else list(tags)
         self._model_tags = list(self._model_tags or [])
         self._model_tags += [t for t in tags if t not in self._model_tags]
