@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -172,13 +173,77 @@ def _image_placeholders(model, params) -> tuple[int | None, int]:
     return int(token), int(n)
 
 
-def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
-    """The message of a failed capture: torch's explanation (its guard and the model's
-    line when it gives them), not just its first line."""
+def _capture_failure(name: str, e: Exception, lo: int, hi: int, inputs=()) -> str:
+    """The message of a failed capture: where in the model's code (file, line, the line
+    itself), what construct export cannot trace there and what would make it capturable
+    (:func:`model_line`), then torch's explanation (its guard), not just its first line."""
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("The error above occurred", "For more information"))][:12]
-    return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}: {type(e).__name__}: "
-            + "\n  ".join(keep))
+    where = model_line(e, str(e), inputs)
+    return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}"
+            + (f": {where}" if where else "") + f"\n  torch: {type(e).__name__}: " + "\n  ".join(keep))
+
+
+def _frames(e: BaseException):
+    """The traceback frames of ``e`` and of the exceptions it was raised from, innermost last."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    out = []
+    for x in reversed(chain):
+        tb = x.__traceback__
+        while tb is not None:
+            out.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+            tb = tb.tb_next
+    return out
+
+
+_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+              for d in ("autoshard", "passes", "policies")) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _outside_torch(path: str) -> bool:
+    """A frame of the model's code: not torch's, not autoshard's, not Python's own."""
+    parts = path.replace("\\", "/").split("/")
+    lib = "site-packages" in parts or "dist-packages" in parts
+    return not (("torch" in parts and lib) or path.startswith(_OURS) or path.startswith("<")
+                or ("/lib/python3" in path and not lib))
+
+
+def model_line(e: BaseException, msg: str, inputs=()) -> str:
+    """``file:line (`code`)``, the construct export cannot trace and a way around it, for a
+    failed capture: the innermost frame of the traceback in the model's code (not torch's,
+    not autoshard's), else the line torch names in its message; '' when neither is known.
+
+    >>> msg = 'File "/m/modeling_x.py", line 3, in forward' + chr(10) + '    n = lengths.tolist()'
+    >>> print(model_line(ValueError(), msg, ("lengths",)))
+    /m/modeling_x.py:3 (`n = lengths.tolist()`): reads a tensor's values as Python numbers (.tolist() / .item()); the line reads input lengths: call the model without it, or give the values as a non-tensor argument"""
+    import linecache
+
+    hits = [(f, n) for f, n in _frames(e) if _outside_torch(f)]
+    path, line = hits[-1] if hits else (None, None)
+    named = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)', msg)
+    if named and (path is None or not any(f == named[-1][0] for f, _ in hits)):
+        path, line = named[-1][0], int(named[-1][1])
+    if path is None:
+        return ""
+    code = (linecache.getline(path, line).strip() if os.path.exists(path) else "") or \
+        next((c.strip() for f, n, c in named if f == path and int(n) == line), "")
+    if re.search(r"\.(tolist|item)\(\)|\bint\(|\bfloat\(", code):
+        construct = "reads a tensor's values as Python numbers (.tolist() / .item())"
+    elif re.search(r"\b(if|while|assert)\b", code) or "data-dependent" in msg or "GuardOnDataDependent" in msg:
+        construct = "branches on a tensor's values (a Python if on data: export traces one path only)"
+    else:
+        construct = "a construct export cannot trace"
+    used = [k for k in inputs if re.search(rf"\b{re.escape(k)}\b", code)]
+    fix = (f"the line reads input {', '.join(used)}: call the model without it"
+           + (" (compute the loss outside the model from its logits)" if any(k.endswith("labels") for k in used) else "")
+           + ", or give the values as a non-tensor argument") if used else \
+        "the branch depends on values computed in the model: a static value (a config flag, a non-tensor " \
+        "argument) or a tensor op in place of the Python branch makes it capturable"
+    return f"{path}:{line} (`{code}`): {construct}; {fix}"
 
 
 @contextlib.contextmanager
@@ -347,7 +412,7 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
                 if lo == 2 and s >= 3 and hi not in excluded:
                     lo = 3
                     continue
-            raise CaptureError(_capture_failure(name, e, lo, hi)) from e
+            raise CaptureError(_capture_failure(name, e, lo, hi, tuple(inputs))) from e
     else:
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm, guards = unlift(ep)

@@ -106,3 +106,49 @@ def test_keyword_flags_through_kwargs_are_bound_not_inputs():
     torch.testing.assert_close(cap.module(**full)["y"], m(x, return_dict=True, double=True)["y"])
     assert g.accepts({"x": x, "return_dict": True, "double": False}) is None
     assert g.accepts({"x": x, "return_dict": True}) is None
+
+
+class _Branches(torch.nn.Module):
+    """The constructs the issue met in models torch.export cannot capture: wav2vec2's
+    ``if labels.max() >= vocab_size``, DETR's ``isfinite(...).all()``, Qwen2-VL's
+    ``lengths.tolist()``."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(8, 8)
+
+    def forward(self, x, labels=None):
+        y = self.lin(x)
+        if self.kind == "labels":
+            if labels.max() >= 8:
+                raise ValueError("labels out of range")
+        elif self.kind == "computed":
+            if not torch.isfinite(y).all():
+                raise ValueError("not finite")
+        else:
+            n = int(labels.sum().item())
+            y = y[:, :n]
+        return y
+
+
+@pytest.mark.parametrize("kind,construct,fix", [
+    ("labels", "branches on a tensor's values", "the line reads input labels: call the model without it (compute "
+                                                "the loss outside the model from its logits)"),
+    ("computed", "branches on a tensor's values", "the branch depends on values computed in the model"),
+    ("tolist", "reads a tensor's values as Python numbers", "the line reads input labels")])
+def test_an_uncapturable_model_is_named_by_its_line(kind, construct, fix):
+    """The CaptureError names the model's file and line, the construct and what would make
+    it capturable, not torch's internals."""
+    import inspect
+
+    from autoshard.ir.errors import CaptureError
+    from autoshard.passes.capture import capture
+
+    with pytest.raises(CaptureError) as e:
+        capture(_Branches(kind), example_inputs={"x": torch.randn(2, 5, 8), "labels": torch.randint(0, 4, (2, 5))})
+    first = str(e.value).splitlines()[0]
+    src, start = inspect.getsourcelines(_Branches.forward)
+    line = start + next(i for i, ln in enumerate(src) if {"labels": "labels.max()", "computed": "isfinite",
+                                                          "tolist": ".item()"}[kind] in ln)
+    assert f"{__file__}:{line} (`" in first, first
+    assert construct in first and fix in first, first
