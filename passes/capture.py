@@ -23,7 +23,7 @@ import torch
 from torch.export import Dim
 
 from autoshard.ir.errors import CaptureError, ConfigError
-from autoshard.ir.signature import MAIN_INPUTS, batch_of, main_input, pad_rows, seq_input, seq_of
+from autoshard.ir.signature import MAIN_INPUTS, NOT_TOKENS, batch_of, main_input, pad_rows, seq_input, seq_of
 
 __all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols", "unlift"]
 
@@ -295,8 +295,6 @@ def _as_signature(dynamic: dict, params) -> dict:
     return out
 
 
-# inputs whose dim 1 is never the token sequence (channels, mel bins)
-_NOT_TOKENS = frozenset({"pixel_values", "input_features", "input_values"})
 
 
 def _dynamic(kwargs: dict, b: int | None, s: int | None, min_seq: int, max_seq: int) -> dict:
@@ -308,7 +306,7 @@ def _dynamic(kwargs: dict, b: int | None, s: int | None, min_seq: int, max_seq: 
     dynamic: dict = {}
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor) and s is not None and v.dim() >= 2 and v.shape[1] == s \
-                and k not in _NOT_TOKENS and (b is None or v.shape[0] == b):
+                and k not in NOT_TOKENS and (b is None or v.shape[0] == b):
             dynamic[k] = {0: batch, 1: seq} if b is not None else {1: seq}
         elif isinstance(v, torch.Tensor) and b is not None and v.dim() >= 1 and v.shape[0] == b:
             dynamic[k] = {0: batch}

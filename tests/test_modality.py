@@ -153,6 +153,21 @@ def _clip_other_batch(rank, world):
     return failures, sharded.signatures
 
 
+def test_mel_bins_are_never_the_sequence():
+    """Whisper's ``input_features`` [batch, mel bins, frames] with as many mel bins as the
+    labels have tokens: the bins stay a static size of the signature, not ``s``."""
+    from autoshard.ir.signature import InputSignature
+
+    sig = InputSignature.of({"input_features": torch.zeros(2, 16, 32), "labels": torch.zeros(2, 16, dtype=torch.long)})
+    assert sig.describe() == "input_features[b,16,32]:float32, labels[b,s]:int64", sig.describe()
+
+
+@pytest.mark.slow      # two Whisper captures
+def test_whisper_with_labels_as_long_as_its_mel_bins_equals_dense():
+    for rank, r in enumerate(get_pool(2, timeout=600).run(modality.whisper_labels_as_long_as_mel_bins)):
+        assert r["failures"] == [], f"rank {rank}: {r}"
+
+
 @pytest.mark.slow      # two more CLIP captures (about a minute)
 def test_a_static_batch_is_captured_per_batch_size():
     for failures, sigs in get_pool(2, timeout=600).run(_clip_other_batch):

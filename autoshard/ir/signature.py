@@ -33,7 +33,7 @@ from torch import fx
 
 import torch
 
-__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "MAIN_INPUTS", "SEQ_INPUTS", "main_input",
+__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "MAIN_INPUTS", "SEQ_INPUTS", "NOT_TOKENS", "main_input",
            "seq_input", "batch_of", "seq_of", "pad_rows", "trim_rows", "pad_blocker", "batch_inputs"]
 
 IGNORE_INDEX = -100     # the label value Hugging Face losses (and torch's cross-entropy) ignore
@@ -102,11 +102,15 @@ def seq_of(kwargs: Mapping[str, Any]) -> int | None:
     return int(kwargs[k].shape[1]) if k is not None else None
 
 
-def _dims(t: torch.Tensor, b: int | None, s: int | None) -> tuple:
+# inputs whose dim 1 is never the token sequence (channels, mel bins), even when its size is the sequence's
+NOT_TOKENS = frozenset({"pixel_values", "input_features", "input_values"})
+
+
+def _dims(t: torch.Tensor, b: int | None, s: int | None, name: str = "") -> tuple:
     out = []
     for i, d in enumerate(t.shape):
         d = int(d)
-        out.append("b" if i == 0 and d == b else "s" if i == 1 and d == s else d)
+        out.append("b" if i == 0 and d == b else "s" if i == 1 and d == s and name not in NOT_TOKENS else d)
     return tuple(out)
 
 
@@ -131,7 +135,7 @@ class InputSignature:
             if v is None:
                 continue
             if isinstance(v, torch.Tensor):
-                tensors.append((k, str(v.dtype).removeprefix("torch."), _dims(v, b, s)))
+                tensors.append((k, str(v.dtype).removeprefix("torch."), _dims(v, b, s, k)))
             else:
                 constants.append((k, repr(v)))
         return cls(tuple(tensors), tuple(constants))
