@@ -243,11 +243,14 @@ def collect_recent() -> dict:
 
 
 # modules that are not transformers models (tests/plain_models.py), and what each brings
+# (report name: (tests/plain_models.py name, class, patterns)); named apart from the
+# transformers families (the report's details are keyed by name)
 PLAIN = {
-    "transformer": ("Transformer", "PyTorch's tensor-parallel test model: no config, forward(tokens), separate "
-                                   "wq/wk/wv/wo, GELU MLP, tied output head, logits returned as a tensor"),
-    "vit": ("ViT", "timm's VisionTransformer layout: no config, forward(x), fused qkv reshaped to (3, heads, "
-                   "head_dim) and unbound, class-token pooling"),
+    "torch_tp_transformer": ("transformer", "Transformer", "PyTorch's tensor-parallel test model: no config, "
+                             "forward(tokens), separate wq/wk/wv/wo, GELU MLP, tied output head, logits returned "
+                             "as a tensor"),
+    "timm_vit": ("vit", "ViT", "timm's VisionTransformer layout: no config, forward(x), fused qkv reshaped to "
+                 "(3, heads, head_dim) and unbound, class-token pooling"),
 }
 
 # client libraries run on a sharded model (tests/test_clients.py), and what each calls
@@ -269,9 +272,9 @@ def collect_plain() -> dict:
     from autoshard.passes.capture import capture
 
     out = {}
-    for name in PLAIN:
-        model = plain_models.BUILD[name]().train()
-        x, _ = plain_models.inputs_of(name)
+    for name, (built, _, _) in PLAIN.items():
+        model = plain_models.BUILD[built]().train()
+        x, _ = plain_models.inputs_of(built)
         out.update(_cells_of(name, capture(model, example_inputs=bind_call(forward_names(model), (x,), {}))))
     return out
 
@@ -383,7 +386,7 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
                         "tuple, dict and `ModelOutput` returns, in `make test-extended`). timm itself is not "
                         "installed in the tests (its torchvision dependency replaces the pinned CPU torch); the ViT "
                         "is its layout.",
-                        plain_cells, modes, lambda n: PLAIN[n])
+                        plain_cells, modes, lambda n: PLAIN[n][1:])
         cells = {**cells, **plain_cells}
         lines += ["", "## Client libraries", "",
                   "Run by `tests/test_clients.py` (`make test-extended`; skipped without `pip install "
