@@ -53,7 +53,7 @@ def main_input(kwargs: Mapping[str, Any]) -> str | None:
 
     A call of a module that is not a Hugging Face model names its inputs as it likes
     (``tokens``, ``x``): there the first tensor with a batch dim leads, in the call's
-    order, a label or mask only when nothing else is batched.
+    order (one of two dims or more first), never a label, target or mask.
 
     >>> main_input({"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.zeros(2)})
     'pixel_values'
@@ -64,7 +64,7 @@ def main_input(kwargs: Mapping[str, Any]) -> str | None:
         return hf
     batched = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1]
     return next((k for k in batched if not _secondary(k) and kwargs[k].dim() >= 2),
-                next((k for k in batched if not _secondary(k)), batched[0] if batched else None))
+                next((k for k in batched if not _secondary(k)), None))
 
 
 def _secondary(name: str) -> bool:
