@@ -127,11 +127,10 @@ def sft_trainer(rank: int, world: int, mode: str, out: str, steps: int = 3) -> d
     import autoshard
     from autoshard.training.trainer import ShardedTrainer
 
+    from models import torchrun_env
+
     torch.set_num_threads(1)
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                  # as under torchrun: Trainer sees a multi-process job
-    try:
+    with torchrun_env(rank, world):         # as under torchrun: Trainer sees a multi-process job
         with shared_folder(lambda d: tokenizer_folder(d, "gpt2")) as d:
             tok = transformers.AutoTokenizer.from_pretrained(d)
         g = torch.Generator().manual_seed(0)
@@ -176,9 +175,3 @@ def sft_trainer(rank: int, world: int, mode: str, out: str, steps: int = 3) -> d
         full = sharded.full_state_dict(rank0_only=False)
         res["weights_err"] = max((full[n] - p).abs().max().item() for n, p in dense.state_dict().items() if n in full)
         return res
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
