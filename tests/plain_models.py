@@ -240,6 +240,17 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, *, kind: str 
     example = (x,) if call == "positional" else {key: x, **extra} if call == "keyword" else None
     sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=example)
     failures: list = []
+    # what a client library calls on a PreTrainedModel (autoshard/hf_face.py)
+    sharded.gradient_checkpointing_enable()         # the blocks recompute in backward: still exact
+    sharded.add_model_tags(["client"])
+    try:
+        emb = sharded.get_input_embeddings()
+        embedding = any(emb.weight is p for p in sharded.parameters())
+    except autoshard.ConfigError as e:      # an image model has none: refused by name
+        embedding = str(e)
+    face = {"checkpointing": sharded.is_gradient_checkpointing, "tags": sharded.model_tags,
+            "base": sharded.base_model is sharded, "embedding": embedding,
+            "remat_blocks": sum(1 for n, _ in sharded.graph_module().named_children() if n.startswith("_remat"))}
 
     def cmp(what, got, ref):
         try:
@@ -286,4 +297,4 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, *, kind: str 
             pp.spec.local(pp.pad(dparams[pp.name].detach()), plan.mesh, rank))
     return {"failures": failures, "whole": plan.whole_report(), "fallbacks": [n.name for n in plan.fallbacks],
             "split": sorted(pp.name for pp in plan.params if pp.spec.axes),
-            "signatures": sharded.signatures}
+            "signatures": sharded.signatures, "face": face}

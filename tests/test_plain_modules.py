@@ -38,6 +38,10 @@ def test_plain_module_equals_dense(name, mode, kind, call):
         # the ViT's fused qkv reshaped to (3, heads, head_dim): under 2d its reshape is gathered
         # (exact; the plan's fallback rows say why), the transformer's separate q/k/v are split
         assert r["fallbacks"] == [] or name == "vit", r["fallbacks"]
+    face = res[0]["face"]
+    assert face["checkpointing"] and face["remat_blocks"] == 2, face     # gradient_checkpointing_enable: 2 blocks
+    assert face["tags"] == ["client"] and face["base"], face
+    assert face["embedding"] is True if name == "transformer" else "no token embedding" in face["embedding"], face
     # split, not replicated: the attention and MLP weights of every block
     assert any(n.endswith("w1.weight") or n.endswith("fc1.weight") for n in res[0]["split"]), res[0]["split"]
 
