@@ -292,6 +292,9 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, *, kind: str 
             losses[tag].append(step_loss.detach())
     for i, (a, b) in enumerate(zip(losses["sharded"], losses["dense"])):
         cmp(f"step {i} loss", a, b)
+    if extra:       # another value of a non-tensor argument: another graph, captured from the module's skeleton
+        with torch.no_grad():
+            cmp("logits at scale=2", _logits(sharded(x, scale=2.0)), _logits(dense(x, scale=2.0)))
     for pp in plan.params:      # the weights after the steps, this rank's block of the dense ones
         cmp(f"stepped {pp.name}", sparams[pp.name].detach(),
             pp.spec.local(pp.pad(dparams[pp.name].detach()), plan.mesh, rank))

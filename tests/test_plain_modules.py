@@ -15,9 +15,10 @@ import plain_models
 from dist_pool import get_pool
 
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2)}
-CELLS = [("transformer", "1d", "tensor", "positional"), ("vit", "1d", "tensor", "positional"),
+CELLS = [("transformer", "1d", "dict", "keyword"), ("vit", "1d", "tensor", "positional"),
+         pytest.param("transformer", "1d", "tensor", "keyword", marks=pytest.mark.extended),
          pytest.param("transformer", "2d", "dict", "keyword", marks=pytest.mark.extended),
-         pytest.param("transformer", "1d", "tuple", "keyword", marks=pytest.mark.extended),
+         pytest.param("transformer", "1d", "tuple", "positional", marks=pytest.mark.extended),
          pytest.param("transformer", "1d", "model_output", "positional", marks=pytest.mark.extended),
          pytest.param("vit", "2d", "tensor", "keyword", marks=pytest.mark.extended),
          pytest.param("transformer", "2.5d", "tensor", "positional", marks=pytest.mark.extended),
@@ -38,6 +39,9 @@ def test_plain_module_equals_dense(name, mode, kind, call):
         # the ViT's fused qkv reshaped to (3, heads, head_dim): under 2d its reshape is gathered
         # (exact; the plan's fallback rows say why), the transformer's separate q/k/v are split
         assert r["fallbacks"] == [] or name == "vit", r["fallbacks"]
+    if kind != "tensor":        # each value of scale is a graph of its own (the later ones from the skeleton)
+        assert [s.split(", ")[-1] for s in res[0]["signatures"]][-2:] == ["scale=0.5", "scale=2.0"], \
+            res[0]["signatures"]
     face = res[0]["face"]
     assert face["checkpointing"] and face["remat_blocks"] == 2, face     # gradient_checkpointing_enable: 2 blocks
     assert face["tags"] == ["client"] and face["base"], face
