@@ -14,6 +14,7 @@ from .ir.errors import AutoshardWarning, ConfigError, ShardingError
 from .ir.kernels import Dropout, check_dropout_mode
 from .module import ShardedModule
 from .adapters import unwrap
+from .hf_face import bind_call, embedding_names, forward_names
 from .ir.signature import Recipe, batch_of, main_input, pad_blocker, seq_input, seq_of
 from .ir.plan import ShardingPlan
 from .launch.capture_share import capture_for_plan, capture_shared
@@ -23,7 +24,7 @@ from .passes.capture import Captured
 from .passes.rewrite import rewrite
 from .passes.pipeline import plan_captured, prepare
 from .policies import POLICIES, make_policy
-from .io.builder import model_from
+from .io.builder import model_from, skeleton
 from .runtime.heartbeat import stale_after
 from .runtime.heartbeat import start as start_heartbeat
 from .io.hf_fill import open_folder
@@ -72,6 +73,13 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
             problems.append(Problem("mode" if mode not in POLICIES else "mesh", str(e)))
     problems += check_model(model, weights_given=weights_given)
     config = getattr(model, "config", None)
+    if config is None and example_inputs is None:       # nothing to make example inputs from
+        from .passes.capture import default_example_inputs
+
+        try:
+            default_example_inputs(model)
+        except ConfigError as e:
+            problems.append(Problem("example_inputs", str(e)))
     if pol is not None:
         problems += check_dims(config, pol)
     # a batch that does not divide the batch split is padded (refused later only where
@@ -253,6 +261,8 @@ def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", d
                           + (f" {model!r}" if isinstance(model, (int, float, bytes)) else ""))
     raise_problems(check_ep(ep, mode=mode, dp=dp, cp=cp, fsdp=fsdp), "autoshard.shard")   # before any collective
     model, adapters = unwrap(model)     # a peft wrapper: its injected model (autoshard.adapters)
+    if isinstance(example_inputs, (tuple, list)):       # positional, as the model is called
+        example_inputs = bind_call(forward_names(model), tuple(example_inputs), {}, "example_inputs")
     stale_after()           # a bad AUTOSHARD_HEARTBEAT is refused before any collective
     _ensure_dist()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -418,16 +428,18 @@ def _finish(model, launched: Launched, *, rank: int, weights, debug: bool, activ
     if weights is not None:
         weights(gm, p, rank)
     config = getattr(model, "config", None)
-    recipe = None if config is None else Recipe(
+    recipe = Recipe(
         model_class=type(model), config=config, training=facts.training, policy=pol,
         batch_size=facts.batch_size, seq_len=facts.seq_len, gather_outputs=gather_logits, dropout=dropout,
-        activation_checkpointing=activation_checkpointing, adapt=adapters.inject if adapters is not None else None)
+        activation_checkpointing=activation_checkpointing, adapt=adapters.inject if adapters is not None else None,
+        skeleton=skeleton(model) if config is None else None)      # no config: recaptured from a meta copy
     sm = ShardedModule(gm, p, rank=rank, groups=launched.groups, input_names=facts.input_names,
                        constants=facts.constants, example_inputs=facts.example_inputs, debug=debug,
                        recipe=recipe, batch_inputs=facts.batch_inputs, pad_blocker=facts.pad_blocker,
                        limits=_input_limits(config, facts.seq_range), seq_split=(pol.seq_split(), pol.seq_split_why()), config=config,
                        model_tensors=_tensor_names(model))
     sm.adapters = adapters
+    sm._call_names, sm._embedding_names = forward_names(model), embedding_names(model)
     start_heartbeat()       # a frozen rank now ends the job in AUTOSHARD_HEARTBEAT s, not the collective timeout
     return sm
 

@@ -408,7 +408,7 @@ class Generator:
 
     def _recipe(self):
         r = self.module.recipe
-        if r is None:
+        if r is None or r.config is None:
             raise ConfigError("generate() needs a module sharded from a Hugging Face model (its class and config "
                               "rebuild the model for the step graphs)")
         return r

@@ -19,6 +19,7 @@ from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
 from .planning.validate import Problem as _P
 from .io.gather import unique_params
+from .hf_face import ModelFace
 
 try:        # whether dynamo traces the frames the caller calls (torch.compile(sharded) runs forward eagerly)
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
@@ -48,7 +49,7 @@ def _cudagraphs_on(callback) -> bool:
     return False
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(ModelFace, nn.Module):
     """One rank's part of a sharded model.
 
     Takes the keyword arguments of the Hugging Face model it came from and
@@ -396,10 +397,11 @@ class ShardedModule(nn.Module):
         return [g.signature.describe() for g in self._graphs]
 
     @torch.compiler.disable(recursive=False)
-    def forward(self, **kwargs):
+    def forward(self, *args, **kwargs):
         """Run the graph captured for this call's inputs (capturing one first if no
         graph has them). A batch that does not divide the batch split is padded and
         the padded rows cut from the outputs (exact; see :mod:`autoshard.ir.signature`).
+        Positional arguments bind to the model's own parameter names (:mod:`autoshard.hf_face`).
 
         ``torch.compile(sharded)`` compiles the graph in one piece, with no break: this
         method and the input checks, graph lookup and padding it runs are outside the
@@ -407,6 +409,7 @@ class ShardedModule(nn.Module):
         frame it compiles is the graph module's own, one per captured signature."""
         if _cudagraphs_on(_eval_frame_callback()):      # torch.compile(sharded, mode="reduce-overhead")
             raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="torch.compile(sharded, mode='reduce-overhead')"))
+        kwargs, answer = self._bind(args, kwargs)
         g, full, b, padded, run = self._prepare(kwargs)
         if self._compile_kw is not None:
             if self._dynamic_dims:
@@ -416,7 +419,7 @@ class ShardedModule(nn.Module):
             run = self._compile_copy(g)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
-        return self._trim(out, b, padded) if padded != b else out
+        return answer(self._trim(out, b, padded) if padded != b else out)
 
     @staticmethod
     @torch.compiler.disable
@@ -722,13 +725,15 @@ class ShardedModule(nn.Module):
             raise ConfigError(f"inputs {InputSignature.of(kwargs).describe()} do not match the captured "
                               f"{g.signature.describe()}, and this module's blocks run as modules (split_blocks(), "
                               f"fsdp=True), so it captures no other graph; shard with example_inputs of these shapes")
+        # a graph whose batch export made static (the model reads it as a Python int: CLIP's
+        # contrastive loss, LLaVA's per-sample features): another batch size is captured anew
         static = next((g for g in self._graphs if g.static_batch is not None), None)
-        if static is not None and batch_of(kwargs) != static.static_batch:
-            raise ConfigError(f"batch size {batch_of(kwargs)}: this module's graph was captured for a batch of "
-                              f"{static.static_batch} only ({static.signature.describe()}): torch.export "
-                              f"made the batch static because the model reads it as a Python int; call it with "
-                              f"that batch size, or shard with example_inputs of the batch size you will use")
-        g = capture_graph(self, kwargs)
+        batch = batch_of(kwargs) if static is not None else None
+        if batch is not None and batch < 2:
+            raise ConfigError(f"batch size {batch}: this module's graphs are captured per batch size (torch.export "
+                              f"made the batch static: {static.signature.describe()}), and export cannot capture "
+                              f"a batch of 1 apart from other sizes; call it with a batch of 2 or more")
+        g = capture_graph(self, kwargs, batch=batch)
         self._graphs.append(g)
         full = g.accepts(kwargs)
         if full is None:        # the capture was made from these very inputs
@@ -872,7 +877,8 @@ class ShardedModule(nn.Module):
         prepared = prepare(cap, POLICIES[self.plan.mode](self.plan.mesh))
         dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
         with torch.no_grad():
-            values = record(prepared.module, {**_on_device(kwargs, dev), **prepared.constants})
+            values = record(prepared.module, {k: v for k, v in {**_on_device(kwargs, dev), **prepared.constants}.items()
+                                              if k in prepared.input_names})
         local = kwargs
         if "dp" in self.mesh.axes:      # this replica's rows of the global batch
             b = batch_of(kwargs)

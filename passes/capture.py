@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ import torch
 from torch.export import Dim
 
 from autoshard.ir.errors import CaptureError, ConfigError
-from autoshard.ir.signature import MAIN_INPUTS, batch_of, main_input, pad_rows, seq_input, seq_of
+from autoshard.ir.signature import MAIN_INPUTS, NOT_TOKENS, batch_of, main_input, pad_rows, seq_input, seq_of
 
 __all__ = ["Captured", "capture", "default_example_inputs", "copy_sharing", "input_symbols", "unlift"]
 
@@ -34,7 +36,8 @@ class Captured:
     module: torch.fx.GraphModule    # program.module(): parameters as get_attr
     model_name: str
     input_names: tuple[str, ...]
-    constants: dict                 # non-tensor kwargs baked in (use_cache=False)
+    constants: dict                 # non-tensor kwargs baked in (use_cache=False); those not in input_names
+                                    # are bound into forward, not graph inputs (see bound_constants)
     batch_symbol: Any               # sympy symbol of the batch dim
     seq_symbol: Any
     example_inputs: dict
@@ -48,8 +51,11 @@ class Captured:
     shallow: Any = None             # passes.stamp.Shallow: that export, which the search prices on
 
 
-def _max_positions(config) -> int:
-    for c in (config, getattr(config, "text_config", None), getattr(config, "decoder", None)):
+def _max_positions(model) -> int:
+    """The longest sequence the model takes: its config's positions, else an attribute of
+    the module itself (a plain module's ``max_seq_len``), else 4096."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None), getattr(config, "decoder", None), model):
         for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions"):
             v = getattr(c, key, None) if c is not None else None
             if isinstance(v, int) and v > 2:
@@ -87,7 +93,13 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     ...                                          intermediate_size=64, image_size=8, patch_size=4))
     >>> {k: tuple(v.shape) for k, v in default_example_inputs(m).items()}
     {'pixel_values': (2, 3, 8, 8), 'labels': (2,)}"""
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None:
+        names = _tensor_params(model)
+        raise ConfigError(f"{type(model).__name__} has no Hugging Face config to make example inputs from: pass "
+                          f"example_inputs, a batch as its forward takes it: a tuple "
+                          f"({', '.join(names) or '...'},) or a dict "
+                          f"{{{', '.join(repr(n) + ': ...' for n in names) or '...'}}}")
     params = inspect.signature(model.forward).parameters
     g = torch.Generator().manual_seed(0)
     out: dict = {}
@@ -128,6 +140,16 @@ def default_example_inputs(model, *, batch_size: int = 2, seq_len: int = 8, labe
     return out
 
 
+def _tensor_params(model) -> list[str]:
+    """The names of ``model.forward``'s parameters without a default (what a call must give)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def log_mel_shape(config) -> tuple[int, int]:
     """``(mel bins, frames)`` of a speech encoder's input: its positions × its conv stride (2) frames."""
     return int(getattr(config, "num_mel_bins", 80)), 2 * int(getattr(config, "max_source_positions", 1500))
@@ -152,13 +174,77 @@ def _image_placeholders(model, params) -> tuple[int | None, int]:
     return int(token), int(n)
 
 
-def _capture_failure(name: str, e: Exception, lo: int, hi: int) -> str:
-    """The message of a failed capture: torch's explanation (its guard and the model's
-    line when it gives them), not just its first line."""
+def _capture_failure(name: str, e: Exception, lo: int, hi: int, inputs=()) -> str:
+    """The message of a failed capture: where in the model's code (file, line, the line
+    itself), what construct export cannot trace there and what would make it capturable
+    (:func:`model_line`), then torch's explanation (its guard), not just its first line."""
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     keep = [ln for ln in lines if not ln.startswith(("The error above occurred", "For more information"))][:12]
-    return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}: {type(e).__name__}: "
-            + "\n  ".join(keep))
+    where = model_line(e, str(e), inputs)
+    return (f"torch.export could not capture {name} with sequence lengths {lo}..{hi}"
+            + (f": {where}" if where else "") + f"\n  torch: {type(e).__name__}: " + "\n  ".join(keep))
+
+
+def _frames(e: BaseException):
+    """The traceback frames of ``e`` and of the exceptions it was raised from, innermost last."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    out = []
+    for x in reversed(chain):
+        tb = x.__traceback__
+        while tb is not None:
+            out.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+            tb = tb.tb_next
+    return out
+
+
+_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+              for d in ("autoshard", "passes", "policies")) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _outside_torch(path: str) -> bool:
+    """A frame of the model's code: not torch's, not autoshard's, not Python's own."""
+    parts = path.replace("\\", "/").split("/")
+    lib = "site-packages" in parts or "dist-packages" in parts
+    return not (("torch" in parts and lib) or path.startswith(_OURS) or path.startswith("<")
+                or ("/lib/python3" in path and not lib))
+
+
+def model_line(e: BaseException, msg: str, inputs=()) -> str:
+    """``file:line (`code`)``, the construct export cannot trace and a way around it, for a
+    failed capture: the innermost frame of the traceback in the model's code (not torch's,
+    not autoshard's), else the line torch names in its message; '' when neither is known.
+
+    >>> msg = 'File "/m/modeling_x.py", line 3, in forward' + chr(10) + '    n = lengths.tolist()'
+    >>> print(model_line(ValueError(), msg, ("lengths",)))
+    /m/modeling_x.py:3 (`n = lengths.tolist()`): reads a tensor's values as Python numbers (.tolist() / .item()); the line reads input lengths: call the model without it, or give the values as a non-tensor argument"""
+    import linecache
+
+    hits = [(f, n) for f, n in _frames(e) if _outside_torch(f)]
+    path, line = hits[-1] if hits else (None, None)
+    named = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)', msg)
+    if named and (path is None or not any(f == named[-1][0] for f, _ in hits)):
+        path, line = named[-1][0], int(named[-1][1])
+    if path is None:
+        return ""
+    code = (linecache.getline(path, line).strip() if os.path.exists(path) else "") or \
+        next((c.strip() for f, n, c in named if f == path and int(n) == line), "")
+    if re.search(r"\.(tolist|item)\(\)|\bint\(|\bfloat\(", code):
+        construct = "reads a tensor's values as Python numbers (.tolist() / .item())"
+    elif re.search(r"\b(if|while|assert)\b", code) or "data-dependent" in msg or "GuardOnDataDependent" in msg:
+        construct = "branches on a tensor's values (a Python if on data: export traces one path only)"
+    else:
+        construct = "a construct export cannot trace"
+    used = [k for k in inputs if re.search(rf"\b{re.escape(k)}\b", code)]
+    fix = (f"the line reads input {', '.join(used)}: call the model without it"
+           + (" (compute the loss outside the model from its logits)" if any(k.endswith("labels") for k in used) else "")
+           + ", or give the values as a non-tensor argument") if used else \
+        "the branch depends on values computed in the model: a static value (a config flag, a non-tensor " \
+        "argument) or a tensor op in place of the Python branch makes it capturable"
+    return f"{path}:{line} (`{code}`): {construct}; {fix}"
 
 
 @contextlib.contextmanager
@@ -166,7 +252,7 @@ def _no_cache(model, params, kwargs):
     """A model that hands ``use_cache`` to its decoder through ``**kwargs`` (LLaVA-like)
     is captured with its text config's ``use_cache`` off (a cache object is not a graph
     output), restored after."""
-    text = _sub(model.config, "text")
+    text = _sub(getattr(model, "config", None), "text")
     if "use_cache" in params or "use_cache" in kwargs or not getattr(text, "use_cache", False):
         yield
         return
@@ -175,6 +261,23 @@ def _no_cache(model, params, kwargs):
         yield
     finally:
         text.use_cache = True
+
+
+@contextlib.contextmanager
+def _bound(model, bound: dict):
+    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export."""
+    if not bound:
+        yield
+        return
+    own = model.__dict__.get("forward")
+    model.forward = functools.partial(model.forward, **bound)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 # True: every export defers torch's guards to run time, as the capture retry does for a
@@ -193,8 +296,6 @@ def _as_signature(dynamic: dict, params) -> dict:
     return out
 
 
-# inputs whose dim 1 is never the token sequence (channels, mel bins)
-_NOT_TOKENS = frozenset({"pixel_values", "input_features", "input_values"})
 
 
 def _dynamic(kwargs: dict, b: int | None, s: int | None, min_seq: int, max_seq: int) -> dict:
@@ -206,7 +307,7 @@ def _dynamic(kwargs: dict, b: int | None, s: int | None, min_seq: int, max_seq: 
     dynamic: dict = {}
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor) and s is not None and v.dim() >= 2 and v.shape[1] == s \
-                and k not in _NOT_TOKENS and (b is None or v.shape[0] == b):
+                and k not in NOT_TOKENS and (b is None or v.shape[0] == b):
             dynamic[k] = {0: batch, 1: seq} if b is not None else {1: seq}
         elif isinstance(v, torch.Tensor) and b is not None and v.dim() >= 1 and v.shape[0] == b:
             dynamic[k] = {0: batch}
@@ -251,6 +352,12 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     for k, v in kwargs.items():
         if not isinstance(v, torch.Tensor):
             constants[k] = v
+    # a non-tensor that forward takes through ``**kwargs`` (``return_dict=True`` on BERT) is
+    # bound into forward rather than given to export (whose dynamic-shapes matching fails on
+    # it): a constant of the graph, not one of its inputs (``input_names``)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    bound = {k: v for k, v in constants.items() if var_kw and k not in params}
+    inputs = {k: v for k, v in kwargs.items() if k not in bound}
     name = type(model).__name__
     # Export proves the graph for a range of sequence lengths. Two guards models are
     # known to add narrow it, each retried once: encoder-decoders shift the labels
@@ -261,14 +368,14 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
     # that dim is then captured static, a graph for this size only (no mode may split
     # a static batch: passes/pipeline.py; a module captures one graph per static
     # sequence length it is called with).
-    lo, hi = 2, _max_positions(model.config)
+    lo, hi = 2, _max_positions(model)
     static_batch = static_seq = False
     deferred = _DEFER_GUARDS
     for _ in range(6):
         try:
-            with _no_cache(model, params, kwargs):
-                ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=_as_signature(_dynamic(
-                    kwargs, None if static_batch else b, None if static_seq else s, lo, hi), params),
+            with _no_cache(model, params, kwargs), _bound(model, bound):
+                ep = torch.export.export(model, (), inputs, strict=False, dynamic_shapes=_as_signature(_dynamic(
+                    inputs, None if static_batch else b, None if static_seq else s, lo, hi), params),
                     prefer_deferred_runtime_asserts_over_guards=deferred)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
@@ -288,6 +395,14 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
                     and not static_seq:
                 static_seq = True
                 continue
+            fix = re.search(r"seq = Dim\('seq', (?:min=(\d+))?,? ?(?:max=(\d+))?\)", msg)
+            if s is not None and "Constraints violated (seq)" in msg and fix is not None:
+                # the model checks the length itself (``if seq_len > self.max_seq_len: raise``):
+                # the range torch proposes, where it holds the example's length
+                new_lo, new_hi = int(fix.group(1) or lo), int(fix.group(2) or hi)
+                if (new_lo, new_hi) != (lo, hi) and max(new_lo, 2) <= s <= new_hi and new_hi > max(new_lo, 2):
+                    lo, hi = max(new_lo, 2), new_hi
+                    continue
             if s is not None and "Constraints violated (seq)" in msg:
                 excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
                 if hi in excluded and hi - 1 >= max(lo, s):
@@ -296,14 +411,14 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
                 if lo == 2 and s >= 3 and hi not in excluded:
                     lo = 3
                     continue
-            raise CaptureError(_capture_failure(name, e, lo, hi)) from e
+            raise CaptureError(_capture_failure(name, e, lo, hi, tuple(inputs))) from e
     else:
         raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
     gm, guards = unlift(ep)
     bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
     if static_seq:
         lo = hi = s
-    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(kwargs), constants=constants,
+    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(inputs), constants=constants,
                     seq_range=(lo, hi), guards=guards,
                     batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
                     config=getattr(model, "config", None))

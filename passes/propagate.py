@@ -371,7 +371,17 @@ def _view_dim(u, src, d):
     """The split dim ``d`` of ``src`` in the output of the view ``u``: kept by a view that
     keeps the dims up to it, moved by a transpose, kept on the outer factor when the dim
     is cut in two (``[.., heads·hd] → [.., heads, hd]``) or merged with its inner neighbour
-    (and back); None where unknown (the caller then stops at the next norm)."""
+    (and back); None where unknown (the caller then stops at the next norm), sizes that
+    depend on data (an unbacked ``u8`` no comparison can decide: Idefics3's connector) too."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return _view_dim_of(u, src, d)
+    except GuardOnDataDependentSymNode:
+        return None
+
+
+def _view_dim_of(u, src, d):
     a, b = _shape(src), _shape(u)
     if d is None or a is None or b is None:
         return None

@@ -242,6 +242,43 @@ def collect_recent() -> dict:
     return out
 
 
+# modules that are not transformers models (tests/plain_models.py), and what each brings
+# (report name: (tests/plain_models.py name, class, patterns)); named apart from the
+# transformers families (the report's details are keyed by name)
+PLAIN = {
+    "torch_tp_transformer": ("transformer", "Transformer", "PyTorch's tensor-parallel test model: no config, "
+                             "forward(tokens), separate wq/wk/wv/wo, GELU MLP, tied output head, logits returned "
+                             "as a tensor"),
+    "timm_vit": ("vit", "ViT", "timm's VisionTransformer layout: no config, forward(x), fused qkv reshaped to "
+                 "(3, heads, head_dim) and unbound, class-token pooling"),
+}
+
+# client libraries run on a sharded model (tests/test_clients.py), and what each calls
+CLIENTS = (
+    ("sentence-transformers 6.2", "`SentenceTransformer` with its BERT sharded: `encode()` at other batch sizes "
+                                  "and lengths, a training step through the client (`return_dict=True` on every call)",
+     "`encode()` within 1e-5; loss and every local gradient within 1e-5"),
+    ("TRL 1.16", "`SFTTrainer` mixed with `ShardedTrainer` on a sharded Llama: `add_model_tags`, "
+                 "`gradient_checkpointing_enable`, its fused LM head (`fused_lm_head=True`), its collator",
+     "3 steps' losses and the weights after them within 1e-5 of the same steps on the dense model"),
+)
+
+
+def collect_plain() -> dict:
+    """``{(module, mode): Cell}`` of :data:`PLAIN`, captured from a batch of 4 (× 8 tokens)
+    passed positionally, as ``shard(module, example_inputs=(x,))`` captures it."""
+    import plain_models
+    from autoshard.hf_face import bind_call, forward_names
+    from autoshard.passes.capture import capture
+
+    out = {}
+    for name, (built, _, _) in PLAIN.items():
+        model = plain_models.BUILD[built]().train()
+        x, _ = plain_models.inputs_of(built)
+        out.update(_cells_of(name, capture(model, example_inputs=bind_call(forward_names(model), (x,), {}))))
+    return out
+
+
 def _cell_text(c: Cell) -> str:
     if c.status == "refused":
         return "**refused**"
@@ -269,7 +306,8 @@ def _table(title: str, blurb: str, cells: dict, modes: list, describe) -> list[s
     return lines
 
 
-def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict | None = None) -> str:
+def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict | None = None,
+           plain_cells: dict | None = None) -> str:
     """The markdown report (deterministic: a function of the cells only)."""
     archs = list(dict.fromkeys(a for a, _ in cells))
     modes = [m for m, _, _ in MODES]
@@ -338,6 +376,23 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
                         "(`tests/test_modality.py`).",
                         recent_cells, modes, lambda n: (models.TINY[n][0], RECENT[n]))
         cells = {**cells, **recent_cells}
+    if plain_cells:
+        lines += _table("Modules that are not transformers models",
+                        "Any `nn.Module` (`tests/plain_models.py`): no config, its inputs under its own names, "
+                        "positional or by keyword, its outputs a tensor, tuple, dict or `ModelOutput`, the loss "
+                        "computed by the caller. `tests/test_plain_modules.py` runs them on gloo ranks against the "
+                        "dense module: outputs, the caller's loss, every local gradient and 3 optimizer steps "
+                        "within 1e-5 (the Transformer and the ViT at 1d@2 in `make test`; 2d and 2.5d, and the "
+                        "tuple, dict and `ModelOutput` returns, in `make test-extended`). timm itself is not "
+                        "installed in the tests (its torchvision dependency replaces the pinned CPU torch); the ViT "
+                        "is its layout.",
+                        plain_cells, modes, lambda n: PLAIN[n][1:])
+        cells = {**cells, **plain_cells}
+        lines += ["", "## Client libraries", "",
+                  "Run by `tests/test_clients.py` (`make test-extended`; skipped without `pip install "
+                  "'autoshard[clients]'`), 1d@2 and 2d@4; usage in `docs/clients.md`.", "",
+                  "| client | what it does with the sharded model | checked |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in CLIENTS]
     details = [(a, m, c) for (a, m), c in cells.items()
                if c.status != "pass" or c.replicated or c.vs_ideal > IDEAL_SLACK]
     if details:
@@ -396,7 +451,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dump:
         return dump_plans(args.dump)
-    text = render(collect(), collect_modality(), collect_recent())
+    text = render(collect(), collect_modality(), collect_recent(), collect_plain())
     if args.check:
         cur = open(args.out).read() if os.path.exists(args.out) else ""
         print("up to date" if cur == text else f"{args.out} is stale")

@@ -201,3 +201,38 @@ if __name__ == "__main__":          # python tests/modality.py: every family in 
                       f"{max(r['param_bytes'] for r in res) / res[0]['dense_param_bytes']:.3f}",
                       str(res[0]["ledger"][0]), "yes" if all(r["ledger"] == r["plan"] for r in res) else "NO")
     Console(width=160).print(t)
+
+
+def whisper_labels_as_long_as_mel_bins(rank: int, world: int, mode: str = "1d") -> dict:
+    """Whisper fine-tuned as people do (``input_features`` and ``labels``), its label
+    length equal to its mel bins (16): the call's signature keeps the mel bins static
+    (never the sequence), so the graph captured for it takes 16 channels. Loss, logits and
+    every local gradient against dense."""
+    import autoshard
+    import transformers
+
+    torch.set_num_threads(1)
+    cls, cfg_cls, kw = FAMILIES["whisper"]
+    torch.manual_seed(0)
+    dense = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**kw, "num_mel_bins": 16})).train()
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode)
+    g = torch.Generator().manual_seed(3)
+    batch = {"input_features": torch.randn(4, 16, 32, generator=g), "labels": torch.randint(3, 96, (4, 16), generator=g)}
+    out, ref = sharded(**batch), dense(**batch)
+    out.loss.backward()
+    ref.loss.backward()
+    failures = []
+    for what, a, b in (("loss", out.loss, ref.loss), ("logits", out.logits, ref.logits)):
+        if not torch.allclose(a, b, atol=1e-5, rtol=1e-5):
+            failures.append(f"{what}: {(a - b).abs().max().item()}")
+    params = dict(dense.named_parameters(remove_duplicate=False))     # tied proj_out too
+    for pp in sharded.plan.params:
+        got = sharded.get_parameter(pp.name).grad
+        if params[pp.name].grad is None:        # frozen (the encoder's sinusoidal positions)
+            if got is not None:
+                failures.append(f"grad {pp.name}: frozen, has a gradient")
+            continue
+        want = pp.spec.local(params[pp.name].grad, sharded.mesh, rank)
+        if got is None or not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+            failures.append(f"grad {pp.name}")
+    return {"failures": failures, "signatures": sharded.signatures}

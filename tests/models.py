@@ -4,7 +4,9 @@ gradient, parameter bytes and the collective ledger vs the plan."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import torch
 
@@ -358,3 +360,20 @@ def train_trainable(sharded, dense, inputs, steps: int, lr: float = 1e-3) -> dic
                                     for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     out["frozen_moved"] = [n for n, p in sharded.named_parameters() if n in before and not torch.equal(p, before[n])]
     return out
+
+
+@contextlib.contextmanager
+def torchrun_env(rank: int, world: int):
+    """The environment torchrun gives a rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_*``), for
+    the block: ``Trainer`` then sees a multi-process job; restored after."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

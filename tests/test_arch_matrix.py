@@ -38,7 +38,7 @@ def cells():
 def test_support_md_is_generated_from_the_matrix(cells):
     with open(M.SUPPORT_MD) as f:
         committed = f.read()
-    assert M.render(cells, M.collect_modality(), M.collect_recent()) == committed, ("docs/support.md is stale: run "
+    assert M.render(cells, M.collect_modality(), M.collect_recent(), M.collect_plain()) == committed, ("docs/support.md is stale: run "
                                           "`.venv/bin/python tests/arch_matrix.py` and commit it")
 
 

@@ -175,3 +175,37 @@ def test_the_packed_graph_runs_as_the_capture_and_keeps_its_guards(monkeypatch):
     assert "program" in __import__("pickle").loads(blob)
     again = unpack(blob, model)
     assert again.program is not None and again.module.code == own.module.code
+
+
+def _unshippable(rank, world):
+    """A capture neither format can write (as Gemma-3's multi-modal graph, a flat_apply
+    node holding a TreeSpec): every rank captures the model itself, and the module runs
+    exactly."""
+    import autoshard
+    import autoshard.launch.capture_share as cs
+
+    torch.set_num_threads(1)
+    real, cache = cs.pack, os.environ.get("AUTOSHARD_CACHE")
+
+    def refuse(cap):
+        raise cs.Unshippable(cap, RuntimeError("Failed serializing node flat_apply"))
+
+    cs.pack, os.environ["AUTOSHARD_CACHE"] = refuse, "off"
+    try:
+        dense = models.build("gpt2")
+        inputs = models.batch("gpt2")
+        sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs)
+        out, ref = sharded(**inputs), dense(**inputs)
+        return (out.loss - ref.loss).abs().item(), (out.logits - ref.logits).abs().max().item()
+    finally:
+        cs.pack = real
+        if cache is None:
+            os.environ.pop("AUTOSHARD_CACHE", None)
+        else:
+            os.environ["AUTOSHARD_CACHE"] = cache
+
+
+@pytest.mark.slow      # a GPT-2 export on every rank
+def test_a_capture_that_does_not_serialise_is_captured_on_every_rank():
+    for loss_err, logits_err in get_pool(2).run(_unshippable):
+        assert loss_err < 1e-5 and logits_err < 1e-5

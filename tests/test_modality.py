@@ -9,7 +9,7 @@ of the dense model's, parameter bytes and the collective ledger equal to the pla
 
 CLIP (a dual encoder: every image against every text of the batch) reads its batch
 as a Python int (``len(logits)`` in its contrastive loss), so export makes the batch
-static: a call with another batch size is refused, and every mode keeps that batch
+static: a call with another batch size captures a graph of its own, and every mode keeps that batch
 whole on every rank (SUMMA / 3D Linears with their rows whole, weights still split),
 so the contrastive loss sees every pair — never a block-local one; dp and cp, which
 would hand ranks other samples, are refused at plan time naming the input. LLaVA
@@ -124,6 +124,9 @@ def test_an_odd_batch_of_images_is_padded_exactly():
 
 
 def _clip_other_batch(rank, world):
+    """CLIP sharded with no example inputs (a static batch of 2), then called with batches
+    of 3 and 8: each size gets its own graph; loss, logits and every local gradient of the
+    last call against the dense model's."""
     import copy
 
     import autoshard
@@ -131,16 +134,45 @@ def _clip_other_batch(rank, world):
     torch.set_num_threads(1)
     dense = modality.build("clip")
     sharded = autoshard.shard(copy.deepcopy(dense), mode="1d")
-    try:
-        sharded(**modality.inputs("clip", dense, b=3))
-    except autoshard.ConfigError as e:
-        return str(e)
-    return "did not refuse"
+    failures = []
+    for b in (3, 8):
+        batch = modality.inputs("clip", dense, b=b)
+        for m in (sharded, dense):
+            m.zero_grad()
+        out, ref = sharded(**batch), dense(**batch)
+        out.loss.backward()
+        ref.loss.backward()
+        for what, got, want in (("loss", out.loss, ref.loss), ("logits", out.logits_per_image, ref.logits_per_image)):
+            if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+                failures.append(f"b={b} {what}: {(got - want).abs().max().item()}")
+        dparams = dict(dense.named_parameters())
+        for pp, p in ((pp, sharded.get_parameter(pp.name)) for pp in sharded.plan.params):
+            want = pp.spec.local(dparams[pp.name].grad, sharded.mesh, rank)
+            if p.grad is None or not torch.allclose(p.grad, want, atol=1e-5, rtol=1e-5):
+                failures.append(f"b={b} grad {pp.name}")
+    return failures, sharded.signatures
 
 
-def test_a_static_batch_runs_its_own_size_only():
-    for msg in get_pool(2, timeout=600).run(_clip_other_batch):
-        assert msg.startswith("batch size 3: this module's graph was captured for a batch of 2 only"), msg
+def test_mel_bins_are_never_the_sequence():
+    """Whisper's ``input_features`` [batch, mel bins, frames] with as many mel bins as the
+    labels have tokens: the bins stay a static size of the signature, not ``s``."""
+    from autoshard.ir.signature import InputSignature
+
+    sig = InputSignature.of({"input_features": torch.zeros(2, 16, 32), "labels": torch.zeros(2, 16, dtype=torch.long)})
+    assert sig.describe() == "input_features[b,16,32]:float32, labels[b,s]:int64", sig.describe()
+
+
+@pytest.mark.slow      # two Whisper captures
+def test_whisper_with_labels_as_long_as_its_mel_bins_equals_dense():
+    for rank, r in enumerate(get_pool(2, timeout=600).run(modality.whisper_labels_as_long_as_mel_bins)):
+        assert r["failures"] == [], f"rank {rank}: {r}"
+
+
+@pytest.mark.slow      # two more CLIP captures (about a minute)
+def test_a_static_batch_is_captured_per_batch_size():
+    for failures, sigs in get_pool(2, timeout=600).run(_clip_other_batch):
+        assert failures == [], failures
+        assert len(sigs) == 3 and [s.split("[")[1].split(",")[0] for s in sigs] == ["2", "3", "8"], sigs
 
 
 @pytest.mark.parametrize("mode,world,kw", [("2d", 8, dict(dp=2)), ("1d", 4, dict(dp=2)), ("1d", 4, dict(cp=2))])

@@ -4,13 +4,12 @@ autoshard's own loop (autoshard.training.train.train) and the dense model, step 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
 from dist_pool import get_pool
-from models import build
+from models import build, torchrun_env
 
 pytest.importorskip("accelerate")
 
@@ -46,10 +45,7 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
     from autoshard.training.trainer import ShardedTrainer
 
     torch.set_num_threads(1)
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                  # as under torchrun: Trainer sees a multi-process job
-    try:
+    with torchrun_env(rank, world):         # as under torchrun: Trainer sees a multi-process job
         ds = _rows()
         dense = build("llama")
         example = transformers.default_data_collator(ds[:4])
@@ -78,12 +74,6 @@ def _trainer_vs_loop(rank, world, mode, out, steps=5):
                               optimizer=torch.optim.AdamW(for_loop.parameters(), lr=1e-3, weight_decay=0.0))
         ref = _loop(dense, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
         return {"trainer": seen, "loop": own, "dense": ref, "kind": kind}
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.parametrize("mode,world", [("1d", 2), pytest.param("2d", 4, marks=pytest.mark.slow)])

@@ -15,6 +15,7 @@ constructor and are not in the weight files). Both pick the class the same way
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 
 from ..ir.errors import ConfigError
 
-__all__ = ["model_from", "construct", "build_meta", "resolve_class", "with_architecture", "load_config", "resolve_dtype", "Built"]
+__all__ = ["model_from", "construct", "build_meta", "resolve_class", "with_architecture", "load_config", "resolve_dtype", "Built",
+           "skeleton"]
 
 
 def resolve_class(config, model_class=None):
@@ -143,6 +145,27 @@ class Built:
 
     def __init__(self, model, buffers: dict, persistent: set, config):
         self.model, self.buffers, self.persistent, self.config = model, buffers, persistent, config
+
+
+def skeleton(model: nn.Module) -> Built:
+    """A copy of ``model`` (any ``nn.Module``, no config needed) with its parameters and
+    buffers on meta, its buffers' real values kept aside: what a new input signature of a
+    module that is not a transformers model is captured from (``build_meta`` rebuilds one
+    from its config). No parameter's data is copied.
+
+    >>> b = skeleton(torch.nn.BatchNorm1d(4))
+    >>> b.model.weight.device.type, b.buffers["running_var"].tolist()
+    ('meta', [1.0, 1.0, 1.0, 1.0])"""
+    memo: dict = {}
+    for _, t in model.named_parameters(remove_duplicate=False):
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
+    for _, b in model.named_buffers(remove_duplicate=False):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    meta = copy.deepcopy(model, memo)
+    pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    persistent = {k for k in model.state_dict(keep_vars=True) if k not in pnames}
+    return Built(meta, buffers, persistent, getattr(model, "config", None))
 
 
 def build_meta(config, *, model_class=None, dtype=None, adapt=None) -> Built:

@@ -33,7 +33,7 @@ from torch import fx
 
 import torch
 
-__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "MAIN_INPUTS", "SEQ_INPUTS", "main_input",
+__all__ = ["InputSignature", "SignatureGraph", "Recipe", "IGNORE_INDEX", "MAIN_INPUTS", "SEQ_INPUTS", "NOT_TOKENS", "main_input",
            "seq_input", "batch_of", "seq_of", "pad_rows", "trim_rows", "pad_blocker", "batch_inputs"]
 
 IGNORE_INDEX = -100     # the label value Hugging Face losses (and torch's cross-entropy) ignore
@@ -51,9 +51,25 @@ SEQ_INPUTS = ("input_ids", "inputs_embeds", "decoder_input_ids", "labels")
 def main_input(kwargs: Mapping[str, Any]) -> str | None:
     """The name of the call's main input (see :data:`MAIN_INPUTS`), or None.
 
+    A call of a module that is not a Hugging Face model names its inputs as it likes
+    (``tokens``, ``x``): there the first tensor with a batch dim leads, in the call's
+    order (one of two dims or more first), never a label, target or mask.
+
     >>> main_input({"pixel_values": torch.zeros(2, 3, 8, 8), "labels": torch.zeros(2)})
-    'pixel_values'"""
-    return next((k for k in MAIN_INPUTS if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].dim() >= 1), None)
+    'pixel_values'
+    >>> main_input({"target": torch.zeros(2), "mask": torch.ones(2, 5), "tokens": torch.zeros(2, 5)})
+    'tokens'"""
+    hf = next((k for k in MAIN_INPUTS if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].dim() >= 1), None)
+    if hf is not None:
+        return hf
+    batched = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() >= 1]
+    return next((k for k in batched if not _secondary(k) and kwargs[k].dim() >= 2),
+                next((k for k in batched if not _secondary(k)), None))
+
+
+def _secondary(name: str) -> bool:
+    """An input that follows a main one (a target, a mask), by the names the field uses."""
+    return name.endswith(("labels", "label", "target", "targets", "mask"))
 
 
 def seq_input(kwargs: Mapping[str, Any]) -> str | None:
@@ -66,6 +82,11 @@ def seq_input(kwargs: Mapping[str, Any]) -> str | None:
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == b and \
                 (k == "inputs_embeds" or v.dim() == 2) and (k != "labels" or not v.is_floating_point()):
             return k
+    main = main_input(kwargs)
+    if main is not None and main not in MAIN_INPUTS:     # a plain module: token ids [batch, seq] under its own name
+        v = kwargs[main]
+        if v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool:
+            return main
     return None
 
 
@@ -81,11 +102,15 @@ def seq_of(kwargs: Mapping[str, Any]) -> int | None:
     return int(kwargs[k].shape[1]) if k is not None else None
 
 
-def _dims(t: torch.Tensor, b: int | None, s: int | None) -> tuple:
+# inputs whose dim 1 is never the token sequence (channels, mel bins), even when its size is the sequence's
+NOT_TOKENS = frozenset({"pixel_values", "input_features", "input_values"})
+
+
+def _dims(t: torch.Tensor, b: int | None, s: int | None, name: str = "") -> tuple:
     out = []
     for i, d in enumerate(t.shape):
         d = int(d)
-        out.append("b" if i == 0 and d == b else "s" if i == 1 and d == s else d)
+        out.append("b" if i == 0 and d == b else "s" if i == 1 and d == s and name not in NOT_TOKENS else d)
     return tuple(out)
 
 
@@ -110,7 +135,7 @@ class InputSignature:
             if v is None:
                 continue
             if isinstance(v, torch.Tensor):
-                tensors.append((k, str(v.dtype).removeprefix("torch."), _dims(v, b, s)))
+                tensors.append((k, str(v.dtype).removeprefix("torch."), _dims(v, b, s, k)))
             else:
                 constants.append((k, repr(v)))
         return cls(tuple(tensors), tuple(constants))
@@ -139,6 +164,8 @@ class Recipe:
     dropout: str
     activation_checkpointing: bool = False
     adapt: Any = None       # model -> model: what a model rebuilt from the config needs (peft adapters)
+    skeleton: Any = None    # a module with no config: its copy on meta (autoshard.io.builder.skeleton),
+                            # what a new signature is captured from
 
 
 @dataclass
@@ -167,7 +194,11 @@ class SignatureGraph:
     def accepts(self, kwargs: dict) -> dict | None:
         """The full keyword arguments of this graph for ``kwargs``, or None if the
         call's signature is another one."""
-        if set(kwargs) - set(self.input_names):
+        bound = {k: v for k, v in self.constants.items() if k not in self.input_names}
+        for k, v in bound.items():      # bound into the graph's forward (passes/capture.py): the call's own
+            if k not in kwargs or isinstance(kwargs[k], torch.Tensor) or repr(kwargs[k]) != repr(v):
+                return None
+        if set(kwargs) - set(self.input_names) - set(bound):
             return None
         full = {}
         for name in self.input_names:
@@ -182,7 +213,7 @@ class SignatureGraph:
                 full[name] = torch.ones_like(kwargs["input_ids"])
             else:
                 return None
-        sig = InputSignature.of(full, static_batch=not self.batch_inputs, static_seq=self.static_seq)
+        sig = InputSignature.of({**full, **bound}, static_batch=not self.batch_inputs, static_seq=self.static_seq)
         return full if sig == self.signature else None
 
 

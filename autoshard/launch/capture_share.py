@@ -38,11 +38,13 @@ import torch
 from torch import fx
 
 from ..ir.errors import CaptureError
+from ..ir.log import logger
 from . import cache_dir
 from ..ir.signature import main_input, seq_input
 from ..passes.capture import Captured, capture, input_symbols
 
-__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_key", "forget_loaded"]
+__all__ = ["capture_shared", "capture_cached", "capture_for_plan", "pack", "unpack", "cache_key", "forget_loaded",
+           "Unshippable"]
 
 
 def _meta_state(ep) -> dict:
@@ -145,8 +147,23 @@ def pack(cap: Captured) -> bytes:
     ep = copy.copy(cap.program)
     ep._state_dict = _meta_state(cap.program)
     buf = io.BytesIO()
-    torch.export.save(ep, buf)
+    try:
+        torch.export.save(ep, buf)
+    except Exception as e:  # noqa: BLE001 - neither format carries it: each rank captures its own
+        raise Unshippable(cap, e) from e
     return pickle.dumps({"program": buf.getvalue(), "facts": facts})
+
+
+class Unshippable(Exception):
+    """A capture neither the graph pickler nor ``torch.export.save`` can write (Gemma-3's
+    multi-modal graph: a ``flat_apply`` node holding a ``TreeSpec``). It carries the
+    capture: :func:`capture_shared` then has every rank capture the model itself (export
+    is deterministic: the same model and inputs give every rank the same graph), with no
+    disk cache."""
+
+    def __init__(self, cap: Captured, cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cap = cap
 
 
 _LOADED: dict[str, object] = {}       # sha256 of a packed graph / program -> its unbound load (this process)
@@ -365,7 +382,10 @@ def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
 def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
     """:func:`~autoshard.passes.capture.capture` (or ``capture_fn``) through the disk cache,
     in this process alone (no collective: for planning, which may run on one rank of a job)."""
-    return unpack(_capture_blob(model, example_inputs, capture_fn), model)
+    try:
+        return unpack(_capture_blob(model, example_inputs, capture_fn), model)
+    except Unshippable as u:
+        return u.cap
 
 
 def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
@@ -397,11 +417,14 @@ def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return unpack(_capture_blob(model, example_inputs, capture_fn), model)
+        return capture_cached(model, example_inputs=example_inputs, capture_fn=capture_fn)
     msg: list = [None]
+    own = None
     if dist.get_rank() == 0:
         try:
             msg[0] = ("ok", _capture_blob(model, example_inputs, capture_fn))
+        except Unshippable as u:        # every rank captures the model itself
+            own, msg[0] = u.cap, ("local", str(u))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             try:
                 pickle.dumps(e)
@@ -412,4 +435,7 @@ def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None
     kind, payload = msg[0]
     if kind == "error":
         raise payload
+    if kind == "local":
+        logger.info("the capture does not serialise (%s): every rank captures the model itself", payload)
+        return own if own is not None else (capture_fn or capture)(model, example_inputs=example_inputs)
     return unpack(payload, model)      # rank 0 too: every rank holds the very same graph (node names included)

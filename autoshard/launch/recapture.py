@@ -21,11 +21,12 @@ signature (about what :func:`autoshard.shard` took, less the weight slicing).
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
-from ..io.builder import build_meta
+from ..io.builder import Built, build_meta
 from ..ir.errors import ConfigError
 from ..runtime.groups import plan_groups
 from ..io.hf_fill import fill_buffers, set_param
@@ -81,19 +82,24 @@ def rewrite_bound(module, cap, p, built):
     return gm
 
 
-def capture_graph(module, kwargs: dict):
+def capture_graph(module, kwargs: dict, *, batch: int | None = None):
     """Capture, plan and rewrite ``module``'s model for the inputs of ``kwargs``; return
-    the module's new graph entry (its parameters bound to the module's own)."""
+    the module's new graph entry (its parameters bound to the module's own). ``batch``:
+    capture at this batch size (the call's, where export makes the batch static: a
+    graph for that batch size only); default a small one (the batch stays dynamic)."""
     r = module.recipe
     t0 = time.perf_counter()
-    built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype, adapt=r.adapt)
+    if r.skeleton is not None:      # a module with no config: a copy of its skeleton on meta
+        built = Built(copy.deepcopy(r.skeleton.model), r.skeleton.buffers, r.skeleton.persistent, None)
+    else:
+        built = build_meta(r.config, model_class=r.model_class, dtype=module.dtype, adapt=r.adapt)
     built.model.train(r.training)
     lim = module.limits.get("max_positions")
     if module.limits.get("static_seq") is not None:     # static in its graphs: the call's exact length,
         seq = seq_of(kwargs)                            # a batch of another size
-        example = meta_example(kwargs, seq=seq, batch=3 if seq == 2 else 2)
+        example = meta_example(kwargs, seq=seq, batch=batch or (3 if seq == 2 else 2))
     else:
-        example = meta_example(kwargs, max_seq=lim[1] if lim else None)
+        example = meta_example(kwargs, max_seq=lim[1] if lim else None, batch=batch or 2)
     cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
     cap = prepare(cap, r.policy)
     p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,

@@ -339,3 +339,25 @@ def test_experts_with_biases_and_an_interleaved_gate_up_split(mode, world):
     dense = sum(p.numel() * p.element_size() for p in {id(p): p for p in models.build("gptoss").parameters()}.values())
     if mode == "1d":
         assert res[0]["param_bytes"] <= 0.55 * dense, (res[0]["param_bytes"], dense)
+
+
+def test_a_view_of_a_data_dependent_size_is_unknown_not_a_crash():
+    """Idefics3's connector reshapes a size torch knows only as an unbacked symbol (``u8``):
+    whether the split dim survives the view cannot be decided, so it is unknown (the split
+    stops there, exactly) rather than a GuardOnDataDependentSymNode out of the rule."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from autoshard.passes.propagate import _view_dim
+
+    env = ShapeEnv()
+    u = env.create_unbacked_symint()
+    with FakeTensorMode(shape_env=env):
+        a, b = torch.empty(2, 4 * u), torch.empty(2, u, 4)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = a
+    v = g.call_function(torch.ops.aten.view.default, (x, [2, 8, 4]))
+    v.meta["val"] = b
+    assert _view_dim(v, x, 1) is None
