@@ -26,6 +26,9 @@ ALLOWED = {
     ("groups.py", "check_same_rng", "tensor"): "once at shard(), before any step",
     ("collectives.py", "_order_index", "tensor"): "the balanced order's index, made once per device and cached",
     ("shm.py", "*", "*"): "the shared-memory transport carries CPU tensors only",
+    ("experts.py", "ep_route", "tolist"): "dropless expert parallelism: all_to_all_single takes its uneven split "
+                                          "sizes as host lists, so the exchanged counts are read once per MoE "
+                                          "layer (a dropless dispatch cannot know them otherwise)",
 }
 
 
