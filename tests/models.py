@@ -46,6 +46,14 @@ TINY["jamba"] = ("JambaForCausalLM", "JambaConfig",
 # beside attention layers
 TINY["lfm2"] = ("Lfm2ForCausalLM", "Lfm2Config",
                 {**TINY["llama"][2], "layer_types": ["conv", "full_attention"], "conv_L_cache": 3, "use_cache": False})
+# heads and widths no split divides (autoshard/passes/pad.py, pad_widths; docs/design.md, "Uneven widths"):
+# 8 heads (and an intermediate size of 160) at 3 ranks, GPT-2's 12 heads at 8, Qwen2's 28 heads and 4 kv heads
+TINY["llama-h8"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 96, "num_attention_heads": 8,
+                                                       "num_key_value_heads": 8, "intermediate_size": 160})
+TINY["gpt2-h12"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd": 96, "n_head": 12})
+TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
+                     {**TINY["llama"][2], "hidden_size": 224, "num_attention_heads": 28, "num_key_value_heads": 4,
+                      "intermediate_size": 144, "tie_word_embeddings": False})
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

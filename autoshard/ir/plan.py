@@ -163,7 +163,8 @@ class ParamPlan:
     dtype_bytes: int = 4
     is_buffer: bool = False
     aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
-    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary was padded (else empty)
+    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary or a width was padded (else empty)
+    pad_segments: int = 1         # the padded dim is this many fused blocks, each padded at its end (GPT-2's c_attn)
     # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
     # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
     trainable: bool = True
@@ -185,21 +186,31 @@ class ParamPlan:
         return next(d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape)) if a != b)
 
     def pad(self, t):
-        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape``."""
+        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape`` (each of the
+        ``pad_segments`` blocks of the padded dim at its own end)."""
         d = self.pad_dim
         if d is None or tuple(t.shape) == tuple(self.global_shape):
             return t
-        shape = list(t.shape)
-        shape[d] = self.global_shape[d] - shape[d]
         import torch
 
-        return torch.cat([t, t.new_zeros(shape)], dim=d)
+        m = self.pad_segments
+        parts = []
+        for b in t.chunk(m, d) if m > 1 else (t,):
+            shape = list(b.shape)
+            shape[d] = self.global_shape[d] // m - shape[d]
+            parts += [b, b.new_zeros(shape)]
+        return torch.cat(parts, dim=d)
 
     def trim(self, t):
         """A tensor of ``global_shape`` cut back to :attr:`hf_shape`."""
         d = self.pad_dim
         if d is None or tuple(t.shape) == tuple(self.dense_shape):
             return t
+        m = self.pad_segments
+        if m > 1:
+            import torch
+
+            return torch.cat([b.narrow(d, 0, self.dense_shape[d] // m) for b in t.chunk(m, d)], dim=d)
         return t.narrow(d, 0, self.dense_shape[d]).contiguous()
 
     def local_bytes(self, mesh: Mesh) -> int:
@@ -560,7 +571,8 @@ class ShardingPlan:
             "cp_order": self.cp_order, "cp_attention": self.cp_attention, "nodes": [node_d(n) for n in self.nodes],
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
-                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable}
+                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable,
+                        **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {})}
                        for p in self.params],
         })
 
@@ -590,7 +602,7 @@ class ShardingPlan:
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
                                  aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
-                                 trainable=p.get("trainable", True))
+                                 trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
