@@ -105,3 +105,43 @@ def test_llama_8_heads_at_3_ranks():
 def test_gpt2_12_heads_at_8_ranks():
     """GPT-2's fused c_attn (q, k, v in one Conv1D) with 12 heads at 1d@8: each block padded on its own."""
     _assert_exact(get_pool(8, timeout=900).run(_sgd_check, "gpt2-h12", "1d"), 8)
+
+
+def _checkpoint_round_trip(rank, world, name, tmp):
+    """save_pretrained of a width-padded module, then from_pretrained of that folder on
+    the same ranks (each rank reading its padded slices): the logits of both are the dense ones."""
+    torch.set_num_threads(1)
+    dense = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs)
+    full = sharded.full_state_dict(rank0_only=False)
+    sharded.save_pretrained(tmp)
+    torch.distributed.barrier()
+    loaded = autoshard.from_pretrained(tmp, mode="1d", example_inputs=inputs, train=True)
+    with torch.no_grad():
+        return {"logits": sharded(**inputs).logits, "loaded": loaded(**inputs).logits,
+                "full": {k: v.clone() for k, v in full.items()},
+                "segmented": [p.name for p in sharded.plan.params if p.pad_segments > 1]}
+
+
+def test_checkpoint_keeps_the_dense_shapes(tmp_path):
+    """GPT-2 (4 heads in a fused c_attn, intermediate 256) at 1d@3: heads padded to 6 per
+    block, 2, 2, 0 real per rank. full_state_dict and save_pretrained give the dense
+    tensors exactly; transformers and from_pretrained load them to the dense logits."""
+    import transformers
+
+    res = get_pool(3, timeout=600).run(_checkpoint_round_trip, "gpt2", str(tmp_path))
+    dense = models.build("gpt2")
+    inputs = models.batch("gpt2")
+    with torch.no_grad():
+        ref = dense(**inputs).logits
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    for k, v in dense.state_dict().items():
+        assert torch.equal(hf.state_dict()[k], v), k
+    for r in res:
+        assert "transformer.h.0.attn.c_attn.weight" in r["segmented"]
+        for k, v in dense.state_dict().items():
+            if k in r["full"]:
+                assert torch.equal(r["full"][k], v), k
+        torch.testing.assert_close(r["logits"], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r["loaded"], ref, atol=1e-5, rtol=1e-5)
