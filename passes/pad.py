@@ -61,6 +61,7 @@ class Padding:
     dense: int
     padded: int
     segments: int = 1
+    copies: int = 0       # > 0: each block holds that many copies of its one dense unit instead of zeros
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,22 @@ class _Dim:
     unit: int = 1
     segs: int = 1
     zero: bool = True
+    copies: bool = False    # the extra units repeat the block's one dense unit (a kv head held by r ranks)
+    fan: int = 0            # copies: the query heads each copy serves (what repeat_kv's expand becomes)
+    punit: int = 0          # the padded width of a unit where it differs from ``unit`` (copies fanned out)
+    fanned: tuple = ()      # (dim, dense size): a dim an expand fanned out to ``fan``, until a reshape merges it
 
     @property
     def family(self) -> tuple[int, int]:
         return (self.n, self.np)
+
+    @property
+    def pu(self) -> int:
+        return self.punit or self.unit
+
+    @property
+    def size(self) -> int:
+        return self.segs * self.np * self.pu
 
     def at(self, dim: int, **kw) -> "_Dim":
         return dataclasses.replace(self, dim=dim, **kw)
@@ -193,6 +206,8 @@ class _Padder:
         p = self.padded[arg]
         if node.op != "output":
             self.trims.append(p)
+        if p.pu != p.unit or p.fanned:
+            raise _Unsupported(f"{node.format_node()} takes fanned-out copies", family=p.family)
         if p.segs == 1:
             n = self._insert(node, aten.slice.Tensor, (arg, p.dim, 0, p.n * p.unit))
         else:       # each fused block's dense entries, joined again
@@ -228,19 +243,34 @@ class _Padder:
             # padded entries that may not be zero are zeroed first, so the weight's zeros get no gradient
             if pw is not None:
                 raise _Trim(blame=pw)
-            if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.segs != 1 or \
+            if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
                     not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or w.target in self.fixed or \
                     _len_users(self.gm, w.target) != 1:
                 raise _Trim
-            if not px.zero:
-                raise _Trim
-            self._grow(w, px.at(kd))
+            if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
+                node.args = tuple(self._zeroed(node, x) if i == xp[0] else v for i, v in enumerate(node.args))
+            self._grow(w, px.at(kd, zero=True))
             return None
         if pw is None or pw.dim != nd or wv.dim() != 2:
             raise _Trim
         if isinstance(b, fx.Node) and (pb is None or pb.family != pw.family) and _val(b) is not None and _val(b).dim():
             raise _Trim
         return pw.at(_val(node).dim() - 1)
+
+    def _zeroed(self, node: fx.Node, x: fx.Node) -> fx.Node:
+        """``x`` times a 0/1 mask of its padded (last) dim: the padded units zero."""
+        p = self.padded[x]
+        g = self.gm.graph
+        with g.inserting_before(node):
+            ar = g.call_function(aten.arange.default, (p.size,), {"dtype": torch.int64, "device": _val(x).device})
+        self._refresh(ar)
+        u = self._insert(node, aten.floor_divide.default, (ar, p.unit))
+        if p.segs > 1:
+            u = self._insert(node, aten.remainder.Scalar, (u, p.np))
+        keep = self._insert(node, aten.lt.Scalar, (u, p.n))
+        out = self._insert(node, aten.mul.Tensor, (x, keep))
+        self.padded[out] = p.at(p.dim, zero=True)
+        return out
 
     def _grow(self, w: fx.Node, p: _Dim) -> None:
         """Pad the weight ``w`` on ``p.dim`` with zeros (its in features meet a padded input)."""
@@ -257,23 +287,30 @@ class _Padder:
         (what lies before them folds into ``segs``, what lies after into ``unit``);
         its literal size is patched to the padded one."""
         x = node.args[0]
-        dense_in = list(_val(x).shape)
+        padded_in = list(_val(x).shape)
+        dense_in = list(padded_in)
         dense_in[p.dim] = p.segs * p.n * p.unit
+        if p.fanned:
+            dense_in[p.fanned[0]] = p.fanned[1]
         s_out = list(_val(node).shape)          # not refreshed yet: the dense result
         shape = list(node.args[1])
         before = math.prod(dense_in[:p.dim]) * p.segs
         after = math.prod(dense_in[p.dim + 1:]) * p.unit
+        after_p = math.prod(padded_in[p.dim + 1:]) * p.pu
         for e in range(len(s_out)):
             segs = _ratio(before, math.prod(s_out[:e]))
             unit = _ratio(after, math.prod(s_out[e + 1:]))
             if segs is None or unit is None or not _same(s_out[e], segs * p.n * unit):
                 continue
+            pu = _ratio(after_p, math.prod(s_out[e + 1:]))
+            if pu is None or (p.fanned and not p.fanned[0] > p.dim):
+                raise _Trim
             if isinstance(shape[e], int) and shape[e] != -1:
-                shape[e] = segs * p.np * unit
+                shape[e] = segs * p.np * pu
             elif shape[e] != -1:
                 raise _Trim
             node.args = (x, shape) + tuple(node.args[2:])
-            return p.at(e, unit=unit, segs=segs)
+            return p.at(e, unit=unit, segs=segs, punit=pu if pu != unit else 0, fanned=())
         raise _Trim
 
     def _out_dim(self, node: fx.Node) -> _Dim | None:
@@ -290,10 +327,18 @@ class _Padder:
         if t in _SDPA:
             q, k, v = a[:3]
             ps = [pd.get(q), pd.get(k), pd.get(v)]
-            if any(p is None or p.dim != 1 or p.segs != 1 for p in ps) or len({p.family for p in ps}) != 1 or \
+            if any(p is None or p.dim != 1 or p.fanned for p in ps) or \
                     any(isinstance(m, fx.Node) and m in pd for m in list(a[3:]) + list(node.kwargs.values())):
                 raise _Trim
-            return ps[0].at(1, zero=ps[2].zero)
+            pq, pk, pv = ps
+            alike = len({(p.family, p.segs, p.unit, p.pu) for p in ps}) == 1 and not pq.copies
+            # kv heads held by r ranks: in each kv group's block, every query slot reads a copy of its kv head
+            copied = not pq.copies and pq.pu == 1 and all(
+                p.copies and p.n == 1 and p.segs == pq.segs and p.np * p.pu == pq.np and p.unit == pq.n
+                for p in (pk, pv))
+            if not (alike or copied):
+                raise _Trim
+            return pq.at(1, zero=pv.zero and not pv.copies)
         if not isinstance(out, torch.Tensor):
             raise _Trim
         r = out.dim()
@@ -315,7 +360,9 @@ class _Padder:
                 q = where.dim - (r - v.dim())
                 if q >= 0 and not _same(v.shape[q], 1):
                     raise _Trim
-            zero = {n for n in node.all_input_nodes if n in pd and pd[n].zero}
+            if where.fanned:
+                raise _Trim
+            zero = {n for n in node.all_input_nodes if n in pd and pd[n].zero and not pd[n].copies}
             return where.at(where.dim, zero=bool(zero) and _keeps_zero(node, zero))
         x = a[0]
         p = pd.get(x)
@@ -327,9 +374,21 @@ class _Padder:
         nx = _val(x).dim()
         if t in _VIEWS:
             return self._view(node, p)
+        if p.fanned:
+            raise _Trim
         if t == aten.expand.default:
             shape = list(a[1])
             k = d + len(shape) - nx
+            j = d + 1                           # the input dim after the padded one
+            if p.copies and p.fan and j < nx and _same(_val(x).shape[j], 1) and isinstance(shape[k + 1], int) \
+                    and shape[k + 1] > 1:
+                # repeat_kv: each copy of a kv head serves ``fan`` query slots, not the dense group
+                fanned = (k + 1, shape[k + 1])
+                shape[k + 1] = p.fan
+                if shape[k] == p.segs * p.n * p.unit:
+                    shape[k] = p.size
+                node.args = (x, shape) + tuple(a[2:])
+                return p.at(k, fanned=fanned)
             if shape[k] not in (-1, _val(x).shape[d]) and not _same(shape[k], _val(x).shape[d]):
                 if shape[k] != p.segs * p.n * p.unit:
                     raise _Trim
@@ -448,7 +507,9 @@ class _Padder:
 
 
 class _Unsupported(Exception):
-    pass
+    def __init__(self, msg: str, family=None):
+        super().__init__(msg)
+        self.family = family
 
 
 def _len_users(gm: fx.GraphModule, target: str) -> int:
@@ -462,6 +523,8 @@ def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
     """``t`` (detached) laid out as ``p``: each of its ``p.segs`` blocks on ``p.dim`` grown
     with zero units from ``p.n`` to ``p.np``."""
     t = t.detach()
+    if p.copies:            # each block's one unit, repeated
+        return torch.cat([b for b in t.chunk(p.segs, p.dim) for _ in range(p.np)], dim=p.dim)
     if p.segs == 1:
         return zero_padded(t, p.dim, p.np * p.unit)
     return torch.cat([zero_padded(b, p.dim, p.np * p.unit) for b in t.chunk(p.segs, p.dim)], dim=p.dim)
@@ -625,8 +688,24 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     """
     if multiple <= 1:
         return cap
-    done = {n for p in cap.padding for n in p.names}
-    gm = cap.module
+    done = frozenset(n for p in cap.padding for n in p.names)
+    r = multiple // kv_heads if heads and kv_heads and kv_heads < multiple and multiple % kv_heads == 0 and \
+        heads % kv_heads == 0 else 0
+    for copies in ((True, False) if r else (False,)):
+        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copies else 0)
+        out = _pad_seeds(cap, seeds, multiple, done)
+        if out is None:
+            return cap
+        if not copies or any(p.copies for p in out.padding):
+            return out
+    return out
+
+
+def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, r: int) -> dict[str, _Dim]:
+    """The padded dim of every Linear weight (and bias) whose out features ``multiple``
+    does not cut into whole units; with ``r`` > 0 (kv heads fewer than the split, ``r``
+    ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
+    head's query group is padded to ``r`` blocks of ``⌈g/r⌉`` query heads."""
     seeds: dict[str, _Dim] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in LINEAR_OPS:
@@ -641,15 +720,29 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
         if N % (segs * unit):
             continue
         n = N // (segs * unit)
-        if n % multiple == 0:
+        if r and segs == 1 and unit > 1 and n in (heads, kv_heads):
+            g = heads // kv_heads
+            if n == kv_heads:       # a kv head held by the r ranks whose query heads read it
+                p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
+            else:                   # each kv head's query group: r blocks of ⌈g/r⌉ query heads
+                p = _Dim(nd, g, r * -(-g // r), unit, kv_heads)
+        elif n % multiple == 0:
             continue
-        if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
-            n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
-        np_ = math.ceil(n / multiple) * multiple
-        seeds[w.target] = _Dim(nd, n, np_, unit, segs)
+        else:
+            if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
+                n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
+            p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
+        seeds[w.target] = p
         b = node.args[bp[0]] if bp else None
         if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and _len_users(gm, b.target) == 1:
-            seeds[b.target] = _Dim(0, n, np_, unit, segs)
+            seeds[b.target] = p.at(0)
+    return seeds
+
+
+def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: frozenset) -> Captured | None:
+    """``cap`` with ``seeds`` padded and followed (families the walk must cut back left
+    out, the rest padded again); None where the walk cannot follow an op at all."""
+    gm = cap.module
     while seeds:
         new = copy_sharing(gm)
         for name, p in seeds.items():
@@ -657,23 +750,27 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
             mod_path, _, attr = name.rpartition(".")
             setattr(new.get_submodule(mod_path) if mod_path else new, attr,
                     torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad))
-        padder = _Padder(new, dict(seeds), grow=True, fixed=frozenset(done))
+        padder = _Padder(new, dict(seeds), grow=True, fixed=done)
         try:
             padder.run()
         except _Unsupported as e:
+            if e.family is not None:
+                seeds = {k: p for k, p in seeds.items() if p.family != e.family}
+                continue
             warn(f"widths not padded to the split {multiple}: the pad pass cannot follow node {e}; "
                  f"those weights stay whole", AutoshardWarning)
-            return cap
+            return None
         bad = {p.family for p in padder.trims}
         if bad:         # a family the walk had to cut back: left out, the others padded again
             seeds = {k: p for k, p in seeds.items() if p.family not in bad}
             continue
         new.graph.lint()
         new.recompile()
-        aliases = {}
+        aliases: dict[int, list[str]] = {}
         for name, q in new.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(q), []).append(name)
-        padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit, padded=p.segs * p.np * p.unit,
-                           segments=p.segs) for k, p in {**seeds, **padder.grown}.items()]
+        padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit,
+                           padded=p.size, segments=p.segs, copies=p.np if p.copies else 0)
+                   for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
         return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
     return cap

@@ -51,6 +51,9 @@ TINY["lfm2"] = ("Lfm2ForCausalLM", "Lfm2Config",
 TINY["llama-h8"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 96, "num_attention_heads": 8,
                                                        "num_key_value_heads": 8, "intermediate_size": 160})
 TINY["gpt2-h12"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd": 96, "n_head": 12})
+# 2 kv heads at 4 ranks: each kv head held by the 2 ranks whose query heads read it
+TINY["llama-kv2"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 8,
+                                                        "num_key_value_heads": 2, "hidden_size": 96})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 224, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})

@@ -10,6 +10,7 @@ parameter bytes per rank within 1.15x of dense / ranks (docs/design.md, "Uneven 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -99,6 +100,17 @@ def test_padded_graph_equals_original(name):
 def test_llama_8_heads_at_3_ranks():
     """Llama with 8 heads (and an intermediate size of 160) at 1d@3: ranks hold 3, 3, 2 heads."""
     _assert_exact(get_pool(3, timeout=600).run(_sgd_check, "llama-h8", "1d"), 3)
+
+
+def test_llama_2_kv_heads_at_4_ranks():
+    """Llama with 8 heads and 2 kv heads at 1d@4: each kv head held by the two ranks whose
+    query heads read it (its gradient summed over them), so k/v bytes per rank are half of dense."""
+    results = get_pool(4, timeout=600).run(_sgd_check, "llama-kv2", "1d")
+    _assert_exact(results, 4)
+    plan = autoshard.plan(models.build("llama-kv2"), world_size=4, mode="1d", example_inputs=models.batch("llama-kv2"))
+    kv = [p for p in plan.params if p.name.endswith(("k_proj.weight", "v_proj.weight"))]
+    assert kv and all(p.pad_copies == 2 and p.copy_group(plan.mesh) == 2 for p in kv)
+    assert all(p.local_bytes(plan.mesh) * 2 == math.prod(p.hf_shape) * p.dtype_bytes for p in kv)
 
 
 @pytest.mark.slow

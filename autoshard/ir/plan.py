@@ -165,6 +165,9 @@ class ParamPlan:
     aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
     dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary or a width was padded (else empty)
     pad_segments: int = 1         # the padded dim is this many fused blocks, each padded at its end (GPT-2's c_attn)
+    # > 0: each block holds this many copies of its one dense unit (a kv head held by the ranks whose query
+    # heads read it), not zeros; their gradients are summed over the ranks holding them (docs/design.md, "Uneven widths")
+    pad_copies: int = 0
     # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
     # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
     trainable: bool = True
@@ -196,6 +199,9 @@ class ParamPlan:
         m = self.pad_segments
         parts = []
         for b in t.chunk(m, d) if m > 1 else (t,):
+            if self.pad_copies:
+                parts += [b] * self.pad_copies
+                continue
             shape = list(b.shape)
             shape[d] = self.global_shape[d] // m - shape[d]
             parts += [b, b.new_zeros(shape)]
@@ -212,6 +218,29 @@ class ParamPlan:
 
             return torch.cat([b.narrow(d, 0, self.dense_shape[d] // m) for b in t.chunk(m, d)], dim=d)
         return t.narrow(d, 0, self.dense_shape[d]).contiguous()
+
+    def copy_group(self, mesh: Mesh) -> int:
+        """How many consecutive ranks along the padded dim's axes hold copies of the same
+        unit (their gradients are summed over them; :attr:`pad_copies`): 1 where a rank
+        holds all of a unit's copies, or there are none.
+
+            >>> from autoshard.ir.spec import ShardSpec
+            >>> pp = ParamPlan(name="k", global_shape=(8, 4), spec=ShardSpec(dims=(("tp",), ())), grad_sync=(),
+            ...                dense_shape=(4, 4), pad_segments=2, pad_copies=2)
+            >>> pp.copy_group(Mesh(axes=("tp",), sizes=(4,)))
+            2
+        """
+        d = self.pad_dim
+        if not self.pad_copies or d is None or not self.spec.dims[d]:
+            return 1
+        ways = mesh.size(self.spec.dims[d])
+        slots = self.pad_segments * self.pad_copies
+        if ways % self.pad_segments or slots % ways:
+            from .errors import ShardingError
+
+            raise ShardingError(f"{self.name}: {self.pad_segments} units held {self.pad_copies} times each cannot "
+                                f"split {ways} ways (each rank must hold copies of one unit)")
+        return ways // self.pad_segments
 
     def local_bytes(self, mesh: Mesh) -> int:
         n = 1
@@ -327,6 +356,9 @@ class ShardingPlan:
                 out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
                                 group_size=self.mesh.size(p.grad_sync),
                                 buffer_bytes=p.local_bytes(self.mesh)))
+            if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
+                out.append(Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
+                                group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh)))
         return out
 
     @property
@@ -572,7 +604,8 @@ class ShardingPlan:
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
                         "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable,
-                        **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {})}
+                        **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {}),
+                        **({"pad_copies": p.pad_copies} if p.pad_copies else {})}
                        for p in self.params],
         })
 
@@ -602,7 +635,8 @@ class ShardingPlan:
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
                                  aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
-                                 trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1))
+                                 trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1),
+                                 pad_copies=p.get("pad_copies", 0))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
