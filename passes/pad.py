@@ -62,6 +62,7 @@ class Padding:
     padded: int
     segments: int = 1
     copies: int = 0       # > 0: each block holds that many copies of its one dense unit instead of zeros
+    unit: int = 0         # > 0: a width padded in units this wide (heads), not the vocabulary
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class _Dim:
     fan: int = 0            # copies: the query heads each copy serves (what repeat_kv's expand becomes)
     punit: int = 0          # the padded width of a unit where it differs from ``unit`` (copies fanned out)
     fanned: tuple = ()      # (dim, dense size): a dim an expand fanned out to ``fan``, until a reshape merges it
+    head: int = 0           # the Linear's features per head where its units are heads (what the plan counts in)
 
     @property
     def family(self) -> tuple[int, int]:
@@ -719,7 +721,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
         segs, unit = _layout(node)
         if N % (segs * unit):
             continue
-        n = N // (segs * unit)
+        n, hd = N // (segs * unit), unit
         if r and segs == 1 and unit > 1 and n in (heads, kv_heads):
             g = heads // kv_heads
             if n == kv_heads:       # a kv head held by the r ranks whose query heads read it
@@ -732,6 +734,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
             p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
+        p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
         b = node.args[bp[0]] if bp else None
         if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and _len_users(gm, b.target) == 1:
@@ -770,7 +773,8 @@ def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: froze
         for name, q in new.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(q), []).append(name)
         padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit,
-                           padded=p.size, segments=p.segs, copies=p.np if p.copies else 0)
+                           padded=p.size, segments=p.segs, copies=p.np if p.copies else 0,
+                           unit=p.head or p.pu)
                    for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
         return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
     return cap

@@ -157,3 +157,20 @@ def test_checkpoint_keeps_the_dense_shapes(tmp_path):
                 assert torch.equal(r["full"][k], v), k
         torch.testing.assert_close(r["logits"], ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r["loaded"], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, world, param, shares", [
+    ("llama-h8", 3, "model.layers.0.self_attn.q_proj.weight", [3, 3, 2]),
+    ("llama-h8", 3, "model.layers.0.mlp.up_proj.weight", [54, 54, 52]),
+    ("gpt2-h12", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0]),
+    ("llama-kv2", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1])])
+def test_plan_shows_each_ranks_share(name, world, param, shares):
+    """The plan lists each rank's share of an uneven width (torch.chunk's shares), and its
+    bytes per rank are those of the largest share (what the cost model and mode='auto' price)."""
+    plan = autoshard.plan(models.build(name), world_size=world, mode="1d", example_inputs=models.batch(name))
+    row = next(p for p in plan.padding() if p["param"] == param)
+    assert row["kind"] == "width" and row["shares"] == shares, row
+    pp = next(p for p in plan.params if p.name == param)
+    d = pp.pad_dim
+    assert pp.local_shape(plan.mesh)[d] * world == pp.global_shape[d]       # every rank holds the largest share
+    assert plan.summary()["param_bytes_per_rank"] == plan.param_bytes_per_rank

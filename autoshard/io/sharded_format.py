@@ -211,8 +211,8 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
                 blocks.append({"rank": o, "file": rep["file"], "offsets": b["offsets"], "sha256": b["sha256"]})
             tensors[key] = {"kind": kind, "param": name, "state_key": k, "global_shape": list(gshape),
                             "dense_shape": list(dense),
-                            **({"pad_segments": pp.pad_segments} if pp.pad_segments != 1 and dense != tuple(gshape)
-                               else {}),
+                            **({"pad_segments": pp.pad_segments, "pad_copies": pp.pad_copies}
+                               if (pp.pad_segments != 1 or pp.pad_copies) and dense != tuple(gshape) else {}),
                             "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
                             "aliases": list(aliases), "blocks": blocks}
         manifest = {"format": FORMAT, "version": VERSION, "model": plan.model, "mode": plan.mode,
@@ -389,10 +389,11 @@ class Saved:
         return t
 
     def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype, shape=None,
-              segments: int = 1) -> torch.Tensor:
+              segments: int = 1, copies: int = 0) -> torch.Tensor:
         """``rank``'s block under ``spec`` of the tensor ``key``, whose global shape on
         ``mesh`` is ``shape`` (default: its Hugging Face shape; a padded vocabulary is
-        larger; ``segments`` > 1: fused blocks padded each at its end, passes/pad.py)."""
+        larger; ``segments`` > 1: fused blocks padded each at its end, ``copies``: blocks
+        repeated instead, passes/pad.py)."""
         ent = self.man["tensors"][key]
         saved_spec = ShardSpec.from_dict(ent["spec"])
         saved_shape, dense = tuple(ent["global_shape"]), dense_shape(ent)
@@ -410,16 +411,16 @@ class Saved:
             del blk
         if dense != saved_shape:
             full = _padded_plan(saved_shape, dense, ent.get("pad_segments", 1)).trim(full)
-        if segments > 1 and shape != dense:
-            return spec.local(_padded_plan(shape, dense, segments).pad(full), mesh, rank).to(dtype)
+        if (segments > 1 or copies) and shape != dense:
+            return spec.local(_padded_plan(shape, dense, segments, copies).pad(full), mesh, rank).to(dtype)
         return read_local(full, spec, mesh, rank, dtype=dtype, padded=shape)
 
 
-def _padded_plan(shape, dense, segments: int):
+def _padded_plan(shape, dense, segments: int, copies: int = 0):
     """A :class:`~autoshard.ir.plan.ParamPlan` of ``shape`` padded from ``dense`` (its
     ``pad`` / ``trim``: each of ``segments`` fused blocks padded at its own end)."""
     return ParamPlan(name="", global_shape=tuple(shape), spec=replicated(len(shape)), grad_sync=(),
-                     dense_shape=tuple(dense), pad_segments=segments)
+                     dense_shape=tuple(dense), pad_segments=segments, pad_copies=copies)
 
 
 def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, progress, stats) -> None:
@@ -431,7 +432,8 @@ def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, prog
         key = next((saved.by_name[n] for n in (pp.name, *pp.aliases) if n in saved.by_name), None)
         if key is None:
             raise CheckpointError(f"{saved.path / MANIFEST}: no tensor for parameter {pp.name!r}")
-        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape, segments=pp.pad_segments)
+        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape, segments=pp.pad_segments,
+                            copies=pp.pad_copies)
         set_param(gm, (pp.name, *pp.aliases), nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built)
     saved.files.close()

@@ -168,6 +168,7 @@ class ParamPlan:
     # > 0: each block holds this many copies of its one dense unit (a kv head held by the ranks whose query
     # heads read it), not zeros; their gradients are summed over the ranks holding them (docs/design.md, "Uneven widths")
     pad_copies: int = 0
+    pad_unit: int = 0             # > 0: a width padded in units this wide (a head's features; 1), not the vocabulary
     # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
     # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
     trainable: bool = True
@@ -482,8 +483,26 @@ class ShardingPlan:
             local = math.prod(p.local_shape(self.mesh))
             share = local / math.prod(p.global_shape)
             extra = (math.prod(p.global_shape) - math.prod(p.hf_shape)) * share * p.dtype_bytes
-            out.append({"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
-                        "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)})
+            row = {"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
+                   "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)}
+            if p.pad_unit:
+                row.update(kind="width", unit=p.pad_unit, copies=p.pad_copies, shares=self._shares(p))
+            out.append(row)
+        return out
+
+    def _shares(self, p: "ParamPlan") -> list[int]:
+        """The dense units (heads, features) each distinct block of the padded ``p`` holds,
+        in rank order: the uneven split the padding stands for (copies count as held; a
+        block cut from several fused blocks, GPT-2's q, k, v: per fused block)."""
+        d = p.pad_dim
+        m = p.pad_segments
+        seg_p, seg_d = p.global_shape[d] // m, p.hf_shape[d] // m
+        out = []
+        for r in p.spec.owners(self.mesh):
+            ranges = p.spec.blocks(p.global_shape, self.mesh, r)[d]
+            real = sum(1 for lo, hi in ranges for i in range(lo, hi) if p.pad_copies or i % seg_p < seg_d)
+            fused = len({i // seg_p for lo, hi in ranges for i in (lo, hi - 1)})
+            out.append(real // p.pad_unit // fused)
         return out
 
     def summary(self) -> dict:
@@ -560,11 +579,24 @@ class ShardingPlan:
             console.print(f"[bold]KV cache:[/bold] {s['state_bytes_per_rank']:,} B per rank in {n} state inputs at "
                           f"batch {self.batch_size} (each rank holds its block; a generation step's comm/step is "
                           f"per token)")
+        widths: dict[tuple, list[str]] = {}
         for pad in s["padding"]:
             d, g = pad["dense_shape"], pad["padded_shape"]
+            if pad.get("kind") == "width":      # one line per kind of weight (every layer alike)
+                key = (pad["param"].split(".")[-2:][0], tuple(d), tuple(g), tuple(pad["shares"]), pad["unit"],
+                       pad["copies"], pad["extra_bytes_per_rank"])
+                widths.setdefault(key, []).append(pad["param"])
+                continue
             console.print(f"[bold]padded:[/bold] {pad['param']} {list(d)} → {list(g)} so the vocabulary splits "
                           f"({pad['extra_bytes_per_rank']:,} B of zero rows per rank; the padded logits are masked "
                           f"out of the loss and trimmed from the outputs; checkpoints keep {list(d)})")
+        for (_, d, g, shares, unit, copies, extra), names in widths.items():
+            what = "heads" if unit > 1 else "features"
+            how = (f"each kv head held by the {copies} ranks whose query heads read it, its gradient summed over "
+                   f"them" if copies else f"{extra:,} B of zero units per rank")
+            console.print(f"[bold]uneven:[/bold] {names[0]}" + (f" (×{len(names)})" if len(names) > 1 else "")
+                          + f" {list(d)} → {list(g)}: {what} per rank {', '.join(map(str, shares))} ({how}; "
+                          f"the largest share sets each rank's memory and time; checkpoints keep {list(d)})")
         if node_size is None and os.environ.get("WORLD_SIZE") == str(self.mesh.world_size):
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         where = self.mesh.placement(node_size)
@@ -605,7 +637,8 @@ class ShardingPlan:
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
                         "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable,
                         **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {}),
-                        **({"pad_copies": p.pad_copies} if p.pad_copies else {})}
+                        **({"pad_copies": p.pad_copies} if p.pad_copies else {}),
+                        **({"pad_unit": p.pad_unit} if p.pad_unit else {})}
                        for p in self.params],
         })
 
@@ -636,7 +669,7 @@ class ShardingPlan:
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
                                  aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
                                  trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1),
-                                 pad_copies=p.get("pad_copies", 0))
+                                 pad_copies=p.get("pad_copies", 0), pad_unit=p.get("pad_unit", 0))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],
