@@ -54,6 +54,10 @@ TINY["gpt2-h12"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd
 # 2 kv heads at 4 ranks: each kv head held by the 2 ranks whose query heads read it
 TINY["llama-kv2"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 8,
                                                         "num_key_value_heads": 2, "hidden_size": 96})
+# 6 heads, 3 kv heads and an intermediate size of 150 at 4 ranks (1d-sp: the sequence of 8 splits)
+TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 6,
+                                                       "num_key_value_heads": 3, "hidden_size": 96,
+                                                       "intermediate_size": 150})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 224, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})

@@ -102,6 +102,7 @@ def test_llama_8_heads_at_3_ranks():
     _assert_exact(get_pool(3, timeout=600).run(_sgd_check, "llama-h8", "1d"), 3)
 
 
+@pytest.mark.slow
 def test_llama_2_kv_heads_at_4_ranks():
     """Llama with 8 heads and 2 kv heads at 1d@4: each kv head held by the two ranks whose
     query heads read it (its gradient summed over them), so k/v bytes per rank are half of dense."""
@@ -136,6 +137,7 @@ def _checkpoint_round_trip(rank, world, name, tmp):
                 "segmented": [p.name for p in sharded.plan.params if p.pad_segments > 1]}
 
 
+@pytest.mark.slow
 def test_checkpoint_keeps_the_dense_shapes(tmp_path):
     """GPT-2 (4 heads in a fused c_attn, intermediate 256) at 1d@3: heads padded to 6 per
     block, 2, 2, 0 real per rank. full_state_dict and save_pretrained give the dense
@@ -174,3 +176,17 @@ def test_plan_shows_each_ranks_share(name, world, param, shares):
     d = pp.pad_dim
     assert pp.local_shape(plan.mesh)[d] * world == pp.global_shape[d]       # every rank holds the largest share
     assert plan.summary()["param_bytes_per_rank"] == plan.param_bytes_per_rank
+
+
+@pytest.mark.slow
+def test_sequence_parallel_6_heads_3_kv_heads_at_4_ranks():
+    """1d-sp (the sequence split over tp between the pairs) with 6 heads in 3 kv groups
+    and an intermediate size of 150 at 4 ranks: groups padded to 4, features to 152."""
+    _assert_exact(get_pool(4, timeout=600).run(_sgd_check, "llama-h6", "1d-sp"), 4)
+
+
+@pytest.mark.slow
+def test_qwen2_28_heads_4_kv_heads_at_8_ranks():
+    """Qwen2 (q/k/v biases) with 28 heads and 4 kv heads at 1d@8: each kv head on 2 ranks,
+    its 7 query heads as 4 + 3 (one zero slot)."""
+    _assert_exact(get_pool(8, timeout=900).run(_sgd_check, "qwen2-h28", "1d"), 8)
