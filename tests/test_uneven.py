@@ -66,16 +66,18 @@ def _assert_exact(results: list, world: int) -> None:
         assert r["padding"], "nothing was padded"
 
 
-@pytest.mark.parametrize("name", ["llama-h8", "gpt2-h12", "qwen2-h28"])
-def test_padded_graph_equals_original(name):
+@pytest.mark.parametrize("name, multiple", [("llama-h8", 3), ("gpt2-h12", 8), ("qwen2-h28", 3), ("qwen2-h28", 8),
+                                            ("llama-kv2", 4)])
+def test_padded_graph_equals_original(name, multiple):
     """Run densely, the width-padded graph gives the original loss and logits and the
-    original gradients on the real entries; the zero units get zero gradient."""
+    original gradients on the real entries (kv copies: summed over the copies); the zero
+    units get exactly zero gradient (a zero query head's output, not zero, is masked
+    before the contraction)."""
     model = models.build(name)
     inputs = models.batch(name)
     cap = capture(model, example_inputs=inputs)
     cfg = model.config
-    padded = pad_widths(cap, 3 if name != "gpt2-h12" else 8, heads=cfg.num_attention_heads,
-                        kv_heads=getattr(cfg, "num_key_value_heads", None))
+    padded = pad_widths(cap, multiple, heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None))
     assert padded.padding and not cap.padding
     kw = {**inputs, **cap.constants}
     a, b = cap.module(**kw), padded.module(**kw)
@@ -91,7 +93,12 @@ def test_padded_graph_equals_original(name):
         gb = padded.module.get_parameter(pad.names[0]).grad
         dense = tuple(pad.dense if d == pad.dim else s for d, s in enumerate(gb.shape))
         pp = ParamPlan(name=pad.names[0], global_shape=tuple(gb.shape), spec=replicated(gb.dim()), grad_sync=(),
-                       dense_shape=dense, pad_segments=pad.segments)
+                       dense_shape=dense, pad_segments=pad.segments, pad_copies=pad.copies)
+        if pad.copies:      # the copies' gradients sum to the dense one
+            d = pad.dim
+            summed = gb.unflatten(d, (pad.segments, pad.copies, -1)).sum(d + 1).flatten(d, d + 1)
+            torch.testing.assert_close(summed, ga, atol=1e-5, rtol=1e-5)
+            continue
         torch.testing.assert_close(gb, pp.pad(ga), atol=1e-5, rtol=1e-5)
         assert torch.equal(pp.pad(pp.trim(gb)), gb)        # the zero units get exactly zero gradient
         torch.testing.assert_close(pp.trim(pp.pad(ga)), ga, atol=0, rtol=0)
@@ -190,3 +197,31 @@ def test_qwen2_28_heads_4_kv_heads_at_8_ranks():
     """Qwen2 (q/k/v biases) with 28 heads and 4 kv heads at 1d@8: each kv head on 2 ranks,
     its 7 query heads as 4 + 3 (one zero slot)."""
     _assert_exact(get_pool(8, timeout=900).run(_sgd_check, "qwen2-h28", "1d"), 8)
+
+
+def _kv_grads_without_copy_sync(rank, world):
+    """The k/v gradients of a sharded step with the copies' gradient sum removed (a planted
+    bug): compared with the dense ones, as the exactness check does."""
+    torch.set_num_threads(1)
+    dense = models.build("llama-kv2")
+    inputs = models.batch("llama-kv2")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs)
+    for h in sharded._copy_hooks:
+        h.remove()
+    sharded(**inputs).loss.backward()
+    dense(**inputs).loss.backward()
+    dparams = dict(dense.named_parameters())
+    out = {}
+    for pp in sharded.plan.params:
+        if pp.pad_copies:
+            ref = pp.spec.local(pp.pad(dparams[pp.name].grad), sharded.plan.mesh, rank)
+            out[pp.name] = (sharded.get_parameter(pp.name).grad - ref).abs().max().item()
+    return out
+
+
+@pytest.mark.slow
+def test_the_copies_gradient_sum_is_needed():
+    """Without the all-reduce over a kv head's ranks its gradient is a partial sum: the
+    comparison the exactness tests make catches it."""
+    for r in get_pool(4, timeout=600).run(_kv_grads_without_copy_sync):
+        assert r and all(err > 1e-4 for err in r.values()), r
