@@ -16,10 +16,11 @@ Example:
     >>> cfg = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1,
     ...                   num_attention_heads=3, num_key_value_heads=3, vocab_size=127)
     >>> [(p.what, p.error) for p in check_dims(cfg, "1d", Mesh(axes=("tp",), sizes=(2,)))]
-    [('num_attention_heads', True)]
+    [('num_attention_heads', False)]
 
 A vocabulary that does not divide is not a problem: it is padded to the split
-(:mod:`autoshard.passes.pad`) and the plan says so.
+(:mod:`autoshard.passes.pad`) and the plan says so; in 1d and 1d-sp heads, kv heads
+and intermediate sizes are padded too (a warning with each rank's share).
 """
 
 from __future__ import annotations
