@@ -59,7 +59,7 @@ TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num
                                                        "num_key_value_heads": 3, "hidden_size": 96,
                                                        "intermediate_size": 150})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
-                     {**TINY["llama"][2], "hidden_size": 224, "num_attention_heads": 28, "num_key_value_heads": 4,
+                     {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
