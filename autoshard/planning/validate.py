@@ -213,6 +213,12 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
         c = splits.get(what, 1)
         if c <= 1 or n % c == 0 or what == "vocab_size":   # the vocabulary is padded (passes/pad.py)
             continue
+        heads = dims_of(config).get("num_attention_heads", 0)
+        if pads and what == "num_key_value_heads" and n < c and c % n == 0 and heads % n == 0:
+            out.append(Problem(what, f"{what}={n} is fewer than the {policy.name} split {c} ({label}): each kv head "
+                               f"is held by the {c // n} ranks whose query heads read it, its gradient summed over "
+                               f"them (exact)", error=False))
+            continue
         if pads and what in _PADDED:
             # padded with zero units (passes/pad.py, pad_widths): exact; said so, with each rank's share
             out.append(Problem(what, f"{what}={n} does not divide the {policy.name} split {c} ({label}): "
