@@ -66,8 +66,9 @@ def _assert_exact(results: list, world: int) -> None:
         assert r["padding"], "nothing was padded"
 
 
-@pytest.mark.parametrize("name, multiple", [("llama-h8", 3), ("gpt2-h12", 8), ("qwen2-h28", 3), ("qwen2-h28", 8),
-                                            ("llama-kv2", 4)])
+# one case in `make test`, the others (a capture each) in make test-extended
+@pytest.mark.parametrize("name, multiple", [("llama-h8", 3)] + [
+    pytest.param(*c, marks=pytest.mark.slow) for c in (("gpt2-h12", 8), ("qwen2-h28", 3), ("qwen2-h28", 8), ("llama-kv2", 4))])
 def test_padded_graph_equals_original(name, multiple):
     """Run densely, the width-padded graph gives the original loss and logits and the
     original gradients on the real entries (kv copies: summed over the copies); the zero
@@ -171,8 +172,8 @@ def test_checkpoint_keeps_the_dense_shapes(tmp_path):
 @pytest.mark.parametrize("name, world, param, shares", [
     ("llama-h8", 3, "model.layers.0.self_attn.q_proj.weight", [3, 3, 2]),
     ("llama-h8", 3, "model.layers.0.mlp.up_proj.weight", [54, 54, 52]),
-    ("gpt2-h12", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0]),
-    ("llama-kv2", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1])])
+    pytest.param("gpt2-h12", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0], marks=pytest.mark.slow),
+    pytest.param("llama-kv2", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1], marks=pytest.mark.slow)])
 def test_plan_shows_each_ranks_share(name, world, param, shares):
     """The plan lists each rank's share of an uneven width (torch.chunk's shares), and its
     bytes per rank are those of the largest share (what the cost model and mode='auto' price)."""
