@@ -576,6 +576,11 @@ def check_problems(args, cluster=None) -> tuple[list[str], list[str], object]:
             problems.append(f"batch {plan.batch_size} does not split over {','.join(plan.batch_axes)} "
                             f"({bsplit} blocks); use a multiple of {bsplit}")
     for pad in plan.padding():
+        if pad.get("kind") == "width":
+            notes.append(f"{pad['param']}: {pad['dense_shape']} padded to {pad['padded_shape']} for the {plan.mode} "
+                         f"split; {'heads' if pad['unit'] > 1 else 'features'} per rank "
+                         f"{', '.join(map(str, pad['shares']))} (exact; checkpoints keep {pad['dense_shape']})")
+            continue
         v, vp = pad["dense_shape"][0] if pad["padded_shape"][0] != pad["dense_shape"][0] else pad["dense_shape"][-1], \
             max(set(pad["padded_shape"]) - set(pad["dense_shape"]), default=0)
         notes.append(f"vocab_size={v} is padded to {vp} for the {plan.mode} split: {pad['param']} holds "

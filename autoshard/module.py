@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from .runtime import collectives as C
 from .runtime import parallel_ops
+from .runtime.groups import copy_sync_hooks
 from .ir.errors import ConfigError
 from .ir.plan import GRAD_BUCKET_BYTES, ShardingPlan
 from .launch.compile_share import HostShared
@@ -136,6 +137,8 @@ class ShardedModule(ModelFace, nn.Module):
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
         self.overlap_grad_sync(GRAD_BUCKET_BYTES)   # bucketed by default (the plan's comms count buckets)
+        # a kv head held by several ranks: its copies' gradients summed (tensor hooks, kept through set_grad_sync)
+        self._copy_hooks = copy_sync_hooks(self.plan, self.rank, dict(self.named_parameters(remove_duplicate=False)))
         track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (see track)
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:

@@ -47,26 +47,72 @@ from .capture import Captured, copy_sharing
 
 aten = torch.ops.aten
 
-__all__ = ["Padding", "pad_vocab", "zero_padded"]
+__all__ = ["Padding", "pad_vocab", "pad_widths", "zero_padded"]
 
 
 @dataclass(frozen=True)
 class Padding:
     """Parameters (every name of each, tied ones included) padded on ``dim`` from
-    ``dense`` to ``padded`` entries."""
+    ``dense`` to ``padded`` entries. ``segments`` > 1: the dim is that many equal
+    blocks fused (GPT-2's ``c_attn``: q, k, v), each padded at its own end."""
 
     names: tuple[str, ...]
     dim: int
     dense: int
     padded: int
+    segments: int = 1
+    copies: int = 0       # > 0: each block holds that many copies of its one dense unit instead of zeros
+    unit: int = 0         # > 0: a width padded in units this wide (heads), not the vocabulary
+
+
+@dataclass(frozen=True)
+class _Dim:
+    """How one dim of a padded value is laid out: ``segs`` blocks, each of ``np``
+    units of which the first ``n`` are the dense ones (the rest zeros, or, where
+    ``zero`` is False, values nothing reads), each unit ``unit`` entries wide."""
+
+    dim: int
+    n: int
+    np: int
+    unit: int = 1
+    segs: int = 1
+    zero: bool = True
+    copies: bool = False    # the extra units repeat the block's one dense unit (a kv head held by r ranks)
+    fan: int = 0            # copies: the query heads each copy serves (what repeat_kv's expand becomes)
+    punit: int = 0          # the padded width of a unit where it differs from ``unit`` (copies fanned out)
+    fanned: tuple = ()      # (dim, dense size): a dim an expand fanned out to ``fan``, until a reshape merges it
+    head: int = 0           # the Linear's features per head where its units are heads (what the plan counts in)
+
+    @property
+    def family(self) -> tuple[int, int]:
+        return (self.n, self.np)
+
+    @property
+    def pu(self) -> int:
+        return self.punit or self.unit
+
+    @property
+    def size(self) -> int:
+        return self.segs * self.np * self.pu
+
+    def at(self, dim: int, **kw) -> "_Dim":
+        return dataclasses.replace(self, dim=dim, **kw)
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CE = {aten.cross_entropy_loss.default}
+_SDPA = {aten.scaled_dot_product_attention.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 
 class _Trim(Exception):
-    """The node cannot take the padded value: give it the first ``V`` entries."""
+    """The node cannot take the padded value: give it the dense entries. ``blame``: the
+    padded dim at fault where the node could take the others (a Linear padded on both
+    its input and its weight: the weight's padding is the one to drop)."""
+
+    def __init__(self, blame: "_Dim | None" = None):
+        super().__init__()
+        self.blame = blame
 
 
 def _val(n):
@@ -77,6 +123,11 @@ def _same(a, b) -> bool:
     return str(a) == str(b)
 
 
+def _int(x) -> int | None:
+    """``x`` as an int where it is a plain (not symbolic) size."""
+    return x if isinstance(x, int) else None
+
+
 def _is_pointwise(t) -> bool:
     return (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
             and torch.Tag.nondeterministic_seeded not in t.tags) or t in (
@@ -84,11 +135,52 @@ def _is_pointwise(t) -> bool:
         aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
 
 
+def _keeps_zero(node: fx.Node, zero: set) -> bool:
+    """Whether the pointwise ``node`` gives 0 where its operands in ``zero`` are 0,
+    whatever its other operands hold: tried on scalars."""
+    for seed in (0.37, -1.9):
+        def rep(a):
+            v = _val(a)
+            if not isinstance(v, torch.Tensor):
+                return a
+            if a in zero:
+                return torch.zeros((), dtype=v.dtype)
+            return torch.full((), seed, dtype=torch.float32).to(v.dtype)
+        args, kwargs = fx.map_arg((node.args, node.kwargs), rep)
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op that takes no scalars: not known to keep zeros
+            return False
+        if not isinstance(out, torch.Tensor) or out.ne(0).any():
+            return False
+    return True
+
+
+def _ratio(a, b) -> int | None:
+    """``a / b`` where it is a positive whole number (sizes may be symbolic), else None."""
+    import sympy
+
+    ea, eb = (x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x)) for x in (a, b))
+    r = sympy.simplify(ea / eb)
+    return int(r) if r.is_Integer and r > 0 else None
+
+
 class _Padder:
-    def __init__(self, gm: fx.GraphModule, V: int, Vp: int, params: dict[str, int]):
-        self.gm, self.V, self.Vp = gm, V, Vp
-        self.params = params                  # get_attr target -> padded dim
-        self.padded: dict[fx.Node, int] = {}  # value -> its padded dim
+    """Follows padded dims through the graph (docs/design.md, "Uneven widths"):
+    each padded value's :class:`_Dim`; a node that cannot take one gets the dense
+    entries back (a trim)."""
+
+    def __init__(self, gm: fx.GraphModule, params: dict[str, _Dim], *, mask_loss: bool = False,
+                 grow: bool = False, fixed: frozenset = frozenset()):
+        self.gm = gm
+        self.fixed = fixed                    # parameters padded before (the vocabulary): not grown again
+        self.grow = grow                      # a Linear on padded in features: zero columns (else a trim)
+        self.trims: list[_Dim] = []           # what had to be trimmed (before the graph's output)
+        self.params = params                  # get_attr target -> its padded dim
+        self.mask_loss = mask_loss            # a cross-entropy over a padded class dim: mask, not trim
+        self.padded: dict[fx.Node, _Dim] = {}
+        self.grown: dict[str, _Dim] = {}      # weights padded on their in features along the walk
         self.fake = detect_fake_mode([_val(n) for n in gm.graph.nodes if _val(n) is not None])
 
     # ------------------------------------------------------------ meta values
@@ -102,10 +194,10 @@ class _Padder:
             node.meta["val"] = node.target(*args, **kwargs)
         node.meta.pop("tensor_meta", None)
 
-    def _insert(self, before: fx.Node, target, args) -> fx.Node:
+    def _insert(self, before: fx.Node, target, args, kwargs=None) -> fx.Node:
         g = self.gm.graph
         with g.inserting_before(before):
-            n = g.call_function(target, args)
+            n = g.call_function(target, args, kwargs or {})
         for k in ("nn_module_stack", "stack_trace"):
             if k in before.meta:
                 n.meta[k] = before.meta[k]
@@ -113,39 +205,142 @@ class _Padder:
         return n
 
     def _trim(self, node: fx.Node, arg: fx.Node) -> fx.Node:
-        n = self._insert(node, aten.slice.Tensor, (arg, self.padded[arg], 0, self.V))
+        p = self.padded[arg]
+        if node.op != "output":
+            self.trims.append(p)
+        if p.pu != p.unit or p.fanned:
+            raise _Unsupported(f"{node.format_node()} takes fanned-out copies", family=p.family)
+        if p.segs == 1:
+            n = self._insert(node, aten.slice.Tensor, (arg, p.dim, 0, p.n * p.unit))
+        else:       # each fused block's dense entries, joined again
+            parts = self._insert(node, aten.split.Tensor, (arg, p.np * p.unit, p.dim))
+            kept = [self._insert(node, aten.slice.Tensor,
+                                 (self._insert(node, operator.getitem, (parts, i)), p.dim, 0, p.n * p.unit))
+                    for i in range(p.segs)]
+            n = self._insert(node, aten.cat.default, (kept, p.dim))
         n.meta[TRIM_META] = True
         return n
 
     def _mask(self, node: fx.Node, x: fx.Node) -> fx.Node:
         """``x`` with its padded entries on the last dim set to -inf."""
-        v = _val(x)
+        v, p = _val(x), self.padded[x]
         g = self.gm.graph
         with g.inserting_before(node):
-            ar = g.call_function(aten.arange.default, (self.Vp,), {"dtype": torch.int64, "device": v.device})
+            ar = g.call_function(aten.arange.default, (p.np,), {"dtype": torch.int64, "device": v.device})
         self._refresh(ar)
-        pad = self._insert(node, aten.ge.Scalar, (ar, self.V))
+        pad = self._insert(node, aten.ge.Scalar, (ar, p.n))
         return self._insert(node, aten.masked_fill.Scalar, (x, pad, float("-inf")))
 
     # ------------------------------------------------------------ dim rules
-    def _out_dim(self, node: fx.Node) -> int | None:
+    def _linear(self, node: fx.Node) -> _Dim | None:
+        pd = self.padded
+        xp, wp, bp, nd, kd = linear_operands(node)
+        a = node.args
+        x, w = a[xp[0]], a[wp[0]]
+        b = a[bp[0]] if bp else None
+        px, pw, pb = pd.get(x), pd.get(w), pd.get(b) if isinstance(b, fx.Node) else None
+        wv = _val(w)
+        if px is not None:
+            # in features padded: the weight gets zero columns there (a contraction over zeros);
+            # padded entries that may not be zero are zeroed first, so the weight's zeros get no gradient
+            if pw is not None:
+                raise _Trim(blame=pw)
+            if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
+                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or w.target in self.fixed or \
+                    _len_users(self.gm, w.target) != 1:
+                raise _Trim
+            if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
+                node.args = tuple(self._zeroed(node, x) if i == xp[0] else v for i, v in enumerate(node.args))
+            self._grow(w, px.at(kd, zero=True))
+            return None
+        if pw is None or pw.dim != nd or wv.dim() != 2:
+            raise _Trim
+        if isinstance(b, fx.Node) and (pb is None or pb.family != pw.family) and _val(b) is not None and _val(b).dim():
+            raise _Trim
+        return pw.at(_val(node).dim() - 1)
+
+    def _zeroed(self, node: fx.Node, x: fx.Node) -> fx.Node:
+        """``x`` times a 0/1 mask of its padded (last) dim: the padded units zero."""
+        p = self.padded[x]
+        g = self.gm.graph
+        with g.inserting_before(node):
+            ar = g.call_function(aten.arange.default, (p.size,), {"dtype": torch.int64, "device": _val(x).device})
+        self._refresh(ar)
+        u = self._insert(node, aten.floor_divide.default, (ar, p.unit))
+        if p.segs > 1:
+            u = self._insert(node, aten.remainder.Scalar, (u, p.np))
+        keep = self._insert(node, aten.lt.Scalar, (u, p.n))
+        out = self._insert(node, aten.mul.Tensor, (x, keep))
+        self.padded[out] = p.at(p.dim, zero=True)
+        return out
+
+    def _grow(self, w: fx.Node, p: _Dim) -> None:
+        """Pad the weight ``w`` on ``p.dim`` with zeros (its in features meet a padded input)."""
+        name = w.target
+        t = self.gm.get_parameter(name)
+        grown = torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad)
+        mod_path, _, attr = name.rpartition(".")
+        setattr(self.gm.get_submodule(mod_path) if mod_path else self.gm, attr, grown)
+        self.grown[name] = p
+        self._refresh(w)
+
+    def _view(self, node: fx.Node, p: _Dim) -> _Dim:
+        """A reshape of a padded value: the output dim that holds the padded units whole
+        (what lies before them folds into ``segs``, what lies after into ``unit``);
+        its literal size is patched to the padded one."""
+        x = node.args[0]
+        padded_in = list(_val(x).shape)
+        dense_in = list(padded_in)
+        dense_in[p.dim] = p.segs * p.n * p.unit
+        if p.fanned:
+            dense_in[p.fanned[0]] = p.fanned[1]
+        s_out = list(_val(node).shape)          # not refreshed yet: the dense result
+        shape = list(node.args[1])
+        before = math.prod(dense_in[:p.dim]) * p.segs
+        after = math.prod(dense_in[p.dim + 1:]) * p.unit
+        after_p = math.prod(padded_in[p.dim + 1:]) * p.pu
+        for e in range(len(s_out)):
+            segs = _ratio(before, math.prod(s_out[:e]))
+            unit = _ratio(after, math.prod(s_out[e + 1:]))
+            if segs is None or unit is None or not _same(s_out[e], segs * p.n * unit):
+                continue
+            pu = _ratio(after_p, math.prod(s_out[e + 1:]))
+            if pu is None or (p.fanned and not p.fanned[0] > p.dim):
+                raise _Trim
+            if isinstance(shape[e], int) and shape[e] != -1:
+                shape[e] = segs * p.np * pu
+            elif shape[e] != -1:
+                raise _Trim
+            node.args = (x, shape) + tuple(node.args[2:])
+            return p.at(e, unit=unit, segs=segs, punit=pu if pu != unit else 0, fanned=())
+        raise _Trim
+
+    def _out_dim(self, node: fx.Node) -> _Dim | None:
         """The padded dim of ``node``'s output (None: not padded); raises _Trim."""
         t, a = node.target, node.args
         pd = self.padded
         if t == aten.embedding.default:
-            if a[1] in pd or pd.get(a[0]) != 0:
+            if a[1] in pd or pd.get(a[0]) is None or pd[a[0]].dim != 0:
                 raise _Trim
             return None
         if t in LINEAR_OPS:
-            xp, wp, bp, nd, _ = linear_operands(node)
-            x, w = a[xp[0]], a[wp[0]]
-            b = a[bp[0]] if bp else None
-            if x in pd or pd.get(w) != nd or (isinstance(b, fx.Node) and b in pd and pd[b] != 0):
-                raise _Trim
-            if isinstance(b, fx.Node) and b not in pd and _val(b) is not None and _val(b).dim():
-                raise _Trim
-            return _val(node).dim() - 1
+            return self._linear(node)
         out = _val(node)
+        if t in _SDPA:
+            q, k, v = a[:3]
+            ps = [pd.get(q), pd.get(k), pd.get(v)]
+            if any(p is None or p.dim != 1 or p.fanned for p in ps) or \
+                    any(isinstance(m, fx.Node) and m in pd for m in list(a[3:]) + list(node.kwargs.values())):
+                raise _Trim
+            pq, pk, pv = ps
+            alike = len({(p.family, p.segs, p.unit, p.pu) for p in ps}) == 1 and not pq.copies
+            # kv heads held by r ranks: in each kv group's block, every query slot reads a copy of its kv head
+            copied = not pq.copies and pq.pu == 1 and all(
+                p.copies and p.n == 1 and p.segs == pq.segs and p.np * p.pu == pq.np and p.unit == pq.n
+                for p in (pk, pv))
+            if not (alike or copied):
+                raise _Trim
+            return pq.at(1, zero=pv.zero and not pv.copies)
         if not isinstance(out, torch.Tensor):
             raise _Trim
         r = out.dim()
@@ -156,56 +351,111 @@ class _Padder:
                 if not isinstance(v, torch.Tensor):
                     continue
                 if n in pd:
-                    p = pd[n] + r - v.dim()
-                    if where not in (None, p):
+                    p = pd[n].at(pd[n].dim + r - v.dim())
+                    if where is not None and dataclasses.replace(where, zero=True) != dataclasses.replace(p, zero=True):
                         raise _Trim
                     where = p
             for n in node.all_input_nodes:
                 v = _val(n)
                 if n in pd or not isinstance(v, torch.Tensor):
                     continue
-                q = where - (r - v.dim())
+                q = where.dim - (r - v.dim())
                 if q >= 0 and not _same(v.shape[q], 1):
                     raise _Trim
-            return where
+            if where.fanned:
+                raise _Trim
+            zero = {n for n in node.all_input_nodes if n in pd and pd[n].zero and not pd[n].copies}
+            return where.at(where.dim, zero=bool(zero) and _keeps_zero(node, zero))
         x = a[0]
-        d = pd.get(x)
-        if d is None:
+        p = pd.get(x)
+        if p is None or any(n in pd for n in node.all_input_nodes if n is not x):
+            if t == aten.cat.default:
+                return self._cat(node)
             raise _Trim
+        d = p.dim
         nx = _val(x).dim()
         if t in _VIEWS:
-            s_in, s_out, shape = list(_val(x).shape), list(out.shape), list(a[1])
-            tail = s_in[d + 1:]
-            for e in range(len(s_out)):
-                if (_same(s_out[e], self.V) and len(s_out) - e - 1 == len(tail)
-                        and all(_same(p, q) for p, q in zip(s_out[e + 1:], tail))):
-                    if shape[e] == self.V:
-                        shape[e] = self.Vp
-                    elif shape[e] != -1:
-                        raise _Trim
-                    node.args = (x, shape) + tuple(a[2:])
-                    return e
+            return self._view(node, p)
+        if p.fanned:
             raise _Trim
+        if t == aten.expand.default:
+            shape = list(a[1])
+            k = d + len(shape) - nx
+            j = d + 1                           # the input dim after the padded one
+            if p.copies and p.fan and j < nx and _same(_val(x).shape[j], 1) and isinstance(shape[k + 1], int) \
+                    and shape[k + 1] > 1:
+                # repeat_kv: each copy of a kv head serves ``fan`` query slots, not the dense group
+                fanned = (k + 1, shape[k + 1])
+                shape[k + 1] = p.fan
+                if shape[k] == p.segs * p.n * p.unit:
+                    shape[k] = p.size
+                node.args = (x, shape) + tuple(a[2:])
+                return p.at(k, fanned=fanned)
+            if shape[k] not in (-1, _val(x).shape[d]) and not _same(shape[k], _val(x).shape[d]):
+                if shape[k] != p.segs * p.n * p.unit:
+                    raise _Trim
+                shape[k] = p.segs * p.np * p.unit
+                node.args = (x, shape) + tuple(a[2:])
+            elif shape[k] == p.segs * p.n * p.unit and p.n != p.np:
+                shape[k] = p.segs * p.np * p.unit
+                node.args = (x, shape) + tuple(a[2:])
+            return p.at(k)
+        if t in (aten.dropout.default,):
+            return p
         if t == aten.slice.Tensor:
             dim = (a[1] if len(a) > 1 else 0) % nx
             if dim == d:
                 raise _Trim
-            return d
+            return p
         if t == aten.select.int:
             dim = a[1] % nx
             if dim == d:
                 raise _Trim
-            return d - (dim < d)
+            return p.at(d - (dim < d))
         if t == aten.t.default:
-            return 1 - d if nx == 2 else d
+            return p.at(1 - d if nx == 2 else d)
         if t == aten.transpose.int:
             i, j = a[1] % nx, a[2] % nx
-            return j if d == i else i if d == j else d
+            return p.at(j if d == i else i if d == j else d)
         if t == aten.permute.default:
-            return [p % nx for p in a[1]].index(d)
+            return p.at([q % nx for q in a[1]].index(d))
         if t == aten.unsqueeze.default:
-            return d + ((a[1] % (nx + 1)) <= d)
+            return p.at(d + ((a[1] % (nx + 1)) <= d))
         raise _Trim
+
+    def _cat(self, node: fx.Node) -> _Dim:
+        """A cat along another dim of values padded alike (rotary's rotate-half)."""
+        xs, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        ps = [self.padded.get(x) for x in xs]
+        if any(p is None for p in ps) or len({dataclasses.replace(p, zero=True) for p in ps}) != 1 or \
+                dim % _val(xs[0]).dim() == ps[0].dim:
+            raise _Trim
+        return ps[0].at(ps[0].dim, zero=all(p.zero for p in ps))
+
+    def _split(self, node: fx.Node) -> None:
+        """A split of a padded fused value into its blocks (GPT-2's q, k, v): each output
+        a padded value of one block."""
+        x = node.args[0]
+        p = self.padded[x]
+        nx = _val(x).dim()
+        t = node.target
+        dim = (node.args[2] if len(node.args) > 2 else 0) % nx
+        block = p.n * p.unit
+        if dim != p.dim or p.segs == 1:
+            raise _Trim
+        if t == aten.split.Tensor and node.args[1] == block:
+            node.args = (x, p.np * p.unit) + tuple(node.args[2:])
+        elif t == aten.split_with_sizes.default and list(node.args[1]) == [block] * p.segs:
+            node.args = (x, [p.np * p.unit] * p.segs) + tuple(node.args[2:])
+        elif t == aten.chunk.default and node.args[1] == p.segs:
+            pass
+        else:
+            raise _Trim
+        self._refresh(node)
+        for u in node.users:
+            if u.target is operator.getitem:
+                self._refresh(u)
+                self.padded[u] = p.at(dim, segs=1)
 
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
@@ -227,19 +477,31 @@ class _Padder:
             return
         if node.op != "call_function" or not any(n in self.padded for n in node.all_input_nodes):
             return
-        if node.target in _CE:
+        if node.target is operator.getitem and node in self.padded:
+            return
+        if self.mask_loss and node.target in _CE:
             x = node.args[0]
-            if node.args[1] not in self.padded and self.padded.get(x) == 1 and _val(x).dim() == 2:
+            p = self.padded.get(x)
+            if node.args[1] not in self.padded and p is not None and p.dim == 1 and p.segs == 1 and \
+                    p.unit == 1 and _val(x).dim() == 2:
                 node.args = (self._mask(node, x),) + tuple(node.args[1:])
                 self._refresh(node)
                 return
+        if node.target in _SPLITS and node.args[0] in self.padded:
+            try:
+                return self._split(node)
+            except _Trim:
+                pass
         if node.target is operator.getitem:
             raise _Unsupported(f"{node.format_node()} takes a padded multi-output value")
         try:
             d = self._out_dim(node)
-        except _Trim:
+        except _Trim as e:
+            mark = len(self.trims)
             node.args, node.kwargs = fx.map_arg(
                 (node.args, node.kwargs), lambda n: self._trim(node, n) if n in self.padded else n)
+            if e.blame is not None:
+                self.trims[mark:] = [e.blame]
             d = None
         self._refresh(node)
         if d is not None:
@@ -247,7 +509,27 @@ class _Padder:
 
 
 class _Unsupported(Exception):
-    pass
+    def __init__(self, msg: str, family=None):
+        super().__init__(msg)
+        self.family = family
+
+
+def _len_users(gm: fx.GraphModule, target: str) -> int:
+    """How many get_attr nodes read the parameter ``target`` (or a tied name of it)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    p = params.get(target)
+    return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
+
+
+def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
+    """``t`` (detached) laid out as ``p``: each of its ``p.segs`` blocks on ``p.dim`` grown
+    with zero units from ``p.n`` to ``p.np``."""
+    t = t.detach()
+    if p.copies:            # each block's one unit, repeated
+        return torch.cat([b for b in t.chunk(p.segs, p.dim) for _ in range(p.np)], dim=p.dim)
+    if p.segs == 1:
+        return zero_padded(t, p.dim, p.np * p.unit)
+    return torch.cat([zero_padded(b, p.dim, p.np * p.unit) for b in t.chunk(p.segs, p.dim)], dim=p.dim)
 
 
 def _vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
@@ -336,8 +618,8 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
             targets[name] = dim
         padding.append(Padding(names=tuple(names[key]), dim=dim, dense=V, padded=Vp))
     # get_attr targets are the parameter names with dots
-    padder = _Padder(new, V, Vp, {n.target: targets[n.target] for n in new.graph.nodes
-                                  if n.op == "get_attr" and n.target in targets})
+    padder = _Padder(new, {n.target: _Dim(targets[n.target], V, Vp) for n in new.graph.nodes
+                           if n.op == "get_attr" and n.target in targets}, mask_loss=True)
     try:
         padder.run()
     except _Unsupported as e:           # the vocabulary stays whole (replicated, exact), as without padding
@@ -347,3 +629,152 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
     new.graph.lint()
     new.recompile()
     return dataclasses.replace(cap, module=new, padding=tuple(padding))
+
+
+def _layout(node: fx.Node) -> tuple[int, int]:
+    """``(segments, unit)`` of a Linear's out features, from what its output meets on its
+    way: a split into equal blocks on the last dim (a fused q, k, v: segments) and a
+    reshape cutting the last dim into ``[..., units, unit]`` (heads of ``unit`` features);
+    ``(1, 1)`` where neither comes (an MLP's intermediate features)."""
+    cur, segs = node, 1
+    for _ in range(16):
+        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
+        v = _val(cur)
+        if len(users) != 1 or not isinstance(v, torch.Tensor) or not v.dim():
+            break
+        u, last = users[0], v.shape[-1]
+        if u.target in _VIEWS:
+            out = list(_val(u).shape)
+            if out and _same(out[-1], last):
+                cur = u
+                continue
+            for k in range(2, len(out) + 1):
+                if _same(math.prod(out[-k:]), last):
+                    return segs, math.prod(out[-k + 1:])
+            break
+        if u.target in _SPLITS and segs == 1:
+            nd = v.dim()
+            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
+            parts = [g for g in u.users if g.target is operator.getitem]
+            sizes = [_val(g).shape[dim] for g in parts]
+            if dim != nd - 1 or len(parts) < 2 or len({str(x) for x in sizes}) != 1:
+                break
+            segs, cur = len(parts), min(parts, key=lambda g: g.args[1])
+            continue
+        if _is_pointwise(u.target) and len(u.all_input_nodes) == 1:
+            cur = u
+            continue
+        break
+    return segs, 1
+
+
+def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None) -> Captured:
+    """``cap`` with every Linear whose out features the split ``multiple`` does not cut
+    into whole units (heads, or single features: an intermediate size) padded with zero
+    units to the next multiple, exactly (docs/design.md, "Uneven widths"). Rank ``r`` then
+    holds ``⌈n/t⌉`` units of which the first ``n - r⌈n/t⌉`` (at most all) are real: the
+    ``torch.chunk`` shares DTensor's uneven ``Shard`` gives each rank. The padding is
+    followed through the graph (reshapes to heads, rotary, attention) to the Linear that
+    contracts over it, whose weight gets zero columns. With grouped-query attention
+    (``kv_heads`` < ``heads``) a query head is padded with its kv head's group. A family of
+    widths the walk cannot follow to its contraction without a trim stays as it was
+    (held whole by the planner, exact).
+
+    >>> import transformers
+    >>> from autoshard.passes.capture import capture
+    >>> m = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=48, intermediate_size=96,
+    ...     num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3, vocab_size=64))
+    >>> cap = pad_widths(capture(m), 2, heads=3, kv_heads=3)
+    >>> sorted((p.names[0].split(".")[-2], p.dense, p.padded) for p in cap.padding)[:3]
+    [('k_proj', 48, 64), ('o_proj', 48, 64), ('q_proj', 48, 64)]
+    """
+    if multiple <= 1:
+        return cap
+    done = frozenset(n for p in cap.padding for n in p.names)
+    r = multiple // kv_heads if heads and kv_heads and kv_heads < multiple and multiple % kv_heads == 0 and \
+        heads % kv_heads == 0 else 0
+    for copies in ((True, False) if r else (False,)):
+        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copies else 0)
+        out = _pad_seeds(cap, seeds, multiple, done)
+        if out is None:
+            return cap
+        if not copies or any(p.copies for p in out.padding):
+            return out
+    return out
+
+
+def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, r: int) -> dict[str, _Dim]:
+    """The padded dim of every Linear weight (and bias) whose out features ``multiple``
+    does not cut into whole units; with ``r`` > 0 (kv heads fewer than the split, ``r``
+    ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
+    head's query group is padded to ``r`` blocks of ``⌈g/r⌉`` query heads."""
+    seeds: dict[str, _Dim] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in LINEAR_OPS:
+            continue
+        xp, wp, bp, nd, _ = linear_operands(node)
+        w = node.args[wp[0]]
+        if not (isinstance(w, fx.Node) and w.op == "get_attr") or _val(w).dim() != 2 or w.target in done or \
+                w.target in seeds or _len_users(gm, w.target) != 1:
+            continue
+        N = int(_val(w).shape[nd])
+        segs, unit = _layout(node)
+        if N % (segs * unit):
+            continue
+        n, hd = N // (segs * unit), unit
+        if r and segs == 1 and unit > 1 and n in (heads, kv_heads):
+            g = heads // kv_heads
+            if n == kv_heads:       # a kv head held by the r ranks whose query heads read it
+                p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
+            else:                   # each kv head's query group: r blocks of ⌈g/r⌉ query heads
+                p = _Dim(nd, g, r * -(-g // r), unit, kv_heads)
+        elif n % multiple == 0:
+            continue
+        else:
+            if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
+                n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
+            p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
+        p = dataclasses.replace(p, head=hd if hd > 1 else 0)
+        seeds[w.target] = p
+        b = node.args[bp[0]] if bp else None
+        if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and _len_users(gm, b.target) == 1:
+            seeds[b.target] = p.at(0)
+    return seeds
+
+
+def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: frozenset) -> Captured | None:
+    """``cap`` with ``seeds`` padded and followed (families the walk must cut back left
+    out, the rest padded again); None where the walk cannot follow an op at all."""
+    gm = cap.module
+    while seeds:
+        new = copy_sharing(gm)
+        for name, p in seeds.items():
+            t = gm.get_parameter(name)
+            mod_path, _, attr = name.rpartition(".")
+            setattr(new.get_submodule(mod_path) if mod_path else new, attr,
+                    torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad))
+        padder = _Padder(new, dict(seeds), grow=True, fixed=done)
+        try:
+            padder.run()
+        except _Unsupported as e:
+            if e.family is not None:
+                seeds = {k: p for k, p in seeds.items() if p.family != e.family}
+                continue
+            warn(f"widths not padded to the split {multiple}: the pad pass cannot follow node {e}; "
+                 f"those weights stay whole", AutoshardWarning)
+            return None
+        bad = {p.family for p in padder.trims}
+        if bad:         # a family the walk had to cut back: left out, the others padded again
+            seeds = {k: p for k, p in seeds.items() if p.family not in bad}
+            continue
+        new.graph.lint()
+        new.recompile()
+        aliases: dict[int, list[str]] = {}
+        for name, q in new.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(q), []).append(name)
+        padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit,
+                           padded=p.size, segments=p.segs, copies=p.np if p.copies else 0,
+                           unit=p.head or p.pu)
+                   for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
+        return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
+    return cap

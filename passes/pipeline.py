@@ -18,7 +18,7 @@ from autoshard.policies.base import Policy
 from .capture import Captured
 from .experts import count_on_floats, fold_grouped_weights, plan_expert_parallel
 from .linear_fold import fold_transposed_weights
-from .pad import pad_vocab
+from .pad import pad_vocab, pad_widths
 from .token_fold import fold_token_flattens
 from .propagate import propagate
 from .trace import trace
@@ -31,13 +31,18 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
     (:mod:`~autoshard.passes.linear_fold`), with context parallelism per-token ops on
     unflattened tokens (:mod:`~autoshard.passes.token_fold`), grouped expert matmuls with their
     parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
-    padded to the mode's split (the same object where nothing changes). Plan and
+    padded to the mode's split, and heads and widths the split does not divide padded
+    with zero units (:func:`~autoshard.passes.pad.pad_widths`; the same object where
+    nothing changes). Plan and
     rewrite this one. ``vocab``: the vocabulary's size, where the graph has no head to
     tell it (:func:`~autoshard.passes.pad.pad_vocab`)."""
     folded = fold_transposed_weights(captured)
     if policy.cp > 1:       # a split sequence cannot merge into a whole batch: tokens kept apart
         folded = fold_token_flattens(folded)
-    return pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)
+    padded = pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)
+    cfg = captured.config
+    return pad_widths(padded, policy.width_multiple(), heads=getattr(cfg, "num_attention_heads", None),
+                      kv_heads=getattr(cfg, "num_key_value_heads", None))
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

@@ -579,7 +579,9 @@ class _Engine:
                 dense = tuple(pad.dense if d == pad.dim else s for d, s in enumerate(p.shape))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
                                     dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name),
-                                    dense_shape=dense, trainable=not self.frozen & set(names)))
+                                    dense_shape=dense, trainable=not self.frozen & set(names),
+                                    pad_segments=getattr(pad, "segments", 1), pad_copies=getattr(pad, "copies", 0),
+                                    pad_unit=getattr(pad, "unit", 0)))
         local = {n.name: self._local_shape(n) for n in self.gm.graph.nodes}
         return ShardingPlan(model=self.cap.model_name, mode=self.policy.name, mesh=self.mesh,
                             tp_axes=self.policy.tp_axes, batch_axes=() if self.static_batch else self.policy.batch_axes,

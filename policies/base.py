@@ -294,6 +294,12 @@ class Policy:
         """What the vocabulary is padded to a multiple of (:mod:`autoshard.passes.pad`)."""
         return self.dim_splits()[0].get("vocab_size", 1)
 
+    def width_multiple(self) -> int:
+        """What heads and Linear widths the split does not divide are padded to a
+        multiple of (:func:`autoshard.passes.pad.pad_widths`); 1: none are (the mode
+        holds such weights whole)."""
+        return 1
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """TP world sizes (dp = 1) of this mode whose split divides ``n``."""

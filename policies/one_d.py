@@ -77,6 +77,10 @@ class OneD(Policy):
         return {"num_attention_heads": p, "num_key_value_heads": p, "intermediate_size": p,
                 "vocab_size": p}, f"tp={p}"
 
+    def width_multiple(self) -> int:
+        """The tp size: heads and intermediate widths split over tp are padded to it."""
+        return self.mesh.size("tp")
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """Every divisor of ``n`` up to ``limit``.

@@ -67,6 +67,21 @@ TINY["deepseekv3"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config",
                       dict(_MOE, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
                            first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
+# heads and widths no split divides (autoshard/passes/pad.py, pad_widths; docs/design.md, "Uneven widths"):
+# 8 heads (and an intermediate size of 160) at 3 ranks, GPT-2's 12 heads at 8, Qwen2's 28 heads and 4 kv heads
+TINY["llama-h8-i160"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 96, "num_attention_heads": 8,
+                                                       "num_key_value_heads": 8, "intermediate_size": 160})
+TINY["gpt2-h12"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd": 96, "n_head": 12})
+# 2 kv heads at 4 ranks: each kv head held by the 2 ranks whose query heads read it
+TINY["llama-kv2"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 8,
+                                                        "num_key_value_heads": 2, "hidden_size": 96})
+# 6 heads, 3 kv heads and an intermediate size of 150 at 4 ranks (1d-sp: the sequence of 8 splits)
+TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 6,
+                                                       "num_key_value_heads": 3, "hidden_size": 96,
+                                                       "intermediate_size": 150})
+TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
+                     {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
+                      "intermediate_size": 144, "tie_word_embeddings": False})
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

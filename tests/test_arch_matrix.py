@@ -162,3 +162,20 @@ def test_refused_cell_is_reported_with_its_reason():
     text = M.render({("bloom", "2d"): cell})
     assert "**refused**" in text
     assert "refused: ShardingError: cannot gather the batch split (node: %reshape_1" in text
+
+
+# every architecture at world sizes that divide none of its widths (4 heads, intermediate 128,
+# vocabulary 128 at 3 and 6 ranks): padded (autoshard/passes/pad.py, pad_widths) or held whole, exact
+UNEVEN = [pytest.param(a, w, id=f"{a}-1d-w{w}", marks=[pytest.mark.extended] + ([pytest.mark.slow] if w == 6 else []))
+          for a in M.ARCHS for w in (3, 6)]
+
+
+@pytest.mark.parametrize("arch,world", UNEVEN)
+def test_uneven_world_sizes_equal_dense(arch, world):
+    results = get_pool(world, timeout=900).run(models.check, arch, "1d", None, 0, None, 1, True)
+    for rank, r in enumerate(results):
+        assert r["failures"] == [], f"rank {rank}: {r['failures']}"
+        assert r["param_bytes"] == r["plan_param_bytes"], f"rank {rank}"
+        assert r["ledger_calls"] == r["plan_calls"] and r["ledger_bytes"] == pytest.approx(r["plan_bytes"], rel=1e-9)
+        assert r["n_local_params"] == r["n_dense_params"], "tied weights must stay one parameter"
+        assert r["fallbacks"] == [], f"rank {rank}"

@@ -78,15 +78,15 @@ CASES = [
     Case("process-group-size", 2, "process group of 2 ranks, `WORLD_SIZE=4`", "ConfigError",
          r"default process group has 2 ranks but WORLD_SIZE=4"),
     # --- model dimensions vs the split -----------------------------------------------------------
-    Case("heads-not-divisible", 2, "3 attention heads, `mode='1d'` on 2 ranks", "ConfigError",
-         r"num_attention_heads=3 is not divisible by the 1d split 2 \(tp=2\).*Valid tp sizes for 3: 1, 3"),
+    Case("heads-not-divisible", 2, "3 attention heads, `mode='1d'` on 2 ranks (warning: padded)", "AutoshardWarning",
+         r"num_attention_heads=3 does not divide the 1d split 2 \(tp=2\): padded to 4, each rank holds 2, 1 of them"),
     Case("heads-and-hidden-2d", 4, "GPT-2 with 3 heads of 15 (hidden 45), `mode='2d'` on 4 ranks", "ConfigError",
          r"2 problems:.*num_attention_heads=3 is not divisible by the 2d split 2 \(q=2\).*"
          r"hidden_size=45 is not divisible by the 2d split 2.*Valid world sizes q² for 45: 9, 25, 81"),
     Case("kv-heads-not-divisible", 2, "1 kv head, `mode='1d'` on 2 ranks (warning)", "AutoshardWarning",
-         r"num_key_value_heads=1 is not divisible by the 1d split 2 \(tp=2\); k/v projections stay replicated"),
+         r"num_key_value_heads=1 is fewer than the 1d split 2 \(tp=2\): each kv head is held by the 2 ranks"),
     Case("intermediate-not-divisible", 2, "intermediate 129, `mode='1d'` on 2 ranks (warning)", "AutoshardWarning",
-         r"intermediate_size=129 is not divisible by the 1d split 2.*MLP Linears stay replicated"),
+         r"intermediate_size=129 does not divide the 1d split 2 \(tp=2\): padded to 130, each rank holds 65, 64"),
     # --- the model itself ------------------------------------------------------------------------
     Case("dtype-mix", 2, "`lm_head` in float16, the rest float32", "ConfigError",
          r"parameters mix dtypes \(float32: model\.embed_tokens\.weight.*float16: lm_head\.weight\)"),
@@ -110,8 +110,8 @@ CASES = [
          r"batch size 3 of example_inputs\['input_ids'\] is not divisible by the batch split 2 "
          r"\(2d splits the batch over row\[2\]; padding the batch would not be exact: node mse_loss \(mse_loss\) "
          r"reduces over the batch dim\); use a multiple of 2, e.g\. 2, 4"),
-    Case("all-problems-at-once", 2, "3 heads, a float16 `lm_head` and float `input_ids` together", "ConfigError",
-         r"3 problems:\n  - dtype: parameters mix dtypes.*\n  - num_attention_heads=3 is not.*\n  - input_ids: must hold integer"),
+    Case("all-problems-at-once", 2, "3 heads (padded: a warning), a float16 `lm_head` and float `input_ids` together",
+         "ConfigError", r"2 problems:\n  - dtype: parameters mix dtypes.*\n  - input_ids: must hold integer"),
     # --- calling a sharded module ----------------------------------------------------------------
     Case("call-use-cache", 2, "calling the sharded module with `use_cache=True`", "ConfigError",
          r"use_cache=True: a sharded module.s forward runs without a KV cache.*generate"),

@@ -265,3 +265,28 @@ def test_pieces_merge_adjacent_segments():
 def test_pieces_wrong_ndim_raises():
     with pytest.raises(ShardingError, match="has 2 dims"):
         list(S(["tp"], []).pieces((4,), M1, 0))
+
+
+# uneven widths (passes/pad.py, pad_widths): the dense tensor padded with zero units, sliced, assembled, trimmed
+UNEVEN = [
+    ("8-heads-over-3", M1_3, (128, 96), (144, 96), S(["tp"], []), 1, [3, 3, 2]),            # q_proj, 8 heads of 16
+    ("o-proj-in-over-3", M1_3, (96, 128), (96, 144), S([], ["tp"]), 1, [3, 3, 2]),          # o_proj's in features
+    ("fused-qkv-12-over-8", Mesh(axes=("tp",), sizes=(8,)), (96, 3 * 96), (96, 3 * 128),
+     S([], ["tp"], segments=(1, 3)), 3, [2, 2, 2, 2, 2, 2, 0, 0]),                         # GPT-2 c_attn, 12 heads of 8
+]
+
+
+@pytest.mark.parametrize("mesh, dense, padded, spec, segs, heads", [c[1:] for c in UNEVEN], ids=[c[0] for c in UNEVEN])
+def test_uneven_round_trip(mesh, dense, padded, spec, segs, heads):
+    """An uneven split round-trips exactly: each rank's block holds ⌈h/t⌉ head slots of
+    which its share is real (the rest zeros), and assemble + trim gives the dense tensor."""
+    from autoshard.ir.plan import ParamPlan
+
+    pp = ParamPlan(name="w", global_shape=padded, spec=spec, grad_sync=(), dense_shape=dense, pad_segments=segs)
+    t = _rand(dense, seed=3)
+    blocks = [spec.local(pp.pad(t), mesh, r) for r in range(mesh.world_size)]
+    assert torch.equal(pp.trim(spec.assemble(blocks, mesh)), t)
+    d = pp.pad_dim
+    unit = (dense[d] // segs) // (sum(heads))
+    real = [int((b.abs().sum(dim=1 - d) != 0).sum()) // unit // segs for b in blocks]
+    assert real == heads

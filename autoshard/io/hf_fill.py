@@ -106,7 +106,11 @@ def fill_from_folder(gm, plan, rank: int, folder: HFFolder, built: Built, progre
         if shape != pp.hf_shape:
             raise CheckpointError(f"{folder.where[key]}: tensor {key!r} has shape {list(shape)}, the model's "
                                   f"{pp.name!r} has {list(pp.hf_shape)}")
-        local = folder.read(key, pp.spec, mesh, rank, dtype=cur.dtype, padded=pp.global_shape)
+        if pp.pad_segments > 1 or pp.pad_copies:    # blocks padded each at its end or copied: read whole, pad, slice
+            whole = folder.read(key, replicated(len(shape)), mesh, rank, dtype=cur.dtype)
+            local = pp.spec.local(pp.pad(whole), mesh, rank)
+        else:
+            local = folder.read(key, pp.spec, mesh, rank, dtype=cur.dtype, padded=pp.global_shape)
         set_param(gm, names, nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built, folder)
     folder.files.close()

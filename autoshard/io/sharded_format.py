@@ -58,6 +58,7 @@ from .hf_fill import fill_buffers, set_param
 from ..ir.log import progress as _progress_bar
 from ..ir.log import show_progress
 from ..ir.mesh import Mesh
+from ..ir.plan import ParamPlan
 from .safetensors_io import LazyFiles, StreamWriter, read_local, write_atomic
 from ..ir.spec import ShardSpec, replicated
 
@@ -210,6 +211,8 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
                 blocks.append({"rank": o, "file": rep["file"], "offsets": b["offsets"], "sha256": b["sha256"]})
             tensors[key] = {"kind": kind, "param": name, "state_key": k, "global_shape": list(gshape),
                             "dense_shape": list(dense),
+                            **({"pad_segments": pp.pad_segments, "pad_copies": pp.pad_copies}
+                               if (pp.pad_segments != 1 or pp.pad_copies) and dense != tuple(gshape) else {}),
                             "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
                             "aliases": list(aliases), "blocks": blocks}
         manifest = {"format": FORMAT, "version": VERSION, "model": plan.model, "mode": plan.mode,
@@ -385,10 +388,12 @@ class Saved:
         self.files.touched(p, n)
         return t
 
-    def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype, shape=None) -> torch.Tensor:
+    def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype, shape=None,
+              segments: int = 1, copies: int = 0) -> torch.Tensor:
         """``rank``'s block under ``spec`` of the tensor ``key``, whose global shape on
         ``mesh`` is ``shape`` (default: its Hugging Face shape; a padded vocabulary is
-        larger)."""
+        larger; ``segments`` > 1: fused blocks padded each at its end, ``copies``: blocks
+        repeated instead, passes/pad.py)."""
         ent = self.man["tensors"][key]
         saved_spec = ShardSpec.from_dict(ent["spec"])
         saved_shape, dense = tuple(ent["global_shape"]), dense_shape(ent)
@@ -405,8 +410,17 @@ class Saved:
             saved_spec.place(full, blk, self.mesh, b["rank"])
             del blk
         if dense != saved_shape:
-            full = full[tuple(slice(0, n) for n in dense)]
+            full = _padded_plan(saved_shape, dense, ent.get("pad_segments", 1)).trim(full)
+        if (segments > 1 or copies) and shape != dense:
+            return spec.local(_padded_plan(shape, dense, segments, copies).pad(full), mesh, rank).to(dtype)
         return read_local(full, spec, mesh, rank, dtype=dtype, padded=shape)
+
+
+def _padded_plan(shape, dense, segments: int, copies: int = 0):
+    """A :class:`~autoshard.ir.plan.ParamPlan` of ``shape`` padded from ``dense`` (its
+    ``pad`` / ``trim``: each of ``segments`` fused blocks padded at its own end)."""
+    return ParamPlan(name="", global_shape=tuple(shape), spec=replicated(len(shape)), grad_sync=(),
+                     dense_shape=tuple(dense), pad_segments=segments, pad_copies=copies)
 
 
 def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, progress, stats) -> None:
@@ -418,7 +432,8 @@ def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, prog
         key = next((saved.by_name[n] for n in (pp.name, *pp.aliases) if n in saved.by_name), None)
         if key is None:
             raise CheckpointError(f"{saved.path / MANIFEST}: no tensor for parameter {pp.name!r}")
-        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape)
+        local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape, segments=pp.pad_segments,
+                            copies=pp.pad_copies)
         set_param(gm, (pp.name, *pp.aliases), nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built)
     saved.files.close()

@@ -169,7 +169,12 @@ class ParamPlan:
     dtype_bytes: int = 4
     is_buffer: bool = False
     aliases: tuple[str, ...] = ()  # other HF names of the same tensor (tied weights)
-    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary was padded (else empty)
+    dense_shape: tuple = ()       # the Hugging Face shape where the vocabulary or a width was padded (else empty)
+    pad_segments: int = 1         # the padded dim is this many fused blocks, each padded at its end (GPT-2's c_attn)
+    # > 0: each block holds this many copies of its one dense unit (a kv head held by the ranks whose query
+    # heads read it), not zeros; their gradients are summed over the ranks holding them (docs/design.md, "Uneven widths")
+    pad_copies: int = 0
+    pad_unit: int = 0             # > 0: a width padded in units this wide (a head's features; 1), not the vocabulary
     # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
     # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
     trainable: bool = True
@@ -191,22 +196,58 @@ class ParamPlan:
         return next(d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape)) if a != b)
 
     def pad(self, t):
-        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape``."""
+        """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape`` (each of the
+        ``pad_segments`` blocks of the padded dim at its own end)."""
         d = self.pad_dim
         if d is None or tuple(t.shape) == tuple(self.global_shape):
             return t
-        shape = list(t.shape)
-        shape[d] = self.global_shape[d] - shape[d]
         import torch
 
-        return torch.cat([t, t.new_zeros(shape)], dim=d)
+        m = self.pad_segments
+        parts = []
+        for b in t.chunk(m, d) if m > 1 else (t,):
+            if self.pad_copies:
+                parts += [b] * self.pad_copies
+                continue
+            shape = list(b.shape)
+            shape[d] = self.global_shape[d] // m - shape[d]
+            parts += [b, b.new_zeros(shape)]
+        return torch.cat(parts, dim=d)
 
     def trim(self, t):
         """A tensor of ``global_shape`` cut back to :attr:`hf_shape`."""
         d = self.pad_dim
         if d is None or tuple(t.shape) == tuple(self.dense_shape):
             return t
+        m = self.pad_segments
+        if m > 1:
+            import torch
+
+            return torch.cat([b.narrow(d, 0, self.dense_shape[d] // m) for b in t.chunk(m, d)], dim=d)
         return t.narrow(d, 0, self.dense_shape[d]).contiguous()
+
+    def copy_group(self, mesh: Mesh) -> int:
+        """How many consecutive ranks along the padded dim's axes hold copies of the same
+        unit (their gradients are summed over them; :attr:`pad_copies`): 1 where a rank
+        holds all of a unit's copies, or there are none.
+
+            >>> from autoshard.ir.spec import ShardSpec
+            >>> pp = ParamPlan(name="k", global_shape=(8, 4), spec=ShardSpec(dims=(("tp",), ())), grad_sync=(),
+            ...                dense_shape=(4, 4), pad_segments=2, pad_copies=2)
+            >>> pp.copy_group(Mesh(axes=("tp",), sizes=(4,)))
+            2
+        """
+        d = self.pad_dim
+        if not self.pad_copies or d is None or not self.spec.dims[d]:
+            return 1
+        ways = mesh.size(self.spec.dims[d])
+        slots = self.pad_segments * self.pad_copies
+        if ways % self.pad_segments or slots % ways:
+            from .errors import ShardingError
+
+            raise ShardingError(f"{self.name}: {self.pad_segments} units held {self.pad_copies} times each cannot "
+                                f"split {ways} ways (each rank must hold copies of one unit)")
+        return ways // self.pad_segments
 
     def local_bytes(self, mesh: Mesh) -> int:
         n = 1
@@ -322,6 +363,9 @@ class ShardingPlan:
                 out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
                                 group_size=self.mesh.size(p.grad_sync),
                                 buffer_bytes=p.local_bytes(self.mesh)))
+            if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
+                out.append(Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
+                                group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh)))
         return out
 
     @property
@@ -468,8 +512,26 @@ class ShardingPlan:
             local = math.prod(p.local_shape(self.mesh))
             share = local / math.prod(p.global_shape)
             extra = (math.prod(p.global_shape) - math.prod(p.hf_shape)) * share * p.dtype_bytes
-            out.append({"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
-                        "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)})
+            row = {"param": p.name, "aliases": list(p.aliases), "dense_shape": list(p.hf_shape),
+                   "padded_shape": list(p.global_shape), "extra_bytes_per_rank": int(extra)}
+            if p.pad_unit:
+                row.update(kind="width", unit=p.pad_unit, copies=p.pad_copies, shares=self._shares(p))
+            out.append(row)
+        return out
+
+    def _shares(self, p: "ParamPlan") -> list[int]:
+        """The dense units (heads, features) each distinct block of the padded ``p`` holds,
+        in rank order: the uneven split the padding stands for (copies count as held; a
+        block cut from several fused blocks, GPT-2's q, k, v: per fused block)."""
+        d = p.pad_dim
+        m = p.pad_segments
+        seg_p, seg_d = p.global_shape[d] // m, p.hf_shape[d] // m
+        out = []
+        for r in p.spec.owners(self.mesh):
+            ranges = p.spec.blocks(p.global_shape, self.mesh, r)[d]
+            real = sum(1 for lo, hi in ranges for i in range(lo, hi) if p.pad_copies or i % seg_p < seg_d)
+            fused = len({i // seg_p for lo, hi in ranges for i in (lo, hi - 1)})
+            out.append(real // p.pad_unit // fused)
         return out
 
     def summary(self) -> dict:
@@ -547,11 +609,24 @@ class ShardingPlan:
             console.print(f"[bold]KV cache:[/bold] {s['state_bytes_per_rank']:,} B per rank in {n} state inputs at "
                           f"batch {self.batch_size} (each rank holds its block; a generation step's comm/step is "
                           f"per token)")
+        widths: dict[tuple, list[str]] = {}
         for pad in s["padding"]:
             d, g = pad["dense_shape"], pad["padded_shape"]
+            if pad.get("kind") == "width":      # one line per kind of weight (every layer alike)
+                key = (pad["param"].split(".")[-2:][0], tuple(d), tuple(g), tuple(pad["shares"]), pad["unit"],
+                       pad["copies"], pad["extra_bytes_per_rank"])
+                widths.setdefault(key, []).append(pad["param"])
+                continue
             console.print(f"[bold]padded:[/bold] {pad['param']} {list(d)} → {list(g)} so the vocabulary splits "
                           f"({pad['extra_bytes_per_rank']:,} B of zero rows per rank; the padded logits are masked "
                           f"out of the loss and trimmed from the outputs; checkpoints keep {list(d)})")
+        for (_, d, g, shares, unit, copies, extra), names in widths.items():
+            what = "heads" if unit > 1 else "features"
+            how = (f"each kv head held by the {copies} ranks whose query heads read it, its gradient summed over "
+                   f"them" if copies else f"{extra:,} B of zero units per rank")
+            console.print(f"[bold]uneven:[/bold] {names[0]}" + (f" (×{len(names)})" if len(names) > 1 else "")
+                          + f" {list(d)} → {list(g)}: {what} per rank {', '.join(map(str, shares))} ({how}; "
+                          f"the largest share sets each rank's memory and time; checkpoints keep {list(d)})")
         if node_size is None and os.environ.get("WORLD_SIZE") == str(self.mesh.world_size):
             node_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         where = self.mesh.placement(node_size)
@@ -590,7 +665,10 @@ class ShardingPlan:
             "cp_order": self.cp_order, "cp_attention": self.cp_attention, "nodes": [node_d(n) for n in self.nodes],
             "params": [{"name": p.name, "global_shape": list(p.global_shape), "spec": p.spec.to_dict(),
                         "grad_sync": list(p.grad_sync), "dtype_bytes": p.dtype_bytes, "is_buffer": p.is_buffer,
-                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable}
+                        "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable,
+                        **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {}),
+                        **({"pad_copies": p.pad_copies} if p.pad_copies else {}),
+                        **({"pad_unit": p.pad_unit} if p.pad_unit else {})}
                        for p in self.params],
         })
 
@@ -620,7 +698,8 @@ class ShardingPlan:
                                  spec=ShardSpec.from_dict(p["spec"]), grad_sync=tuple(p["grad_sync"]),
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
                                  aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
-                                 trainable=p.get("trainable", True))
+                                 trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1),
+                                 pad_copies=p.get("pad_copies", 0), pad_unit=p.get("pad_unit", 0))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],

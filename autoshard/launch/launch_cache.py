@@ -34,7 +34,6 @@ import torch
 from torch import fx
 
 from ..runtime import selfcheck
-from ..passes.pad import zero_padded
 from ..passes.rewrite import slice_params
 from . import cache_dir
 from .launched import mark_non_persistent
@@ -303,7 +302,7 @@ def rebuild(entry: LaunchEntry, model: torch.nn.Module, rank: int, groups: dict)
     for pp in plan.params:
         full = own[pp.name]
         if pp.pad_dim is not None:
-            full = zero_padded(full, pp.pad_dim, pp.global_shape[pp.pad_dim])
+            full = pp.pad(full)
         value = torch.nn.Parameter(full.detach(), requires_grad=own[pp.name].requires_grad)
         for name in (pp.name,) + pp.aliases:
             whole[name] = value

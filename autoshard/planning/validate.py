@@ -16,10 +16,11 @@ Example:
     >>> cfg = LlamaConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=1,
     ...                   num_attention_heads=3, num_key_value_heads=3, vocab_size=127)
     >>> [(p.what, p.error) for p in check_dims(cfg, "1d", Mesh(axes=("tp",), sizes=(2,)))]
-    [('num_attention_heads', True)]
+    [('num_attention_heads', False)]
 
 A vocabulary that does not divide is not a problem: it is padded to the split
-(:mod:`autoshard.passes.pad`) and the plan says so.
+(:mod:`autoshard.passes.pad`) and the plan says so; in 1d and 1d-sp heads, kv heads
+and intermediate sizes are padded too (a warning with each rank's share).
 """
 
 from __future__ import annotations
@@ -171,6 +172,21 @@ _MILD = {"num_key_value_heads": "k/v projections stay replicated (exact; the usu
          }
 
 
+# what a mode that pads widths (Policy.width_multiple() > 1) pads instead of holding it whole
+_PADDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def uneven_shares(n: int, c: int) -> str:
+    """The real units each of ``c`` ranks holds of ``n`` padded to a multiple of ``c``
+    (``torch.chunk``'s shares: ⌈n/c⌉ each, the last ones less, or none), as the plan prints them.
+
+    >>> uneven_shares(8, 3), uneven_shares(12, 8)
+    ('3, 3, 2', '2, 2, 2, 2, 2, 2, 0, 0')
+    """
+    k = -(-n // c)
+    return ", ".join(str(max(0, min(k, n - r * k))) for r in range(c))
+
+
 def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True) -> list[Problem]:
     """Heads / kv heads / hidden / intermediate / vocab against ``policy``'s split.
 
@@ -179,7 +195,9 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
     with the world sizes that would divide it. Heads and hidden are errors
     (``strict=False``: warnings, as for ``mode='auto'``, which chose the layout
     knowing it); kv heads and intermediate fall back to replicated weights,
-    exactly, with a warning; a vocabulary is padded (:mod:`autoshard.passes.pad`)."""
+    exactly, with a warning; a vocabulary is padded (:mod:`autoshard.passes.pad`).
+    A mode that pads widths (1d, 1d-sp: :meth:`~autoshard.policies.base.Policy.width_multiple`)
+    pads heads, kv heads and intermediate sizes too: a warning with each rank's share."""
     if config is None:
         return []
     if isinstance(policy, str):
@@ -190,9 +208,22 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
         policy = POLICIES[policy](mesh)
     splits, label = policy.dim_splits()
     out = []
+    pads = policy.width_multiple() > 1
     for what, n in dims_of(config).items():
         c = splits.get(what, 1)
         if c <= 1 or n % c == 0 or what == "vocab_size":   # the vocabulary is padded (passes/pad.py)
+            continue
+        heads = dims_of(config).get("num_attention_heads", 0)
+        if pads and what == "num_key_value_heads" and n < c and c % n == 0 and heads % n == 0:
+            out.append(Problem(what, f"{what}={n} is fewer than the {policy.name} split {c} ({label}): each kv head "
+                               f"is held by the {c // n} ranks whose query heads read it, its gradient summed over "
+                               f"them (exact)", error=False))
+            continue
+        if pads and what in _PADDED:
+            # padded with zero units (passes/pad.py, pad_widths): exact; said so, with each rank's share
+            out.append(Problem(what, f"{what}={n} does not divide the {policy.name} split {c} ({label}): "
+                               f"padded to {-(-n // c) * c}, each rank holds {uneven_shares(n, c)} of them "
+                               f"(exact; the largest share sets the memory and time per rank)", error=False))
             continue
         worlds = policy.valid_world_sizes(n)
         valid = ", ".join(map(str, worlds[:8])) + (" …" if len(worlds) > 8 else "") or "none"

@@ -12,7 +12,7 @@ from . import collectives as C
 from .device import comm_device
 from .timeout import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group"]
+__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group", "copy_group", "copy_sync_hooks"]
 
 
 def axes_label(axes) -> str:
@@ -112,6 +112,50 @@ def ranks_group(members: list[tuple[int, ...]], alias: str, rank: int) -> str | 
         return None
     _register_alias(alias, mine)
     return alias
+
+
+def copy_group(mesh: Mesh, axes: tuple[str, ...], size: int, rank: int) -> str:
+    """The name of this rank's group of ``size`` consecutive ranks along ``axes`` (the
+    ranks holding copies of one kv head: docs/design.md, "Uneven widths"), every such
+    group created once, collectively, in a rank-independent order."""
+    key = (id(dist.group.WORLD), mesh, axes, "copies", size)
+    if key not in _GROUPS:
+        alias = f"{group_alias(mesh, axes)}/copies{size}"
+        for ranks in mesh.all_groups(axes):
+            for i in range(0, len(ranks), size):
+                sub = list(ranks[i:i + size])
+                pg = dist.new_group(sub, group_desc=f"{axes_label(axes)}/copies{size}", sort_ranks=False,
+                                    timeout=datetime.timedelta(seconds=timeout_seconds()))
+                if rank in sub:
+                    _register_alias(alias, pg)
+        _GROUPS[key] = alias
+    return _GROUPS[key]
+
+
+def copy_sync_hooks(plan, rank: int, params: dict) -> list:
+    """Gradient hooks summing, for each parameter holding copies of a unit
+    (:attr:`~autoshard.ir.plan.ParamPlan.pad_copies`), the gradients of every copy: those this
+    rank holds, then over the ranks holding the others (an all-reduce through the ledger).
+    Collective where a group is new (call on every rank)."""
+    hooks = []
+    for pp in plan.params:
+        p = params.get(pp.name)
+        if not pp.pad_copies or pp.pad_dim is None or p is None or not pp.trainable or not p.requires_grad:
+            continue
+        d, group = pp.pad_dim, pp.copy_group(plan.mesh)
+        local = pp.local_shape(plan.mesh)[d]
+        ways = plan.mesh.size(pp.spec.dims[d]) if pp.spec.dims[d] else 1
+        held = pp.pad_copies // group        # copies of one unit on this rank, side by side
+        name = copy_group(plan.mesh, pp.spec.dims[d], group, rank) if group > 1 else None
+        units = pp.pad_segments // ways if ways <= pp.pad_segments else 1
+
+        def hook(grad, d=d, held=held, units=units, name=name, local=local):
+            if held > 1:
+                g = grad.unflatten(d, (units, held, local // (units * held)))
+                grad = g.sum(d + 1, keepdim=True).expand_as(g).flatten(d, d + 2)
+            return C.all_reduce(grad, name, "sum") if name is not None else grad
+        hooks.append(p.register_hook(hook))
+    return hooks
 
 
 def plan_groups(plan, rank: int, mesh: Mesh | None = None) -> dict[str, str]:

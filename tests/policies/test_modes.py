@@ -139,19 +139,18 @@ def test_llama_2d_25d_slices(mode, world, depth, linear_sync, norm_sync):
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama_1d_slices(world):
     """Column-parallel q/k/v/gate/up/lm_head, row-parallel o/down, vocab-parallel
-    embedding. k and v are split only when the kv heads divide over the ranks (GQA:
-    2 kv heads cannot be split 4 ways; they stay replicated)."""
+    embedding. k and v are split too; where the kv heads are fewer than the ranks (GQA: 2
+    kv heads on 4 ranks) each is held by the 2 ranks whose query heads read it, as copies
+    whose gradients are summed over those ranks (docs/design.md, "Uneven widths")."""
     plan = tp.plan_for("llama", "1d", world)
-    kv_split = tp.config("llama").num_key_value_heads % world == 0
+    kv = tp.config("llama").num_key_value_heads
     for p in _llama_linear_params(plan):
-        if p.name.endswith(("o_proj.weight", "down_proj.weight")):
-            want = "[R, S(tp)]"
-        elif p.name.endswith(("k_proj.weight", "v_proj.weight")) and not kv_split:
-            want = "[R, R]"
-        else:
-            want = "[S(tp), R]"
+        want = "[R, S(tp)]" if p.name.endswith(("o_proj.weight", "down_proj.weight")) else "[S(tp), R]"
         assert str(p.spec) == want, p.name
         assert p.grad_sync == ()
+        if p.name.endswith(("k_proj.weight", "v_proj.weight")):
+            assert p.pad_copies == (world // kv if kv < world else 0), p.name
+            assert p.copy_group(plan.mesh) == max(1, world // kv)
     for p in _norm_params(plan):
         assert p.spec.is_replicated and p.grad_sync == ()
     assert str(plan.param("model.embed_tokens.weight").spec) == "[S(tp), R]"     # vocab-parallel
