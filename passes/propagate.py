@@ -82,18 +82,23 @@ class _Shapes:
             self.probe_map[ssym] = _PRIME_SEQ
             self.conc_map[ssym] = seq_len
         self._extra = SymbolicSizes.others()
+        self._seen: dict = {}      # id(SymNode) -> (node, probe, concrete): a size is evaluated once
 
     def _ev(self, s, mp, probe: bool):
         if isinstance(s, int):
             return s
         if isinstance(s, torch.SymInt):
-            expr = s.node.expr
-            for f in expr.free_symbols:
-                if f not in self.probe_map:
-                    self.probe_map[f] = next(self._extra)
-                    hint = s.node.hint if isinstance(s.node.hint, int) else 8
-                    self.conc_map[f] = hint
-            return int(expr.xreplace(self.probe_map if probe else self.conc_map))
+            hit = self._seen.get(id(s.node))
+            if hit is None:
+                expr = s.node.expr
+                for f in expr.free_symbols:
+                    if f not in self.probe_map:
+                        self.probe_map[f] = next(self._extra)
+                        hint = s.node.hint if isinstance(s.node.hint, int) else 8
+                        self.conc_map[f] = hint
+                hit = self._seen[id(s.node)] = (s.node, int(expr.xreplace(self.probe_map)),
+                                                int(expr.xreplace(self.conc_map)))
+            return hit[1] if probe else hit[2]
         return int(s)
 
     def probe(self, shape) -> tuple[int, ...]:
