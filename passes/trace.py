@@ -347,7 +347,7 @@ class _Trace:
             ops["mask"] = call.kwargs.get("attn_mask")
         self.muted = True
         try:
-            out = node.target(*call.args, **call.kwargs)
+            out = self._call_op(node.target, call)
             if out.dim() == 4:       # the fused kernels return [b, h, s, d] laid out as [b, s, h, d]
                 out = out.transpose(1, 2).contiguous().transpose(1, 2)
         finally:
