@@ -18,6 +18,7 @@ Runs with no process group, on meta weights, for any world size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -39,7 +40,7 @@ from autoshard.ir.spec import ShardSpec, replicated
 from .annotate import Annotation, annotate, param_names
 from .row_order import CONFLICT, LOCAL_ROWS_NOTE, RowFact, row_facts
 
-__all__ = ["propagate", "state_inputs"]
+__all__ = ["propagate", "remember_row_facts", "state_inputs"]
 
 aten = torch.ops.aten
 _PRIME_BATCH = SymbolicSizes.BATCH
@@ -82,18 +83,23 @@ class _Shapes:
             self.probe_map[ssym] = _PRIME_SEQ
             self.conc_map[ssym] = seq_len
         self._extra = SymbolicSizes.others()
+        self._seen: dict = {}      # id(SymNode) -> (node, probe, concrete): a size is evaluated once
 
     def _ev(self, s, mp, probe: bool):
         if isinstance(s, int):
             return s
         if isinstance(s, torch.SymInt):
-            expr = s.node.expr
-            for f in expr.free_symbols:
-                if f not in self.probe_map:
-                    self.probe_map[f] = next(self._extra)
-                    hint = s.node.hint if isinstance(s.node.hint, int) else 8
-                    self.conc_map[f] = hint
-            return int(expr.xreplace(self.probe_map if probe else self.conc_map))
+            hit = self._seen.get(id(s.node))
+            if hit is None:
+                expr = s.node.expr
+                for f in expr.free_symbols:
+                    if f not in self.probe_map:
+                        self.probe_map[f] = next(self._extra)
+                        hint = s.node.hint if isinstance(s.node.hint, int) else 8
+                        self.conc_map[f] = hint
+                hit = self._seen[id(s.node)] = (s.node, int(expr.xreplace(self.probe_map)),
+                                                int(expr.xreplace(self.conc_map)))
+            return hit[1] if probe else hit[2]
         return int(s)
 
     def probe(self, shape) -> tuple[int, ...]:
@@ -545,7 +551,7 @@ class _Engine:
     def _run_once(self) -> ShardingPlan:
         self.shapes = _Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
         self.st = _State({}, dict(self.pinned), {}, set(), {}, set(), {})
-        self.rows = row_facts(self.gm, self.shapes.probe, SymbolicSizes.is_rows)
+        self.rows = self._row_facts()
         self.st_pending: set[str] = set()       # Linears to replicate in the next pass
         nodes: list[NodePlan] = []
         for node in self.gm.graph.nodes:
@@ -605,6 +611,25 @@ class _Engine:
                                 param_bytes=math.prod(local) * n.meta["val"].element_size(),
                                 notes=("state written in place (KV cache): each rank passes its block",)))
         return out
+
+    def _row_facts(self) -> dict:
+        """:func:`~autoshard.passes.row_order.row_facts` of the graph: a fact of the graph and
+        its sizes alone, so inside :func:`remember_row_facts` (a search planning one graph
+        per candidate) read back, with the probe sizes it drew, for the same graph."""
+        key = (id(self.gm), self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
+        sh = self.shapes
+        if _ROW_MEMO is not None and key in _ROW_MEMO:
+            _, facts, probe, conc, drawn = _ROW_MEMO[key]
+            sh.probe_map.update(probe)
+            sh.conc_map.update(conc)
+            for _ in range(drawn):          # the same primes for the symbols probed later
+                next(sh._extra)
+            return facts
+        before = len(sh.probe_map)
+        facts = row_facts(self.gm, sh.probe, SymbolicSizes.is_rows)
+        if _ROW_MEMO is not None:
+            _ROW_MEMO[key] = (self.gm, facts, dict(sh.probe_map), dict(sh.conc_map), len(sh.probe_map) - before)
+        return facts
 
     def _local_shape(self, node: fx.Node):
         """Local shape of a graph value under the specs just chosen (a tuple of
@@ -1116,6 +1141,26 @@ def _redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
             steps.append(Step(op="scatter", axes=want[len(have):], dim=d, segments=req.segments[d]))
             s = s.with_dim(d, want, req.segments[d])
     return steps
+
+
+#: graph -> its row facts, while :func:`remember_row_facts` is open (None: not remembered)
+_ROW_MEMO: dict | None = None
+
+
+@contextlib.contextmanager
+def remember_row_facts():
+    """Within: a graph planned again (another candidate of a search) reuses its row facts.
+    Only where no graph is changed in place meanwhile.
+
+        >>> with remember_row_facts():
+        ...     pass
+    """
+    global _ROW_MEMO
+    outer, _ROW_MEMO = _ROW_MEMO, ({} if _ROW_MEMO is None else _ROW_MEMO)
+    try:
+        yield
+    finally:
+        _ROW_MEMO = outer
 
 
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,

@@ -12,6 +12,7 @@ and records on each node the tensors autograd saves (:attr:`NodePlan.saved`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import torch
@@ -47,6 +48,82 @@ def _sid(t: torch.Tensor) -> int:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+#: what an ATen op did on meta, by its target and its operands' geometry (shape, strides,
+#: dtype, requires_grad, which operands share a storage) and its other arguments: its outputs'
+#: geometry and which tensors autograd saved (an operand, an output or a new tensor). A
+#: replay makes the same outputs and saves the same tensors without running the op's
+#: Python decomposition (docs/design.md, "Pricing the search"). None: not replayable.
+_REPLAY: dict = {}
+_NO_REPLAY = object()
+#: ``AUTOSHARD_TRACE_REPLAY=0`` runs every op (the replay's reference)
+_REPLAY_ON = os.environ.get("AUTOSHARD_TRACE_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _replayable(target) -> bool:
+    """An op that makes new tensors only: no view or in-place output (whose storage is an operand's)."""
+    ok = _REPLAYABLE.get(target)
+    if ok is None:
+        schema = getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
+        ok = _REPLAYABLE[target] = schema is not None and not schema.is_mutable and \
+            all(r.alias_info is None for r in schema.returns)
+    return ok
+
+
+_REPLAYABLE: dict = {}
+
+
+def _key_of(v, tensors: list, sids: dict):
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        group = sids.setdefault(_sid(v), len(sids))
+        return ("T", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad, group)
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_key_of(x, tensors, sids) for x in v))
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise TypeError("symbolic")
+    hash(v)
+    return (type(v).__name__, v)
+
+
+def _geometry(t: torch.Tensor):
+    return tuple(t.shape), t.stride(), t.dtype
+
+
+def _record(out, inputs: list, pending: list):
+    """The :data:`_REPLAY` entry of one run: ``(structure, outputs, saved)``, or ``_NO_REPLAY``
+    where a replay could not be told from the run (an output sharing an operand's storage,
+    a saved view, a non-tensor output)."""
+    outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else None
+    if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
+        return _NO_REPLAY
+    in_sids = {_sid(t) for t in inputs}
+    out_sids = [_sid(t) for t in outs]
+    if len(set(out_sids)) != len(outs) or in_sids & set(out_sids):
+        return _NO_REPLAY
+    geo = []
+    for t in outs:
+        if t.storage_offset() or t.untyped_storage().nbytes() != \
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
+            return _NO_REPLAY
+        geo.append((*_geometry(t), t.requires_grad))
+    saved = []
+    for t in pending:
+        i = next((i for i, x in enumerate(inputs) if x is t), None)
+        j = next((j for j, x in enumerate(outs) if x is t), None)
+        if i is not None:
+            saved.append(("in", i))
+        elif j is not None:
+            saved.append(("out", j))
+        elif _sid(t) in in_sids or _sid(t) in out_sids or t.storage_offset() or t.untyped_storage().nbytes() != \
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
+            return _NO_REPLAY
+        else:
+            saved.append(("new", _geometry(t)))
+    if not (isinstance(out, torch.Tensor) or type(out) in (list, tuple)):
+        return _NO_REPLAY
+    return (None if isinstance(out, torch.Tensor) else type(out), tuple(geo), tuple(saved))
 
 
 class _Trace:
@@ -212,7 +289,41 @@ class _Trace:
                 return fn(*args, **kwargs)
         if node.target is _SDPA:
             return self._attention(node, call)
-        return node.target(*call.args, **call.kwargs)
+        return self._call_op(node.target, call)
+
+    def _call_op(self, target, call):
+        """``target(*args, **kwargs)`` on meta, replayed from :data:`_REPLAY` when an op
+        with the same target and operand geometry ran before (in this trace or another)."""
+        if not (_REPLAY_ON and _replayable(target)):
+            return target(*call.args, **call.kwargs)
+        inputs, sids = [], {}
+        try:
+            key = (target, torch.is_grad_enabled(), self.muted, _key_of(call.args, inputs, sids),
+                   _key_of(tuple(sorted(call.kwargs.items())), inputs, sids))
+        except TypeError:
+            return target(*call.args, **call.kwargs)
+        rec = _REPLAY.get(key)
+        if rec is _NO_REPLAY:
+            return target(*call.args, **call.kwargs)
+        if rec is not None:
+            return self._replay(rec, inputs)
+        start = len(self.pending)
+        out = target(*call.args, **call.kwargs)
+        _REPLAY[key] = _record(out, inputs, self.pending[start:])
+        return out
+
+    def _replay(self, rec, inputs):
+        structure, outs, saved = rec
+        made = []
+        with torch.no_grad():
+            for shape, stride, dtype, grad in outs:
+                made.append(torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(grad))
+            for kind, x in saved:
+                t = inputs[x] if kind == "in" else made[x] if kind == "out" else \
+                    torch.empty_strided(x[0], x[1], dtype=x[2], device="meta")
+                if not self.muted:
+                    self.pending.append(t)
+        return made[0] if structure is None else structure(made)
 
     def _check_shape(self, node: fx.Node, out) -> None:
         """The op's real local output against the plan's: a difference is a wrong rule
@@ -236,7 +347,7 @@ class _Trace:
             ops["mask"] = call.kwargs.get("attn_mask")
         self.muted = True
         try:
-            out = node.target(*call.args, **call.kwargs)
+            out = self._call_op(node.target, call)
             if out.dim() == 4:       # the fused kernels return [b, h, s, d] laid out as [b, s, h, d]
                 out = out.transpose(1, 2).contiguous().transpose(1, 2)
         finally:

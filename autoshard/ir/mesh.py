@@ -14,12 +14,19 @@ the first axis is the outermost (slowest varying), the last the innermost::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
 
 __all__ = ["Mesh"]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _size(names: tuple[str, ...], sizes: tuple[int, ...], axes: tuple[str, ...]) -> int:
+    """:meth:`Mesh.size`, remembered: planning asks it hundreds of thousands of times."""
+    return math.prod(sizes[names.index(a)] for a in axes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,9 +62,7 @@ class Mesh:
 
     def size(self, axes: str | tuple[str, ...]) -> int:
         """Number of ranks spanned by one axis or a tuple of axes."""
-        if isinstance(axes, str):
-            axes = (axes,)
-        return math.prod(self.sizes[self.axes.index(a)] for a in axes)
+        return _size(self.axes, self.sizes, (axes,) if isinstance(axes, str) else tuple(axes))
 
     def coords(self, rank: int) -> dict[str, int]:
         out: dict[str, int] = {}

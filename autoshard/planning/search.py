@@ -488,10 +488,13 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
                           + (f" with depth={depth}" if depth is not None else "")
                           + (f" and dp={dp}" if dp is not None else "")
                           + (f" and cp={cp}" if cp not in (None, 1) else ""))
-    results = _rank([_evaluate(cap, c, **kw) for c in cands])
-    if rungs is not None:
-        results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
-                               optimizer=optimizer, zero=zero)
+    from ..passes.propagate import remember_row_facts
+
+    with remember_row_facts():          # one graph (or two, priced) planned per candidate
+        results = _rank([_evaluate(cap, c, **kw) for c in cands])
+        if rungs is not None:
+            results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
+                                   optimizer=optimizer, zero=zero)
     res = SearchResult(model=cap.model_name, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
                        cluster=cluster, results=tuple(results))
     if res.ranked or not raise_if_none:

@@ -61,3 +61,39 @@ def test_debertav2_is_exact(mode, world):
     for r in get_pool(world, timeout=600).run(models.check, "debertav2", mode):
         assert not r["failures"], r["failures"]
         assert r["ledger_calls"] == r["plan_calls"] and r["ledger_bytes"] == r["plan_bytes"]
+
+
+@pytest.mark.slow
+def test_replayed_ops_save_what_running_them_saves(monkeypatch):
+    """An ATen op met again with the same operand geometry is replayed from what it did the
+    first time (outputs, saved tensors), not run: the plan's saved records are those of
+    running every op, on a cp plan (ring attention) and a 2d plan (SUMMA), and the
+    replay did answer for most ops (the layers repeat)."""
+    from autoshard.io.builder import model_from
+    from autoshard.launch.capture_share import capture_for_plan
+    from autoshard.passes import trace as trace_mod
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    cap = capture_for_plan(model_from(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64)).train())
+    calls = {"replayed": 0}
+    replay = trace_mod._Trace._replay
+
+    def counted(self, rec, inputs):
+        calls["replayed"] += 1
+        return replay(self, rec, inputs)
+
+    monkeypatch.setattr(trace_mod._Trace, "_replay", counted)
+    for pol in (make_policy("1d", 2, cp=2, cp_attention="ring"), make_policy("2d", 4)):
+        plans = []
+        for on in (False, True):
+            monkeypatch.setattr(trace_mod, "_REPLAY", {})
+            monkeypatch.setattr(trace_mod, "_REPLAY_ON", on)
+            calls["replayed"] = 0
+            plans.append(plan_captured(cap, pol, batch_size=2, seq_len=16))
+        assert calls["replayed"] > 20
+        ran, replayed = plans
+        assert [(n.name, n.saved, n.notes) for n in replayed.nodes] == [(n.name, n.saved, n.notes) for n in ran.nodes]
+        assert sum(len(n.saved) for n in ran.nodes) > 0
