@@ -80,7 +80,7 @@ def ep_route(offs: torch.Tensor, group: str) -> Route:
     sizes_t, starts_t = got.t().reshape(-1), starts.view(p, local).t().reshape(-1)
     total = int(sizes.sum())
     base = torch.repeat_interleave(starts_t, sizes_t)
-    within = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t,
+    within = torch.arange(total, dtype=torch.int64, device=sizes.device) - torch.repeat_interleave(torch.cumsum(sizes_t, 0) - sizes_t,
                                                                              sizes_t)
     perm = (base + within).to(offs.device)
     local_offs = torch.cumsum(got.sum(0), 0).to(device=offs.device, dtype=offs.dtype)

@@ -21,13 +21,17 @@ def _config(name: str):
 
 def test_debertav2_2d_is_refused_at_the_node_that_would_compute_the_wrong_block():
     """Its relative-position index is expanded to [heads·batch, s, s], which no rule
-    splits exactly on a 2d mesh: refused before any process runs, node named."""
+    splits exactly on a 2d mesh: refused before any process runs, node named. The
+    propagation refuses it at the ``repeat`` (a fallback would gather the batch, but the
+    op takes the local batch size as an argument: docs/design.md, "The batch contract"),
+    before the trace's consistency check would."""
     import autoshard
 
     with pytest.raises(ShardingError) as ei:
         autoshard.plan(_config("debertav2"), world_size=4, mode="2d", batch_size=4, seq_len=8)
     msg = str(ei.value)
-    assert "the plan is inconsistent at this node" in msg and "node: %" in msg and "module: deberta.encoder" in msg
+    assert "no exact rule" in msg and "aten.repeat.default" in msg and "local batch size" in msg
+    assert "node: %" in msg and "module: deberta.encoder" in msg
 
 
 def test_a_broken_rule_is_caught(monkeypatch):

@@ -30,7 +30,8 @@ def test_rules_match_the_whole_op_on_a_sample():
         assert r["mismatches"] == [], f"rank {rank}: " + "\n".join(r["mismatches"][:8])
     cov = res[0]["covered"]
     assert "batch" in cov["aten.batch_norm.default"] and "batch" in cov["aten.cross_entropy_loss.default"], cov
-    assert len(cov) >= 6, cov
+    assert set(cov) >= {"aten.batch_norm.default", "aten.amax.default", "aten.cross_entropy_loss.default",
+                        "aten.var.dim", "aten.max_pool2d.default"}, cov
 
 
 def test_catches_a_fallback_that_keeps_the_batch():
