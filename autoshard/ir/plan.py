@@ -357,16 +357,29 @@ class ShardingPlan:
         return self.trainable_bytes_per_rank
 
     def grad_sync_comms(self) -> list[Comm]:
+        """The gradient all-reduces of one step, one per parameter (as
+        ``overlap_grad_sync(None)`` runs them), with the sums of kv-head copies
+        (:meth:`copy_sync_comms`)."""
         out = []
         for p in self.params:
             if p.grad_sync and not p.is_buffer and p.trainable:
                 out.append(Comm(phase="bwd", kind="all_reduce", axes=p.grad_sync,
                                 group_size=self.mesh.size(p.grad_sync),
                                 buffer_bytes=p.local_bytes(self.mesh)))
-            if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
-                out.append(Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
-                                group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh)))
+            out += self._copy_sync(p)
         return out
+
+    def copy_sync_comms(self) -> list[Comm]:
+        """The all-reduces summing the gradients of a unit held by several ranks (a kv head
+        fewer than the tp ranks: docs/design.md, "Uneven widths"), one per parameter: they
+        run in the parameter's own gradient hook, never bucketed."""
+        return [c for p in self.params for c in self._copy_sync(p)]
+
+    def _copy_sync(self, p: ParamPlan) -> list[Comm]:
+        if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
+            return [Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
+                         group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh))]
+        return []
 
     @property
     def state_bytes_per_rank(self) -> int:
@@ -398,7 +411,7 @@ class ShardingPlan:
         return Comm(phase="bwd", kind="all_reduce", axes=axes, group_size=self.mesh.size(axes), buffer_bytes=nbytes)
 
     def comms(self, phase: str | None = None) -> list[Comm]:
-        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_buckets()
+        cs = [c for n in self.nodes for c in n.comms] + self.grad_sync_buckets() + self.copy_sync_comms()
         return [c for c in cs if phase is None or c.phase == phase]
 
     def comm_bytes_per_rank(self, phase: str | None = None) -> float:

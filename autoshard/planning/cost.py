@@ -604,6 +604,9 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
     for c in plan.grad_sync_buckets():       # as a ShardedModule runs them: bucketed
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
+    for c in plan.copy_sync_comms():         # kv-head copies' gradient sums: per parameter
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="copy grad sync"))
     extra = _dp_grad_comms(plan)
     if extra:
         notes.append("dp gradient all-reduce added by the cost model (the plan does not list it)")

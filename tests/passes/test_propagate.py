@@ -143,8 +143,11 @@ def test_1d_megatron_pattern(name, world):
         assert c.buffer_bytes == tp.BATCH * tp.SEQ * hidden * 4
         assert c.group_size == world
         assert c.bytes_per_rank == pytest.approx(2 * (world - 1) / world * c.buffer_bytes)
-    # 1d has no parameter gradient all-reduce
-    assert not plan.grad_sync_comms()
+    # 1d has no parameter gradient all-reduce but the sums of kv-head copies (kv heads fewer
+    # than the ranks: each held by the ranks whose query heads read it)
+    assert plan.grad_sync_comms() == plan.copy_sync_comms()
+    kv = tp.config(name).num_key_value_heads if hasattr(tp.config(name), "num_key_value_heads") else None
+    assert bool(plan.copy_sync_comms()) == (kv is not None and kv < world)
 
 
 @pytest.mark.parametrize("case", tp.MATRIX, ids=[tp.case_id(c) for c in tp.MATRIX])

@@ -89,11 +89,21 @@ def test_param_bytes_match_local_shapes():
     assert plan.param_bytes_per_rank == total
 
 
-def test_gqa_kv_replicated_when_heads_do_not_divide():
+def test_gqa_kv_held_by_the_ranks_that_read_it_when_heads_do_not_divide():
+    """2 kv heads at tp=4 (docs/design.md, "Uneven widths"): each kv head lives on the 2
+    ranks whose query heads read it (k/v split, half of dense per rank, not whole), its
+    gradient summed over those 2 ranks (one all-reduce per k/v weight)."""
     plan = _plan("llama", 4, "1d")
     kv = [n for n in plan.nodes if n.module.endswith(("k_proj", "v_proj"))]
-    assert kv and all(n.weight == "replicated" for n in kv)
-    assert all(plan.param(f"model.layers.{i}.self_attn.q_proj.weight").spec.dims[0] == ("tp",) for i in (0, 1))
+    assert kv and all(n.weight != "replicated" for n in kv)
+    for i in (0, 1):
+        assert plan.param(f"model.layers.{i}.self_attn.q_proj.weight").spec.dims[0] == ("tp",)
+        for w in ("k_proj", "v_proj"):
+            p = plan.param(f"model.layers.{i}.self_attn.{w}.weight")
+            assert p.spec.dims[0] == ("tp",) and p.copy_group(plan.mesh) == 2
+            assert math.prod(p.local_shape(plan.mesh)) * 2 == math.prod(p.dense_shape)
+    copies = plan.copy_sync_comms()
+    assert len(copies) == 4 and all(c.group_size == 2 and c.kind == "all_reduce" for c in copies)
     assert plan.param("lm_head.weight").spec.dims[0] == ("tp",)      # vocab-parallel head
 
 
