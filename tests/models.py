@@ -125,6 +125,20 @@ def comparer(failures: list, *, detail: bool = True):
     return cmp
 
 
+def compare_local_grads(cmp, failures: list, plan, sharded, dense, rank: int) -> None:
+    """Every parameter's local gradient of ``sharded`` against the matching slice of
+    ``dense``'s (padded as the plan pads it), through ``cmp`` (:func:`comparer`); a
+    missing gradient appended to ``failures``."""
+    dparams = dict(dense.named_parameters(remove_duplicate=False))
+    sparams = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in plan.params:
+        got = sparams[pp.name].grad
+        if got is None:
+            failures.append(f"grad {pp.name}: missing")
+            continue
+        cmp(f"grad {pp.name}", got, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+
+
 def compile_setup(name: str, mode: str, depth=None):
     """``(sharded, inputs)`` for a compile test on a rank: one thread, dynamo's caches
     reset, the tiny model ``name`` sharded in ``mode`` from its batch."""

@@ -271,14 +271,11 @@ def check(rank: int, world: int, name: str, mode: str, depth=None, *, kind: str 
     loss.backward()
     loss_d.backward()
     plan = sharded.plan
+    import models       # tests/models.py (on the ranks' path, as this module is)
+
+    models.compare_local_grads(cmp, failures, plan, sharded, dense, rank)
     dparams = dict(dense.named_parameters(remove_duplicate=False))
     sparams = dict(sharded.named_parameters(remove_duplicate=False))
-    for pp in plan.params:
-        got = sparams[pp.name].grad
-        if got is None:
-            failures.append(f"grad {pp.name}: missing")
-            continue
-        cmp(f"grad {pp.name}", got, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
     losses = {}
     for tag, m in (("sharded", sharded), ("dense", dense)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)      # AdamW would blow up the

@@ -74,14 +74,7 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5):
         torch.testing.assert_close(out.logits, out_d.logits[rows], atol=logits_atol, rtol=1e-5)
     except AssertionError as e:
         failures.append(f"logits: {str(e).splitlines()[:4]}")
-    dparams = dict(dense.named_parameters(remove_duplicate=False))
-    sparams = dict(sharded.named_parameters(remove_duplicate=False))
-    for pp in plan.params:
-        got = sparams[pp.name].grad
-        if got is None:
-            failures.append(f"grad {pp.name}: missing")
-            continue
-        cmp(f"grad {pp.name}", got, pp.spec.local(pp.pad(dparams[pp.name].grad), plan.mesh, rank))
+    models.compare_local_grads(cmp, failures, plan, sharded, dense, rank)
     # the routing of the dense graph, per replica's rows: the bytes each rank's all-to-alls carry
     cap = count_on_floats(fold_grouped_weights(capture(copy.deepcopy(dense), example_inputs=local)))
     counts = [_dense_counts(cap, {k: v[slice(d * 4, d * 4 + 4)] for k, v in inputs.items()}) for d in range(dp)]
@@ -152,6 +145,7 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5):
         # the weights after the steps, within 1e-4: Adam's update g/sqrt(v) turns a rounding
         # difference of a near-zero gradient into a visible one (one element in 16k moved 7e-5)
         dparams = dict(dense.named_parameters(remove_duplicate=False))
+        sparams = dict(sharded.named_parameters(remove_duplicate=False))
         for pp in plan.params:
             try:
                 torch.testing.assert_close(sparams[pp.name].detach(), pp.spec.local(
