@@ -86,13 +86,10 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
+    _common.add_llama_args(ap, batch=2, hidden=256, layers=8)     # --batch: rows per micro-batch
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
-    cfg = dict(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-               num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=256)
+    cfg = _common.llama_config(args)
     con = _common.console(200)
     con.print(f"Llama {cfg}; {args.micro} micro-batches of {args.batch} × {args.seq}; fp32; {args.steps} timed steps "
               f"after {args.warmup}; tp 1, one rank per pipeline rank, 1 thread each")
