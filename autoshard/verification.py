@@ -362,8 +362,13 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
     cap = capture_shared(model, example_inputs=local)
     clock.lap("capture (shared)")
     prepared = prepare(cap, pol)
+    # the recording runs the graph, whose in-place buffer updates (a training BatchNorm's
+    # running statistics and num_batches_tracked) would otherwise be where the sharded run starts
+    kept = [(t, t.detach().clone()) for m in (model, prepared.module) for _, t in m.named_buffers()]
     with torch.no_grad():
         ref_vals = compare.record(prepared.module, {**inputs, **prepared.constants})     # every replica's rows
+        for t, v in kept:
+            t.copy_(v)
     clock.lap("dense node values")
     node_tol = None
     if job["dtype"] == "bf16":      # a node's tolerance: twice the dense bf16 run's own error against fp32

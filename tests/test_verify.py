@@ -53,6 +53,22 @@ def test_cli_verify_llama_1d_is_exact(tmp_path, capsys):
     assert rep["split"]["params_split"] > 0.9
 
 
+def test_cli_verify_batch_norm_in_training_at_2d_is_exact(tmp_path, capsys):
+    """A training BatchNorm over the batch 2d splits (synced statistics): exact node by node.
+    The dense graph's recording updates the buffers in place (running statistics,
+    num_batches_tracked); the sharded run must start from the same buffers, or its
+    ``add_`` of num_batches_tracked differs by 1."""
+    from autoshard.cli import main
+
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5,
+                                    architectures=["ResNetForImageClassification"])
+    cfg.save_pretrained(tmp_path / "resnet")
+    rc = main(["verify", str(tmp_path / "resnet"), "--world-size", "4", "--mode", "2d", "--width", "200"])
+    text = capsys.readouterr().out
+    assert rc == 0, text[-3000:]
+    assert "EXACT (exit 0)" in text and "sync_batch_norm" in text
+
+
 @pytest.mark.slow      # 27 s of `make test`; test_cli_verify_llama_1d_is_exact keeps verify's path there
 def test_cli_verify_names_the_node_a_planted_rule_breaks(tmp_path, capsys, monkeypatch):
     """A rule that lets a partial sum through nonlinear ops (rsqrt of a distributed
