@@ -25,7 +25,7 @@ PYTEST_RC_FILE ?=
 # it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast test-extended test-gpu bench clean distclean
+.PHONY: venv demo test test-fast test-extended test-gpu docs-check bench clean distclean
 
 venv: $(STAMP)
 
@@ -77,6 +77,11 @@ test-extended: venv
 test-gpu: venv
 	$(VPY) tests/gpu/preflight.py
 	AUTOSHARD_GPU_TESTS=1 $(VPY) -m pytest -q -p no:xdist tests/gpu
+
+# every command the README and docs/ pages show, run as written (minutes: the torchrun
+# examples); what cannot run here (a GPU, a placeholder, network) is listed as skipped, with why
+docs-check: venv
+	$(VPY) tests/docs_commands.py
 
 bench: venv
 	@set -e; found=0; for f in benchmarks/*.py; do \
