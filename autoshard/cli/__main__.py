@@ -4,4 +4,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":      # not when imported (the doctest walk imports every module)
+    sys.exit(main())
