@@ -161,7 +161,7 @@ class _GatheredLinears(torch.autograd.Function):
 
 def _grouped(x, w, offs, n_dim: int, impl: str):
     """Per-expert product of rows ``x`` with ``w`` ``[E, n, k]`` (n_dim 1) or ``[E, k, n]``."""
-    from ..ir.grouped import grouped_linear
+    from ...ir.grouped import grouped_linear
 
     return grouped_linear(x, w, offs, n_dim == 1, impl)
 
