@@ -172,7 +172,7 @@ class ModelFace:
                               f"valid choices: every_n_layers=1, offload=False")
         if self.is_gradient_checkpointing:
             return
-        if self._compile_kw is not None or self._eager_passes_on or self._blocks_split:
+        if self._compiler.on or self._eager.on or self._blocks_split:
             raise ConfigError("gradient_checkpointing_enable() after compile(), prefetch_weights(), async_tp() or "
                               "split_blocks(): enable it first, or shard(..., activation_checkpointing=True)")
         for g in self._graphs:

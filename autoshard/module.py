@@ -2,52 +2,30 @@
 
 from __future__ import annotations
 
-import math
 import os
-import weakref
 
 import torch
 from torch import fx, nn
 
-from .runtime import collectives as C
 from .runtime import parallel_ops
+from .runtime.device import on_device
 from .runtime.groups import copy_sync_hooks
 from .ir.errors import ConfigError
 from .ir.plan import GRAD_BUCKET_BYTES, ShardingPlan
-from .launch.compile_share import HostShared
 from .launch.recapture import capture_graph
 from .runtime.selfcheck import run_checked
 from .ir.signature import InputSignature, Recipe, SignatureGraph, batch_of, main_input, pad_rows, trim_rows
 from .planning.validate import Problem as _P
 from .io.gather import unique_params
 from .hf_face import ModelFace
-
-try:        # whether dynamo traces the frames the caller calls (torch.compile(sharded) runs forward eagerly)
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-except ImportError:     # another torch: the graph as it is (dynamo recompiles at a new length)
-    def _eval_frame_callback():
-        return None
+from .sharded import compare as comparing
+from .sharded import generation
+from .sharded import state as states
+from .sharded.compile import CUDAGRAPHS_REFUSED, Compiler, cudagraphs_on, eval_frame_callback, mark_dynamic
+from .sharded.eager import EagerPasses, check_chunks
+from .sharded.grads import GradSync, replicas, track
 
 __all__ = ["ShardedModule", "unique_params", "replicas"]
-
-_CUDAGRAPHS_REFUSED = ("{what} captures CUDA graphs, which record each collective once and replay it outside "
-                       "c10d's and autoshard's accounting (and a communicator's error handling); valid choices: "
-                       "sharded.compile() or torch.compile(sharded) with mode='default' or "
-                       "'max-autotune-no-cudagraphs' and no 'triton.cudagraphs' option")
-
-
-def _cudagraphs_on(callback) -> bool:
-    """Whether the torch.compile running ``callback`` (dynamo's frame callback) was asked for
-    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"`` set inductor's
-    ``triton.cudagraphs``): the backend is found down the wrappers' ``_torchdynamo_orig_backend``."""
-    for _ in range(6):
-        if callback is None or callback is False:
-            return False
-        config = getattr(callback, "config", None)
-        if isinstance(config, dict) and config.get("triton.cudagraphs"):
-            return True
-        callback = getattr(callback, "_torchdynamo_orig_backend", None)
-    return False
 
 
 class ShardedModule(ModelFace, nn.Module):
@@ -112,7 +90,7 @@ class ShardedModule(ModelFace, nn.Module):
         self.groups = groups
         self.mesh = plan.mesh
         self.coords = plan.mesh.coords(rank)
-        self._hooks = []
+        self._grad_sync = GradSync()     # the gradient hooks (autoshard.sharded.grads)
         self.debug = debug
         # the first call of each graph (every call under debug) runs node by node and checks
         # every local shape against the plan (autoshard.runtime.selfcheck); False (or AUTOSHARD_SELF_CHECK=0) skips it
@@ -121,18 +99,12 @@ class ShardedModule(ModelFace, nn.Module):
         self._ids_checked: set[str] = set()      # signatures whose token ids were range-checked on a GPU
         self._limits: dict = dict(limits or {})
         self._seq_split, self._seq_why = seq_split if isinstance(seq_split, tuple) else (seq_split, "")
-        self._compile_kw: dict | None = None     # set by compile(): the graphs run through torch.compile
-        self._compile_backend = None              # compile(): its HostShared backend (inductor on ranks)
-        self._dynamic_dims = False                # compile(dynamic=True): batch and sequence dims marked dynamic
-        self._compiled: dict = {}
+        self._compiler = Compiler()      # compile(): its settings and compiled graphs (autoshard.sharded.compile)
         self._config = config
         self._generation_config = None
         self._generator = None       # autoshard.generate.Generator: the step graphs, made on first generate()
         self.adapters = None          # autoshard.adapters.Adapters: the peft adapters of a peft model (shard() sets them)
-        self._bucketed = None        # autoshard.runtime.overlap.BucketedGradSync after overlap_grad_sync()
-        self._eager_copies: dict = {}   # id(graph) -> its copy with the eager passes (prefetch_weights, async_tp)
-        self._compile_copies: dict = {}  # id(graph) -> its copy for torch.compile (grad-mode blocks inlined)
-        self._prefetch_on, self._async_chunks = False, 1
+        self._eager = EagerPasses()      # prefetch_weights, async_tp (autoshard.sharded.eager)
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
@@ -163,22 +135,12 @@ class ShardedModule(ModelFace, nn.Module):
         over its plan's ``grad_sync`` axes, leaving out the axes in ``exclude`` (ZeRO-2
         reduce-scatters the ``dp`` part itself: :mod:`autoshard.training.zero`). Collective when
         a new axes subset needs a process group (call on every rank)."""
-        self._drop_grad_hooks()
-        for p, group in self._synced_params(exclude):
-            self._hooks.append(p.register_hook(_sync_hook(group)))
+        self._grad_sync.per_parameter(self, exclude)
 
     def clear_grad_sync(self) -> None:
         """Remove the gradient hooks (:meth:`set_grad_sync`): whoever takes the
         parameters over syncs their gradients (FSDP2, :mod:`autoshard.runtime.fsdp`)."""
-        self._drop_grad_hooks()
-
-    def _drop_grad_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._bucketed is not None:
-            self._bucketed.remove()
-            self._bucketed = None
+        self._grad_sync.clear()
 
     def overlap_grad_sync(self, bucket_bytes: int | None = 1 << 20, exclude: tuple[str, ...] = ()) -> None:
         """All-reduce the gradients in buckets of about ``bucket_bytes``, launched
@@ -191,24 +153,7 @@ class ShardedModule(ModelFace, nn.Module):
         process group is new (call on every rank)."""
         if bucket_bytes is None:
             return self.set_grad_sync(exclude)
-        from .runtime.overlap import BucketedGradSync
-
-        self._drop_grad_hooks()
-        params = self._synced_params(exclude)
-        self._bucketed = BucketedGradSync(params, bucket_bytes, {name: label for label, name in self.groups.items()})
-
-    def _synced_params(self, exclude: tuple[str, ...]) -> list:
-        """(parameter, group name) for every trainable parameter whose gradient the plan syncs
-        over axes not in ``exclude`` (process groups created as needed, collectively). A
-        frozen one (``requires_grad=False``) has no gradient to sync and takes no hook."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        out = []
-        for pp in self.plan.params:
-            axes = tuple(a for a in pp.grad_sync if a not in exclude)
-            if not axes or pp.name not in params or not pp.trainable or not params[pp.name].requires_grad:
-                continue
-            out.append((params[pp.name], self.group_name(axes)))
-        return out
+        self._grad_sync.bucketed(self, bucket_bytes, exclude)
 
     def group_name(self, axes: tuple[str, ...]) -> str:
         """The name of this rank's process group over ``axes`` (its rank-independent
@@ -274,8 +219,9 @@ class ShardedModule(ModelFace, nn.Module):
 
         for g in self._graphs:
             retarget(g.gm, device)
-        self._compiled, self._generator = {}, None
-        self._eager_copies, self._compile_copies = {}, {}
+        self._generator = None
+        self._compiler.reset()
+        self._eager.reset()
 
     def place(self, device: "torch.device | str") -> "ShardedModule":
         """Move this rank's slices to ``device`` and point every graph at it (its device
@@ -335,31 +281,7 @@ class ShardedModule(ModelFace, nn.Module):
         DTensors laid out as the plan lays them give their local tensors (others are
         gathered whole and sliced: collective). No collective otherwise: every rank
         slices its own part."""
-        from torch.distributed.tensor import DTensor
-
-        from .io.dtensor import from_dtensor, like_fsdp
-
-        plans = self.plan.params_by_name()
-        local = type(state_dict)() if isinstance(state_dict, dict) else {}
-        for k, v in state_dict.items():
-            pp = plans.get(k)
-            if isinstance(v, DTensor):
-                v = from_dtensor(self, pp, v) if pp is not None else v.full_tensor()
-            elif pp is not None and isinstance(v, torch.Tensor):
-                gshape = tuple(pp.global_shape)
-                if tuple(v.shape) == pp.hf_shape and pp.pad_dim is not None:
-                    v = pp.pad(v.detach())      # a dense tensor of a padded vocabulary
-                if tuple(v.shape) == gshape and pp.spec.local_shape(gshape, self.mesh) != gshape:
-                    v = pp.spec.local(v.detach(), self.mesh, self.rank)
-            local[k] = v
-        if hasattr(state_dict, "_metadata"):
-            local._metadata = state_dict._metadata
-        params = dict(self.named_parameters(remove_duplicate=False))
-        for k, v in local.items():      # FSDP2's parameters take their own dp chunk of the TP-local block
-            p = params.get(k)
-            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                local[k] = like_fsdp(p, v)
-        return super().load_state_dict(local, strict=strict, assign=assign)
+        return super().load_state_dict(states.local_state_dict(self, state_dict), strict=strict, assign=assign)
 
     @property
     def batch_split(self) -> int:
@@ -410,16 +332,16 @@ class ShardedModule(ModelFace, nn.Module):
         method and the input checks, graph lookup and padding it runs are outside the
         compiled region by design (dynamo skips their frames, not a break), so the first
         frame it compiles is the graph module's own, one per captured signature."""
-        if _cudagraphs_on(_eval_frame_callback()):      # torch.compile(sharded, mode="reduce-overhead")
-            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="torch.compile(sharded, mode='reduce-overhead')"))
+        if cudagraphs_on(eval_frame_callback()):      # torch.compile(sharded, mode="reduce-overhead")
+            raise ConfigError(CUDAGRAPHS_REFUSED.format(what="torch.compile(sharded, mode='reduce-overhead')"))
         kwargs, answer = self._bind(args, kwargs)
         g, full, b, padded, run = self._prepare(kwargs)
-        if self._compile_kw is not None:
-            if self._dynamic_dims:
-                full = _mark_dynamic(g, full)
-        elif run is g.gm and _eval_frame_callback() not in (None, False):
+        if self._compiler.on:
+            if self._compiler.dynamic_dims:
+                full = mark_dynamic(g, full)
+        elif run is g.gm and eval_frame_callback() not in (None, False):
             # torch.compile(sharded): this frame runs eagerly (skipped), dynamo traces the graph's frame
-            run = self._compile_copy(g)
+            run = self._compiler.copy(g)
         with parallel_ops.dropout_active(self.training):     # sharded.eval() turns dropout off, as in the model
             out = run(**full)
         return answer(self._trim(out, b, padded) if padded != b else out)
@@ -436,13 +358,13 @@ class ShardedModule(ModelFace, nn.Module):
         ``(graph, its keyword arguments, batch, padded batch, what to run)``. The first
         call of each graph runs under the self-check (every node's local shape against
         the plan), eagerly."""
-        kwargs = _on_device({k: v for k, v in kwargs.items() if v is not None}, self.device)
+        kwargs = on_device({k: v for k, v in kwargs.items() if v is not None}, self.device)
         if kwargs.get("use_cache"):
             raise ConfigError("use_cache=True: a sharded module's forward runs without a KV cache (its graphs are "
                               "captured with use_cache=False); call it without use_cache, or decode with "
                               "sharded.generate(...), which keeps a sharded static cache")
         self._check_inputs(kwargs)
-        g, full = self._graph_for(kwargs)
+        g, full = self.graph_for(kwargs)
         split = self.batch_split
         b = padded = batch_of(full) or 0
         if split > 1 and b % split:
@@ -489,76 +411,15 @@ class ShardedModule(ModelFace, nn.Module):
         Refused (before any collective) on a module with context parallelism (``cp > 1``):
         a decode step has one token, which no sequence split can share.
         """
-        from .generate import LEN_QUANTUM, sharded_lm
-
-        if self.mesh.cp > 1:
-            raise ConfigError(f"generate() on a module sharded with cp={self.mesh.cp}: a decode step holds "
-                              f"one token, which the sequence split cannot share; generate with a module sharded "
-                              f"without cp (the same weights: save_checkpoint, then shard(..., cp=1))")
-
-        if input_features is not None:
-            rows, p = self._feature_rows(input_features.to(self.device)), 1      # decoding from the start token
-        else:
-            if input_ids is None:
-                raise ConfigError("generate() takes input_ids [batch, prompt length] (or input_features for a "
-                                  "speech encoder-decoder)")
-            input_ids = input_ids.to(self.device)
-            if input_ids.dim() != 2:
-                raise ConfigError(f"generate() takes input_ids [batch, prompt length], got shape "
-                                  f"{list(input_ids.shape)}")
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
-            rows, p = {"input_ids": input_ids, "attention_mask": mask}, input_ids.shape[1]
-        b = next(iter(rows.values())).shape[0]
-        gc = kwargs.get("generation_config") or self.generation_config
-        new = kwargs.get("max_new_tokens") or gc.max_new_tokens or max(int(gc.max_length or 20) - p, 1)
-        need = p + int(new)
-        if max_len is None:
-            max_len = -(-need // LEN_QUANTUM) * LEN_QUANTUM
-            lim = self._limits.get("max_positions")
-            if lim and max_len > lim[1]:
-                max_len = max(need, lim[1])
-        if need > max_len:
-            raise ConfigError(f"generate(): prompt {p} + {new} new tokens need {need} cache positions, "
-                              f"max_len={max_len}")
-        sample = kwargs.get("do_sample")
-        if sample is None:
-            sample = getattr(gc, "do_sample", False)
-        if sample:
-            from .runtime.groups import check_same_rng
-
-            check_same_rng(self.mesh.size(self.mesh.axes), "generate(do_sample=True)",
-                           "the ranks would sample different tokens", "before generate()")
-        split = self.batch_split
-        padded = b + (-b % split)
-        # rows beyond the batch: copies of the last prompt, cut from every output
-        rows = pad_rows(rows, b, padded, tuple(rows))
-        lm, cache = sharded_lm(self, max_len=max_len, batch=padded)
-        out = lm.generate(**rows, past_key_values=cache, **kwargs)
-        return out if padded == b else trim_rows(out, b, padded)
-
-    def _feature_rows(self, features: torch.Tensor) -> dict:
-        """:meth:`generate`'s inputs for an encoder-decoder led by log-mel frames
-        ``[batch, mel bins, frames]`` (Whisper)."""
-        from .generate import is_encoder_decoder
-
-        if not is_encoder_decoder(self.config) or features.dim() != 3:
-            raise ConfigError(f"generate(input_features=...) takes an encoder-decoder's log-mel frames [batch, mel "
-                              f"bins, frames]; got shape {list(features.shape)} for {type(self).__name__} "
-                              f"(encoder-decoder: {is_encoder_decoder(self.config)})")
-        return {"input_features": features}
+        return generation.generate(self, input_ids, attention_mask, max_len=max_len, input_features=input_features,
+                                   **kwargs)
 
     def generation_plan(self, step: str = "decode", max_len: int | None = None) -> ShardingPlan:
         """The plan of a :meth:`generate` step graph (``"decode"``: one token, ``"prefill"``:
         the prompt) for cache length ``max_len`` (default: the latest captured): its
         collectives are per token, its ``state`` rows the KV cache each rank holds
         (:attr:`~autoshard.ir.plan.ShardingPlan.state_bytes_per_rank`)."""
-        graphs = self._generator.graphs if self._generator is not None else {}
-        keys = [k for k in graphs if k[0] == (step == "prefill") and (max_len is None or k[1] == max_len)]
-        if step not in ("decode", "prefill") or not keys:
-            raise ConfigError(f"no {step!r} step graph" + (f" for max_len={max_len}" if max_len else "")
-                              + f"; steps: 'decode', 'prefill'; captured: "
-                              f"{sorted(('prefill' if k[0] else 'decode', k[1]) for k in graphs) or 'none (call generate first)'}")
-        return graphs[keys[-1]][1]
+        return generation.generation_plan(self, step, max_len)
 
     def split_blocks(self, *, checkpoint: bool = False) -> list[str]:
         """Make each repeated block of the model (``model.layers.3``) a module the graph
@@ -572,11 +433,11 @@ class ShardedModule(ModelFace, nn.Module):
         if len(self._graphs) > 1:
             raise ConfigError(f"split_blocks() on a module with {len(self._graphs)} graphs: call it right after "
                               f"shard(), before calls with other input signatures")
-        if self._compile_kw is not None or self._eager_passes_on:
+        if self._compiler.on or self._eager.on:
             raise ConfigError("split_blocks() after compile(), prefetch_weights() or async_tp(): split the blocks first")
         keys = split_blocks(self._graphs[0].gm, checkpoint=checkpoint)
         self._blocks_split = True
-        self._compile_copies = {}
+        self._compiler.drop_copies()
         self.block_paths = tuple(keys)
         return keys
 
@@ -609,19 +470,7 @@ class ShardedModule(ModelFace, nn.Module):
             sharded = autoshard.shard(model, mode="1d").compile()
             sharded(**batch).loss.backward()          # the first call compiles
         """
-        if kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
-            # both capture CUDA graphs, which would record each c10d call once and replay it
-            # without the ledger or the communicator seeing a new call
-            raise ConfigError(f"compile(mode={kwargs['mode']!r}) captures CUDA graphs, which replay the collectives "
-                              f"outside c10d's and autoshard's accounting; valid choices: mode='default' or "
-                              f"'max-autotune-no-cudagraphs'")
-        if (kwargs.get("options") or {}).get("triton.cudagraphs"):
-            raise ConfigError(_CUDAGRAPHS_REFUSED.format(what="compile(options={'triton.cudagraphs': True})"))
-        self._dynamic_dims = kwargs.get("dynamic") is True
-        self._compile_kw = {k: v for k, v in kwargs.items() if not (k == "dynamic" and v is True)}
-        self._compile_backend = None if once_per_host is False else \
-            HostShared.for_compile(self._compile_kw, once_per_host)
-        self._compiled = {}
+        self._compiler.configure(once_per_host, kwargs)
         return self
 
     def prefetch_weights(self, on: bool = True) -> "ShardedModule":
@@ -636,7 +485,7 @@ class ShardedModule(ModelFace, nn.Module):
 
             sharded = autoshard.shard(model, mode="2d").prefetch_weights()
         """
-        self._prefetch_on, self._eager_copies = bool(on), {}
+        self._eager.set_prefetch(on)
         return self
 
     def async_tp(self, chunks: int = 2) -> "ShardedModule":
@@ -654,62 +503,19 @@ class ShardedModule(ModelFace, nn.Module):
 
             sharded = autoshard.shard(model, mode="1d").async_tp(2)
         """
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ConfigError(f"async_tp(chunks={chunks!r}): a whole number of row blocks >= 1 (1 turns it off; "
-                              f"2 is the usual choice)")
-        self._async_chunks, self._eager_copies = chunks, {}
+        check_chunks(chunks)        # before any state is touched
+        self._eager.set_chunks(chunks)
         return self
 
-    @property
-    def _eager_passes_on(self) -> bool:
-        return self._prefetch_on or self._async_chunks > 1
-
-    def _eager_copy(self, gm):
-        """``gm`` with the eager passes this module has on: weight prefetching, then
-        asynchronous row-parallel Linears."""
-        if self._prefetch_on:
-            from .passes.prefetch import prefetch_weights
-
-            gm = prefetch_weights(gm)[0]
-        if self._async_chunks > 1:
-            from .passes.async_tp import async_row_linears
-
-            gm = async_row_linears(gm, self._async_chunks)[0]
-        return gm
-
     def _runner(self, g):
-        """``g``'s graph module, compiled once per graph after :meth:`compile` (with its
-        weight gathers launched early after :meth:`prefetch_weights`, its row-parallel
-        Linears pipelined after :meth:`async_tp`)."""
-        if self._compile_kw is None:
-            if self._eager_passes_on:
-                if id(g) not in self._eager_copies:
-                    self._eager_copies[id(g)] = self._eager_copy(g.gm)
-                return self._eager_copies[id(g)]
-            return g.gm
-        fn = self._compiled.get(id(g))
-        if fn is None:
-            gm = self._compile_copy(g)
-            kw = self._compile_kw
-            if self._compile_backend is not None:      # inductor, the host's first rank first
-                kw = {k: v for k, v in kw.items() if k not in ("backend", "mode", "options")}
-                kw["backend"] = self._compile_backend
-            fn = self._compiled[id(g)] = torch.compile(gm, **kw)
-        return fn
+        """What runs for graph ``g``: its compiled copy after :meth:`compile`, else its
+        graph module (with its weight gathers launched early after :meth:`prefetch_weights`,
+        its row-parallel Linears pipelined after :meth:`async_tp`)."""
+        if self._compiler.on:
+            return self._compiler.compiled(g)
+        return self._eager.graph(g)
 
-    @torch.compiler.disable
-    def _compile_copy(self, g):
-        """``g``'s graph as ``torch.compile`` takes it: its grad-mode blocks inlined
-        (:mod:`autoshard.passes.grad_blocks`: dynamo breaks at them with a dynamic
-        size), one copy per graph."""
-        gm = self._compile_copies.get(id(g))
-        if gm is None:
-            from .passes.grad_blocks import inline_grad_blocks
-
-            gm = self._compile_copies[id(g)] = inline_grad_blocks(g.gm)
-        return gm
-
-    def _graph_for(self, kwargs: dict):
+    def graph_for(self, kwargs: dict):
         """The graph whose captured signature this call matches, and the call's full
         keyword arguments for it (constants filled in, a missing attention mask as
         ones); captures a new graph if none matches."""
@@ -831,27 +637,7 @@ class ShardedModule(ModelFace, nn.Module):
         sum is summed over its axes to be compared). ``atol`` may map node names to their own
         tolerance. Returns this rank's :class:`~autoshard.runtime.compare.NodeDiff` rows in
         graph order."""
-        from .runtime.compare import compare
-
-        kwargs = _on_device({k: v for k, v in batch.items() if v is not None}, self.device)
-        g, full = self._graph_for(kwargs)
-        b = batch_of(full) or 0
-        if self.batch_split > 1 and b % self.batch_split:
-            raise ConfigError(f"compare: batch size {b} does not divide the batch split "
-                              f"{self.batch_split}; use a multiple of {self.batch_split}")
-        from .passes.row_order import LOCAL_ROWS_NOTE
-        from .runtime.groups import axes_label
-
-        local_rows = frozenset(n.name for n in g.plan.nodes if LOCAL_ROWS_NOTE in n.notes)
-
-        def reduce(t, axes):        # a partial sum, summed over its axes (every rank reaches the same nodes)
-            group = self.groups.get(axes_label(axes))
-            return None if group is None else C.all_reduce(t.detach().clone(), group, "sum")
-
-        with torch.no_grad(), parallel_ops.dropout_active(self.training):
-            _, rows = compare(g.gm, self.mesh, full, dense_values, rank=self.rank, atol=atol, rtol=rtol,
-                              reduce=reduce, local_rows=local_rows)
-        return rows
+        return comparing.compare_values(self, dense_values, batch, atol=atol, rtol=rtol)
 
     def compare(self, dense_model: nn.Module, batch: dict, *, atol: float = 1e-5, rtol: float = 1e-5):
         """Debugging aid for a running job: each planned node's output against the dense
@@ -868,34 +654,7 @@ class ShardedModule(ModelFace, nn.Module):
             if cmp.first_mismatch:
                 print(cmp.first_mismatch.name, cmp.first_mismatch.max_abs)
         """
-        import torch.distributed as dist
-
-        from .launch.capture_share import capture_shared
-        from .passes.pipeline import prepare
-        from .policies import POLICIES
-        from .runtime.compare import Comparison, merge, record
-
-        kwargs = {k: v for k, v in batch.items() if v is not None}
-        cap = capture_shared(dense_model, example_inputs=kwargs)
-        prepared = prepare(cap, POLICIES[self.plan.mode](self.plan.mesh))
-        dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
-        with torch.no_grad():
-            values = record(prepared.module, {k: v for k, v in {**_on_device(kwargs, dev), **prepared.constants}.items()
-                                              if k in prepared.input_names})
-        local = kwargs
-        if "dp" in self.mesh.axes:      # this replica's rows of the global batch
-            b = batch_of(kwargs)
-            per = b // self.mesh.size("dp")
-            lo = self.coords["dp"] * per
-            local = {k: v[lo:lo + per] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b
-                     else v for k, v in kwargs.items()}
-        rows = self.compare_values({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                                    for k, v in values.items()}, local, atol=atol, rtol=rtol)
-        every = [None] * dist.get_world_size() if dist.is_initialized() else [rows]
-        if dist.is_initialized():
-            dist.all_gather_object(every, rows)
-        kinds = {n.name: (n.kind, n.module or "") for n in self.plan.nodes}
-        return Comparison(merge(every), kinds)
+        return comparing.compare(self, dense_model, batch, atol=atol, rtol=rtol)
 
     # -- checkpoints: autoshard.io.gather and autoshard.io.sharded_format (collective: call on every rank)
     def full_state_dict(self, rank0_only: bool = True) -> dict:
@@ -919,149 +678,5 @@ class ShardedModule(ModelFace, nn.Module):
         path)`` loads; ``merged=True`` writes the base model with the adapters merged into
         its weights instead (peft's ``merge_and_unload``), a folder transformers loads.
         Collective: call on every rank (rank 0 writes)."""
-        adapters = getattr(self, "adapters", None)
-        if adapters is not None and not merged:
-            adapters.save(self, path)
-            return
-        if adapters is not None:
-            from .io.gather import save_merged
-            save_merged(self, path, adapters.merged, config=config, max_shard_size=max_shard_size)
-            return
-        from .io.gather import save_pretrained
-        save_pretrained(self, path, config=config, max_shard_size=max_shard_size)
+        states.save_pretrained(self, path, config=config, max_shard_size=max_shard_size, merged=merged)
 
-
-def _on_device(kwargs: dict, device: torch.device) -> dict:
-    """``kwargs`` with every tensor on ``device`` (no copy where it is there already)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v for k, v in kwargs.items()}
-
-
-def _sync_hook(group: str):
-    def hook(grad):
-        return C.all_reduce(grad, group, "sum")
-    return hook
-
-
-def replicas(pp, mesh) -> int:
-    """Ranks holding an identical copy of this rank's block: product of the sizes of
-    the mesh axes the parameter is not split over (dp included)."""
-    split = set(pp.spec.axes)
-    return math.prod(s for a, s in zip(mesh.axes, mesh.sizes) if a not in split)
-
-
-# ------------------------------------------------------ gradient norms
-def grad_norm(sharded, only=None) -> torch.Tensor:
-    """The global L2 norm of all gradients (``only``: of these parameters' gradients), each
-    dense entry counted once (collective: every rank passes the same parameters)."""
-    import torch.distributed as dist
-
-    total = torch.zeros((), dtype=torch.float64, device=sharded.device)     # NCCL reduces device tensors only
-    keep = None if only is None else {id(p) for p in only}
-    for pp, p in unique_params(sharded):
-        if p.grad is None or (keep is not None and id(p) not in keep):
-            continue
-        g, copies = local_grad(p), replicas(pp, sharded.mesh)
-        if g is not p.grad:         # FSDP2: this rank's dp chunk of the TP block, held once over dp
-            copies //= sharded.mesh.dp
-        total += g.detach().double().pow(2).sum() / copies
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
-
-
-def local_grad(p) -> torch.Tensor:
-    """``p.grad``, or its local tensor where FSDP2 made it a DTensor over ``dp``."""
-    g = p.grad
-    return g.to_local() if hasattr(g, "to_local") else g
-
-
-# ------------------------------------------------------ torch's clip_grad_norm_
-# torch.nn.utils.clip_grad_norm_ on a sharded module's parameters would compute the norm of
-# this rank's local gradients only (plain tensors: a TP block of some, a replica of others).
-# Its total norm comes from torch.nn.utils.clip_grad._get_total_norm and the scaling from
-# _clip_grads_with_norm_; the first ShardedModule wraps both so that gradients of a live sharded module
-# get their global norm (grad_norm, as autoshard.training.train.clip_grad_norm_) and are scaled as
-# ours are (FSDP2's DTensor gradients through their local chunks), every other call passing
-# through to torch.
-_SHARDED: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def track(sharded) -> None:
-    """Let torch's ``clip_grad_norm_`` see ``sharded``'s gradients as sharded (see above)."""
-    _SHARDED.add(sharded)
-    import torch.nn.utils.clip_grad as cg
-
-    if getattr(cg, "_get_total_norm", None) is None or getattr(cg._get_total_norm, "_autoshard", False):
-        return
-    torch_total_norm = cg._get_total_norm
-
-    def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        found = _owner(ts)
-        if found is None:
-            return torch_total_norm(ts, norm_type, error_if_nonfinite, foreach)
-        if float(norm_type) != 2.0:
-            raise ConfigError(f"torch.nn.utils.clip_grad_norm_(norm_type={norm_type}) on a sharded module's parameters: "
-                              f"only the L2 norm is global here; use norm_type=2 or "
-                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
-        norm = grad_norm(*found)
-        if error_if_nonfinite and not bool(torch.isfinite(norm)):
-            raise RuntimeError(f"the total norm of order 2.0 for the gradients of the sharded module is non-finite "
-                               f"({norm.item()}), so it cannot be clipped")
-        return norm.float()
-
-    torch_clip_with_norm = cg._clip_grads_with_norm_
-
-    def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
-        ps = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if _owner([p.grad for p in ps if p.grad is not None]) is None:
-            return torch_clip_with_norm(ps, max_norm, total_norm, foreach)
-        coef = (float(max_norm) / (total_norm + 1e-6)).clamp(max=1.0)     # torch's coefficient
-        for p in ps:            # FSDP2's DTensor gradients: their local chunks, as clip_grad_norm_ above
-            if p.grad is not None:
-                local_grad(p).mul_(coef.to(p.grad.dtype))
-
-    _get_total_norm._autoshard = True
-    cg._get_total_norm = _get_total_norm
-    if getattr(cg, "_clip_grads_with_norm_", None) is not None:
-        cg._clip_grads_with_norm_ = _clip_grads_with_norm_
-
-
-def _owner(grads: list) -> tuple | None:
-    """``(sharded, params)`` when ``grads`` are gradients of one tracked sharded module's
-    parameters; None when none is; an error naming ours when they mix."""
-    if not grads:
-        return None
-    ids = {id(g) for g in grads}
-    for sharded in list(_SHARDED):
-        params = [p for p in sharded.parameters() if p.grad is not None and id(p.grad) in ids]
-        if not params:
-            continue
-        if len(params) != len(ids):
-            raise ConfigError(f"torch.nn.utils.clip_grad_norm_ got {len(params)} gradients of a sharded module and "
-                              f"{len(ids) - len(params)} other tensors: their total norm has no one meaning across "
-                              f"ranks; clip the sharded module's own with "
-                              f"autoshard.training.train.clip_grad_norm_(sharded, max_norm)")
-        return sharded, params
-    return None
-
-
-@torch.compiler.disable
-def _mark_dynamic(g, full: dict) -> dict:
-    """``full`` with its batch and sequence dims marked dynamic where ``g`` keeps them
-    symbolic (``maybe_mark_dynamic``: dynamo may still specialise one), so that the
-    first compile is the one for every size (``compile(dynamic=True)``). The marks go on views: the caller's
-    tensors stay unmarked for whatever else it compiles."""
-    import torch._dynamo
-
-    dims = {name: d for name, _, d in g.signature.tensors}
-    batch, seq = g.static_batch is None, not g.static_seq
-    out = dict(full)
-    for name, t in full.items():
-        marks = [i for i, d in enumerate(dims.get(name, ()) if isinstance(t, torch.Tensor) else ())
-                 if (d == "b" and batch) or (d == "s" and seq)]
-        if marks:
-            out[name] = t.view_as(t)
-            for i in marks:
-                torch._dynamo.maybe_mark_dynamic(out[name], i)
-    return out

@@ -291,7 +291,7 @@ def shared_capture(name: str, model, inputs: dict):
 
 
 def _drop_axis_from_grad_sync(sharded, axis: str) -> None:
-    from autoshard.module import _sync_hook
+    from autoshard.sharded.grads import sync_hook as _sync_hook
 
     sharded.clear_grad_sync()
     params = dict(sharded.named_parameters(remove_duplicate=False))

@@ -46,7 +46,7 @@ def _compiled_vs_eager(rank, world, name, mode, backend, cache_dir=None):
         out_c.loss.backward()
         first = time.perf_counter() - t0
     caches = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
-    backend_obj = sharded._compile_backend
+    backend_obj = sharded._compiler.backend
     sharing = (backend_obj.shared, backend_obj.alone) if backend_obj is not None else None
     got = models.step_state(out_c, sharded)
     fails = []

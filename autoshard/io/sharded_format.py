@@ -197,24 +197,7 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
         adapters = getattr(sharded, "adapters", None)
         if adapters is not None:        # peft adapters (autoshard.adapters): export merges them
             adapters.write_configs(path)
-        by_rank = {rep["rank"]: rep for rep in reports}
-        tensors = {}
-        by_name = {pp.name: pp for pp in plan.params}
-        for key, kind, name, k, spec, gshape, dtype, aliases, _ in rows:
-            pp = by_name[name]
-            # a padded vocabulary: blocks assemble to gshape, Hugging Face holds dense_shape
-            dense = pp.hf_shape if tuple(gshape) == tuple(pp.global_shape) else tuple(gshape)
-            blocks = []
-            for o in spec.owners(mesh):
-                rep = by_rank[o]
-                b = rep["blocks"][key]
-                blocks.append({"rank": o, "file": rep["file"], "offsets": b["offsets"], "sha256": b["sha256"]})
-            tensors[key] = {"kind": kind, "param": name, "state_key": k, "global_shape": list(gshape),
-                            "dense_shape": list(dense),
-                            **({"pad_segments": pp.pad_segments, "pad_copies": pp.pad_copies}
-                               if (pp.pad_segments != 1 or pp.pad_copies) and dense != tuple(gshape) else {}),
-                            "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
-                            "aliases": list(aliases), "blocks": blocks}
+        tensors = _manifest_tensors(rows, plan, mesh, reports)
         manifest = {"format": FORMAT, "version": VERSION, "model": plan.model, "mode": plan.mode,
                     "mesh": mesh.to_dict(), "world_size": world, "plan_fingerprint": plan.fingerprint(),
                     "config": "config.json" if config is not None else None,
@@ -223,6 +206,31 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
                     "tensors": tensors, "optimizer": opt_json, "complete": True}
         write_atomic(path / MANIFEST, json.dumps(manifest, indent=1))
     dist.barrier()
+
+
+def _manifest_tensors(rows: list, plan, mesh, reports: list) -> dict:
+    """The manifest's ``tensors`` table: for each row :func:`save_checkpoint` wrote, its
+    kind, shapes, dtype, spec and aliases, and where each owner rank's block lies (file,
+    byte offsets, hash: from the ranks' ``reports``)."""
+    by_rank = {rep["rank"]: rep for rep in reports}
+    tensors = {}
+    by_name = {pp.name: pp for pp in plan.params}
+    for key, kind, name, k, spec, gshape, dtype, aliases, _ in rows:
+        pp = by_name[name]
+        # a padded vocabulary: blocks assemble to gshape, Hugging Face holds dense_shape
+        dense = pp.hf_shape if tuple(gshape) == tuple(pp.global_shape) else tuple(gshape)
+        blocks = []
+        for o in spec.owners(mesh):
+            rep = by_rank[o]
+            b = rep["blocks"][key]
+            blocks.append({"rank": o, "file": rep["file"], "offsets": b["offsets"], "sha256": b["sha256"]})
+        tensors[key] = {"kind": kind, "param": name, "state_key": k, "global_shape": list(gshape),
+                        "dense_shape": list(dense),
+                        **({"pad_segments": pp.pad_segments, "pad_copies": pp.pad_copies}
+                           if (pp.pad_segments != 1 or pp.pad_copies) and dense != tuple(gshape) else {}),
+                        "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
+                        "aliases": list(aliases), "blocks": blocks}
+    return tensors
 
 
 def checkpoint_class(man: dict, model_class=None, config=None):

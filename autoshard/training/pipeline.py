@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..ir.errors import ConfigError
 from ..ir.signature import main_input
-from ..module import replicas
+from ..sharded.grads import replicas
 from ..pipeline_parallel import SCHEDULES
 
 __all__ = ["pipeline_train_step", "pipeline_grad_norm", "pipeline_schedule"]

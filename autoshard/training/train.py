@@ -22,7 +22,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..module import grad_norm, local_grad, unique_params
+from ..io.gather import unique_params
+from ..sharded.grads import grad_norm, local_grad
 
 __all__ = ["clip_grad_norm_", "grad_norm", "replica_batches", "local_rows", "make_optimizer",
            "warmup_cosine", "train_step", "train", "local_rows_for", "save_state", "load_state",

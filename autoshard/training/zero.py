@@ -59,7 +59,7 @@ class ZeroAdamW(torch.optim.AdamW):
     def __init__(self, sharded, *, stage: int = 1, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         from ..ir.errors import ConfigError
-        from ..module import unique_params
+        from ..io.gather import unique_params
 
         if stage not in (1, 2):
             raise ConfigError(f"ZeRO stage {stage!r}: the valid choices are 1 (optimizer state sharded over dp) "
@@ -166,7 +166,7 @@ class ZeroAdamW(torch.optim.AdamW):
         """The global L2 norm of all gradients, each dense entry counted once (collective)."""
         import torch.distributed as dist
 
-        from ..module import replicas
+        from ..sharded.grads import replicas
 
         self._prepare()
         total = torch.zeros((), dtype=torch.float64, device=self.sharded.device)     # NCCL: device tensors only

@@ -1,4 +1,4 @@
-"""Kernels of autoshard/runtime/parallel_ops.py checked on one process (shape-only
+"""Kernels of autoshard/runtime/kernels/ checked on one process (shape-only
 groups of one rank: no process group)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_ring_attention_reads_no_mask_off_the_cpu():
     block adds exactly nothing); a CPU mask is (no device to wait for)."""
     import types
 
-    from autoshard.runtime.parallel_ops import _visible
+    from autoshard.runtime.kernels.attention import _visible
 
     mask = torch.ones(8, 8, dtype=torch.bool).tril()
     assert _visible(mask, 2, 1, 4, 4) == [[True, False], [True, True]]
