@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from autoshard.ir.errors import ConfigError
-from autoshard.ir.kernels import KComm, Kernel, PartialHead
+from autoshard.ir.kernels import KComm, Kernel
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec
@@ -189,7 +189,7 @@ class NeedReplicate(Exception):
 class Policy:
     """Interface of a mode. Subclasses set ``name`` and implement ``make_mesh``,
     ``linear``, ``embedding``, ``dim_splits`` and ``valid_world_sizes``; norms,
-    attention and the loss follow the specs (:mod:`autoshard.policies.generic`).
+    attention and the loss follow the specs (:mod:`autoshard.policies.ops`).
 
     ``order`` places the mode in the registry (the auto search breaks ties by it)."""
 
@@ -328,21 +328,3 @@ def spec_of(ndim: int, **dims) -> ShardSpec:
     for k, v in dims.items():
         d[int(k[1:])] = v
     return ShardSpec(dims=tuple(d))
-
-
-def tied_head_choice(ctx: RuleContext, xp, wp, bp, rows, rseg, col: tuple[str, ...], ws: ShardSpec,
-                     q: int) -> Choice:
-    """A Linear that reuses an embedding table split on hidden over ``col``
-    (tied LM head): ``x·Eᵀ`` is partial over ``col`` and reduce-scattered on vocab.
-
-    ``rows``/``rseg`` give the token dims' layout of ``x``; the output keeps them
-    and splits the vocabulary over ``col``."""
-    xreq = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
-    ins = [(xp, xreq), (wp, ws)]
-    if bp:
-        ins.append((bp, ShardSpec(dims=(col,))))
-    out = ShardSpec(dims=rows + (col,), segments=rseg + (1,))
-    label = ",".join(col)
-    return Choice.run(PartialHead(col=col, x=xp, w=wp, b=bp, in_specs=tuple(ins), out_spec=out),
-                      weight=f"tied table [vocab, hidden/{q} over {label}]",
-                      notes=(f"x·Eᵀ partial over {label}, reduce-scattered on vocab",))

@@ -26,7 +26,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, Policy, RuleContext
-from .linear_ops import grouped_offs_spec, linear_operands
+from .ops.matmul import grouped_offs_spec, linear_operands
 
 __all__ = ["OneD"]
 

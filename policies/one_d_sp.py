@@ -38,7 +38,7 @@ from autoshard.ir.kernels import RowLinear, VocabEmbedding
 from autoshard.ir.spec import ShardSpec
 
 from .base import Choice, RuleContext, SymbolicSizes
-from .linear_ops import linear_operands
+from .ops.matmul import linear_operands
 from .one_d import OneD
 
 __all__ = ["OneDSP"]

@@ -30,8 +30,8 @@ from autoshard.ir.kernels import Summa
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.spec import ShardSpec
 
-from .base import Choice, Policy, RuleContext, tied_head_choice
-from .linear_ops import grouped_offs_spec, linear_operands, rows_whole
+from .base import Choice, Policy, RuleContext
+from .ops.matmul import grouped_offs_spec, linear_operands, rows_whole, tied_head_choice
 
 __all__ = ["Tesseract", "TwoD"]
 

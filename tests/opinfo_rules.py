@@ -4,7 +4,7 @@ DTensor tests its sharding strategies.
 Each sample of an OpInfo (``torch.testing._internal.common_methods_invocations.op_db``,
 float32) is traced to ATen ops (``make_fx``, pre-dispatch: the ops a captured graph
 holds), its batch dim symbolic as in a capture. Every traced node whose op has a rule
-in :mod:`autoshard.policies.generic` is then planned for each input layout (batch
+in :mod:`autoshard.policies.ops` is then planned for each input layout (batch
 rows split, sequence split, last dim split, partial sums) by the rule itself, through
 the propagate pass's own rule context, with the pass's retry on
 :class:`~autoshard.policies.base.NeedReplicate`. On every rank the node's inputs are
@@ -78,9 +78,12 @@ def ruled_ops() -> dict:
     """``{overload packet name: [ATen overloads]}`` of every op with a rule of its own
     (the op table, the per-sample table, batch norm)."""
     from autoshard.policies.generic import PER_SAMPLE, RULES
+    from autoshard.policies.ops.pointwise import dropout, pointwise
 
     out: dict = {}
-    for op in list(RULES) + [getattr(p, o) for p in PER_SAMPLE for o in p.overloads()]:
+    # the elementwise ops filed under the pointwise rule (and dropout) are the tag-driven rule's, not rules of their own
+    own = [op for op, rule in RULES.items() if rule not in (pointwise, dropout)]
+    for op in own + [getattr(p, o) for p in PER_SAMPLE for o in p.overloads()]:
         if isinstance(op, torch._ops.OpOverload):
             out.setdefault(op._schema.name.split("::")[1], []).append(op)
     return out
@@ -332,7 +335,7 @@ def check(rank: int, world: int, names=None, hand=None, limit: int = 6, layouts=
     from autoshard.runtime.groups import mesh_group
 
     torch.set_num_threads(1)
-    saved = (generic._fallback, dict(generic.RULES))
+    saved = (_fallbacks(), dict(generic.RULES))
     if patch_fallback:
         _keep_batch_fallback(generic)
     covered: dict = {}
@@ -391,11 +394,20 @@ def check(rank: int, world: int, names=None, hand=None, limit: int = 6, layouts=
                                           f"{ {k: str(v) for k, v in given.items() if v is not None} } -> "
                                           f"{choice.out}: {why}")
     finally:
-        generic._fallback = saved[0]
+        for mod, f in saved[0].items():
+            mod.fallback = f
         generic.RULES.clear()
         generic.RULES.update(saved[1])
     return {"covered": {k: sorted(v) for k, v in covered.items()}, "mismatches": mismatches, "refused": refused,
             "errors": errors}
+
+
+def _fallbacks() -> dict:
+    """``{module: its fallback}`` for every op-family module of the policies that calls it."""
+    import sys
+
+    return {m: m.fallback for name, m in list(sys.modules.items())
+            if name.startswith("autoshard.policies.ops.") and hasattr(m, "fallback")}
 
 
 def _keep_batch_fallback(generic) -> None:
@@ -403,15 +415,18 @@ def _keep_batch_fallback(generic) -> None:
     except the batch rows, which an op with no rule was assumed to treat one by one
     (and train-mode ``batch_norm`` had no rule)."""
     from autoshard.ir.spec import ShardSpec
+    from autoshard.policies.base import Choice
+    from autoshard.policies.ops.common import batch_rows, tensor_args
 
     def old(ctx, reason):
         inputs = {}
-        for path, a in generic._tensor_args(ctx):
+        for path, a in tensor_args(ctx):
             s = ctx.spec(a)
-            rows = generic._batch_rows(ctx, a, s)
+            rows = batch_rows(ctx, a, s)
             inputs[path] = ShardSpec(dims=((rows.dims[0] if rows else ()),) + ((),) * (s.ndim - 1)) if s.ndim \
                 else ShardSpec(dims=())
-        return generic.Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True)
+        return Choice(out=ctx.default_out_spec(ctx.node), inputs=inputs, fallback=True)
 
-    generic._fallback = old
+    for mod in _fallbacks():
+        mod.fallback = old
     generic.RULES.pop(torch.ops.aten.batch_norm.default, None)

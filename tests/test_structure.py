@@ -216,7 +216,7 @@ def undocumented(source: str, where: str = "") -> list[str]:
 def test_every_public_policy_name_has_a_docstring():
     """Every public function, class and method in ``policies/`` has a docstring;
     the scan itself is shown to catch a method that lost its docstring."""
-    found = [hit for f in sorted((ROOT / "policies").glob("*.py")) for hit in undocumented(f.read_text(), f.name)]
+    found = [hit for f in sorted((ROOT / "policies").rglob("*.py")) for hit in undocumented(f.read_text(), f.name)]
     assert not found, "public names in policies/ without a docstring:\n" + "\n".join(found)
     probe = 'class P:\n    """A mode."""\n\n    def linear(self):\n        return 1\n\n    def _helper(self):\n        pass\n'
     assert undocumented(probe, "p.py") == ["p.py:4 P.linear"]

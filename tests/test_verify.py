@@ -74,11 +74,11 @@ def test_cli_verify_names_the_node_a_planted_rule_breaks(tmp_path, capsys, monke
     """A rule that lets a partial sum through nonlinear ops (rsqrt of a distributed
     RMSNorm's partial mean): shapes stay right, so only the values can tell."""
     from autoshard.cli import main
-    from autoshard.policies import generic
+    from autoshard.policies.ops import pointwise
 
     monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # --setup plants the rule in this process too (it plans here first): undone after the test
-    monkeypatch.setattr(generic, "_partial_passes", generic._partial_passes)
+    monkeypatch.setattr(pointwise, "_partial_passes", pointwise._partial_passes)
     out = tmp_path / "report.json"
     rc = main(["verify", "llama:tiny", "--world-size", "4", "--mode", "2d", "--full",
                "--setup", "verify_plants:partial_through_nonlinear", "--json", str(out)])
