@@ -331,13 +331,34 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         raise ConfigError("capture needs batch_size >= 2 and seq_len >= 2 (0/1 sizes are specialised by export)")
     if batch_size == seq_len:
         seq_len += 1  # distinct sizes keep batch and sequence symbols apart
+    params = inspect.signature(model.forward).parameters
+    kwargs, b, s = _example_kwargs(model, example_inputs, batch_size, seq_len, params)
+    constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    # a non-tensor that forward takes through ``**kwargs`` (``return_dict=True`` on BERT) is
+    # bound into forward rather than given to export (whose dynamic-shapes matching fails on
+    # it): a constant of the graph, not one of its inputs (``input_names``)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    bound = {k: v for k, v in constants.items() if var_kw and k not in params}
+    inputs = {k: v for k, v in kwargs.items() if k not in bound}
+    ep, tries = _export(model, params, kwargs, inputs, bound, b, s)
+    gm, guards = unlift(ep)
+    bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
+    lo, hi = (s, s) if tries.static_seq else (tries.lo, tries.hi)
+    return Captured(program=ep, module=gm, model_name=type(model).__name__, input_names=tuple(inputs),
+                    constants=constants, seq_range=(lo, hi), guards=guards,
+                    batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
+                    config=getattr(model, "config", None))
+
+
+def _example_kwargs(model, example_inputs, batch_size: int, seq_len: int, params) -> tuple[dict, int, int]:
+    """(the example inputs export runs on, their batch size, their sequence length): the
+    caller's or the model's defaults, on the weights' device, ``use_cache=False``, and
+    at least two rows, their count apart from the sequence length."""
     kwargs = dict(example_inputs) if example_inputs else default_example_inputs(
         model, batch_size=batch_size, seq_len=seq_len)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "meta":       # plan-only capture: inputs live where the weights do
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    params = inspect.signature(model.forward).parameters
-    constants = {}
     if "use_cache" in params and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     if main_input(kwargs) is None:
@@ -349,79 +370,82 @@ def capture(model: torch.nn.Module, *, example_inputs: dict | None = None, batch
         kwargs = pad_rows(kwargs, b, grow, [k for k, v in kwargs.items()
                                             if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b])
         b = grow
-    for k, v in kwargs.items():
-        if not isinstance(v, torch.Tensor):
-            constants[k] = v
-    # a non-tensor that forward takes through ``**kwargs`` (``return_dict=True`` on BERT) is
-    # bound into forward rather than given to export (whose dynamic-shapes matching fails on
-    # it): a constant of the graph, not one of its inputs (``input_names``)
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    bound = {k: v for k, v in constants.items() if var_kw and k not in params}
-    inputs = {k: v for k, v in kwargs.items() if k not in bound}
+    return kwargs, b, s
+
+
+@dataclasses.dataclass
+class _Tries:
+    """What the export retries have narrowed so far: the sequence range, the dims
+    captured static, whether guards are deferred to run time."""
+
+    lo: int
+    hi: int
+    deferred: bool
+    static_batch: bool = False
+    static_seq: bool = False
+
+
+def _export(model, params, kwargs: dict, inputs: dict, bound: dict, b: int, s: int | None):
+    """(the exported program, the :class:`_Tries` it took).
+
+    Export proves the graph for a range of sequence lengths. Two guards models are
+    known to add narrow it, each retried once: encoder-decoders shift the labels
+    right (a slice of seq - 1: seq >= 3), and some attention code compares seq with
+    the model's maximum (GPT-Neo's local attention: seq != max_positions).
+    A model that reads a size as a Python int (CLIP's contrastive loss takes
+    len(logits); Mamba's scan loops over the sequence) makes export specialise it:
+    that dim is then captured static, a graph for this size only (no mode may split
+    a static batch: passes/pipeline.py; a module captures one graph per static
+    sequence length it is called with)."""
     name = type(model).__name__
-    # Export proves the graph for a range of sequence lengths. Two guards models are
-    # known to add narrow it, each retried once: encoder-decoders shift the labels
-    # right (a slice of seq - 1: seq >= 3), and some attention code compares seq with
-    # the model's maximum (GPT-Neo's local attention: seq != max_positions).
-    # A model that reads a size as a Python int (CLIP's contrastive loss takes
-    # len(logits); Mamba's scan loops over the sequence) makes export specialise it:
-    # that dim is then captured static, a graph for this size only (no mode may split
-    # a static batch: passes/pipeline.py; a module captures one graph per static
-    # sequence length it is called with).
-    lo, hi = 2, _max_positions(model)
-    static_batch = static_seq = False
-    deferred = _DEFER_GUARDS
+    t = _Tries(lo=2, hi=_max_positions(model), deferred=_DEFER_GUARDS)
     for _ in range(6):
         try:
             with _no_cache(model, params, kwargs), _bound(model, bound):
                 ep = torch.export.export(model, (), inputs, strict=False, dynamic_shapes=_as_signature(_dynamic(
-                    inputs, None if static_batch else b, None if static_seq else s, lo, hi), params),
-                    prefer_deferred_runtime_asserts_over_guards=deferred)
-            break
+                    inputs, None if t.static_batch else b, None if t.static_seq else s, t.lo, t.hi), params),
+                    prefer_deferred_runtime_asserts_over_guards=t.deferred)
+            return ep, t
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
-            msg = str(e)
-            constant = "specialized it to be a constant" in msg
-            if "satisfy the generated guard min(" in msg and not deferred:
-                # an older torch (2.11) cannot prove min(16·seq, 32·seq) == 16·seq over the
-                # range (a GQA model's masks): checked when the graph runs instead
-                deferred = True
-                continue
-            # with guards deferred, a specialised dim shows as its suggested fix ("batch = 2")
-            pinned = set(re.findall(r"^\s*(batch|seq) = \d+\s*$", msg, re.M))
-            if "Constraints violated (batch" in msg and (constant or "batch" in pinned) and not static_batch:
-                static_batch = True
-                continue
-            if s is not None and "Constraints violated (seq)" in msg and (constant or "seq" in pinned) \
-                    and not static_seq:
-                static_seq = True
-                continue
-            fix = re.search(r"seq = Dim\('seq', (?:min=(\d+))?,? ?(?:max=(\d+))?\)", msg)
-            if s is not None and "Constraints violated (seq)" in msg and fix is not None:
-                # the model checks the length itself (``if seq_len > self.max_seq_len: raise``):
-                # the range torch proposes, where it holds the example's length
-                new_lo, new_hi = int(fix.group(1) or lo), int(fix.group(2) or hi)
-                if (new_lo, new_hi) != (lo, hi) and max(new_lo, 2) <= s <= new_hi and new_hi > max(new_lo, 2):
-                    lo, hi = max(new_lo, 2), new_hi
-                    continue
-            if s is not None and "Constraints violated (seq)" in msg:
-                excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
-                if hi in excluded and hi - 1 >= max(lo, s):
-                    hi -= 1
-                    continue
-                if lo == 2 and s >= 3 and hi not in excluded:
-                    lo = 3
-                    continue
-            raise CaptureError(_capture_failure(name, e, lo, hi, tuple(inputs))) from e
-    else:
-        raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {lo}..{hi})")
-    gm, guards = unlift(ep)
-    bsym, ssym = input_symbols(gm, main_input(kwargs), seq_input(kwargs))
-    if static_seq:
-        lo = hi = s
-    return Captured(program=ep, module=gm, model_name=name, input_names=tuple(inputs), constants=constants,
-                    seq_range=(lo, hi), guards=guards,
-                    batch_symbol=bsym, seq_symbol=ssym, example_inputs=kwargs, training=model.training,
-                    config=getattr(model, "config", None))
+            if not _narrow(t, str(e), s):
+                raise CaptureError(_capture_failure(name, e, t.lo, t.hi, tuple(inputs))) from e
+    raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {t.lo}..{t.hi})")
+
+
+def _narrow(t: _Tries, msg: str, s: int | None) -> bool:
+    """Update ``t`` from export's failure ``msg`` for another try; False when no retry helps."""
+    constant = "specialized it to be a constant" in msg
+    if "satisfy the generated guard min(" in msg and not t.deferred:
+        # an older torch (2.11) cannot prove min(16·seq, 32·seq) == 16·seq over the
+        # range (a GQA model's masks): checked when the graph runs instead
+        t.deferred = True
+        return True
+    # with guards deferred, a specialised dim shows as its suggested fix ("batch = 2")
+    pinned = set(re.findall(r"^\s*(batch|seq) = \d+\s*$", msg, re.M))
+    if "Constraints violated (batch" in msg and (constant or "batch" in pinned) and not t.static_batch:
+        t.static_batch = True
+        return True
+    if s is None or "Constraints violated (seq)" not in msg:
+        return False
+    if (constant or "seq" in pinned) and not t.static_seq:
+        t.static_seq = True
+        return True
+    fix = re.search(r"seq = Dim\('seq', (?:min=(\d+))?,? ?(?:max=(\d+))?\)", msg)
+    if fix is not None:
+        # the model checks the length itself (``if seq_len > self.max_seq_len: raise``):
+        # the range torch proposes, where it holds the example's length
+        new_lo, new_hi = int(fix.group(1) or t.lo), int(fix.group(2) or t.hi)
+        if (new_lo, new_hi) != (t.lo, t.hi) and max(new_lo, 2) <= s <= new_hi and new_hi > max(new_lo, 2):
+            t.lo, t.hi = max(new_lo, 2), new_hi
+            return True
+    excluded = [int(n) for n in re.findall(r"size\(\)\[1\] != (\d+)", msg)]
+    if t.hi in excluded and t.hi - 1 >= max(t.lo, s):
+        t.hi -= 1
+        return True
+    if t.lo == 2 and s >= 3 and t.hi not in excluded:
+        t.lo = 3
+        return True
+    return False
 
 
 def unlift(ep) -> tuple:

@@ -137,9 +137,26 @@ def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
     """Split ``gm`` into ``len(openers) + 1`` stages, stage ``i + 1`` opening at the first
     node of block ``openers[i]`` (see the module doc). ``gm`` is not changed; every stage
     reads the very parameter and buffer tensors of ``gm``."""
-    graph = gm.graph
-    nodes = list(graph.nodes)
+    nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
+    cuts = _cut_points(nodes, openers)
+    n_stages = len(cuts) + 1
+    last = n_stages - 1
+    out_node = next(n for n in nodes if n.op == "output")
+    compute = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    owner = {n: bisect.bisect_right(cuts, pos[n]) for n in compute}
+    needs = [_needs(compute, owner, s, out_node if s == last else None) for s in range(n_stages)]
+    carried = []        # carried[s]: the tensors stage s sends to s + 1
+    for s in range(last):
+        later = set().union(*needs[s + 1:])
+        carried.append(sorted((v for v in later if owner[v] <= s), key=pos.__getitem__))
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    return [_stage(gm, s, inputs, compute, owner, carried[s - 1] if s else [],
+                   carried[s] if s < last else None, out_node) for s in range(n_stages)]
+
+
+def _cut_points(nodes: list, openers: list[str]) -> list[int]:
+    """The graph position of each opener block's first node, in graph order."""
     cuts = []
     for key in openers:
         first = next((i for i, n in enumerate(nodes) if n.op == "call_function" and n.meta.get("nn_module_stack")
@@ -149,80 +166,73 @@ def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
         cuts.append(first)
     if cuts != sorted(set(cuts)):
         raise ShardingError(f"pipeline cut: the blocks {openers} do not open in graph order")
-    n_stages = len(cuts) + 1
-    last = n_stages - 1
-    inputs = [n for n in nodes if n.op == "placeholder"]
-    out_node = next(n for n in nodes if n.op == "output")
-    compute = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
-    owner = {n: bisect.bisect_right(cuts, pos[n]) for n in compute}
+    return cuts
 
-    # what each stage needs from earlier ones: tensors (carried) and the operands of the
-    # non-tensor values it recomputes
-    needs: list[set] = []
-    for s in range(n_stages):
-        need: set = set()
-        seen: set = set()
 
-        def visit(a, s=s, need=need, seen=seen):
-            if a.op in ("placeholder", "get_attr") or owner[a] == s:
-                return
-            if _is_tensor(a):
-                need.add(a)
-            elif a not in seen:
-                seen.add(a)
-                for b in a.all_input_nodes:
-                    visit(b)
-        for n in compute:
-            if owner[n] == s:
-                for b in n.all_input_nodes:
-                    visit(b)
-        if s == last:
-            for b in out_node.all_input_nodes:
+def _needs(compute: list, owner: dict, s: int, out_node) -> set:
+    """What stage ``s`` needs from earlier ones: tensors (carried), through the operands
+    of the non-tensor values it recomputes (``out_node``: the graph's output, read by the
+    last stage)."""
+    need: set = set()
+    seen: set = set()
+
+    def visit(a):
+        if a.op in ("placeholder", "get_attr") or owner[a] == s:
+            return
+        if _is_tensor(a):
+            need.add(a)
+        elif a not in seen:
+            seen.add(a)
+            for b in a.all_input_nodes:
                 visit(b)
-        needs.append(need)
-    carried = []        # carried[s]: the tensors stage s sends to s + 1
-    for s in range(last):
-        later = set().union(*needs[s + 1:])
-        carried.append(sorted((v for v in later if owner[v] <= s), key=pos.__getitem__))
+    for n in compute:
+        if owner[n] == s:
+            for b in n.all_input_nodes:
+                visit(b)
+    if out_node is not None:
+        for b in out_node.all_input_nodes:
+            visit(b)
+    return need
 
-    stages = []
-    for s in range(n_stages):
-        g = fx.Graph()
-        env: dict = {}
-        for p in inputs:
-            env[p] = g.placeholder(p.name)
-            env[p].meta = dict(p.meta)
-        received = carried[s - 1] if s else []
-        for v in received:
-            env[v] = g.placeholder(f"carried_{v.name}")
-            env[v].meta = dict(v.meta)
-        attrs: list[str] = []
 
-        def get(a, s=s, g=g, env=env, attrs=attrs):
-            if a in env:
-                return env[a]
-            if a.op == "get_attr":
-                env[a] = g.get_attr(a.target)
-                env[a].meta = dict(a.meta)
-                attrs.append(a.target)
-            elif a.op != "placeholder" and owner[a] < s and not _is_tensor(a):
-                env[a] = g.node_copy(a, get)        # a symbolic size or tuple: computed again here
-            else:
-                raise ShardingError(f"pipeline cut: stage {s} reads {a.name} ({a.op}), computed on stage "
-                                    f"{owner.get(a)} and not carried", node=a)
+def _stage(gm, s: int, inputs: list, compute: list, owner: dict, received: list, sends: list | None,
+           out_node) -> Stage:
+    """Stage ``s``'s graph: the inputs, the tensors it ``received``, its own nodes, and as
+    output the tensors it ``sends`` on (None: the last stage, the graph's output)."""
+    g = fx.Graph()
+    env: dict = {}
+    for p in inputs:
+        env[p] = g.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    for v in received:
+        env[v] = g.placeholder(f"carried_{v.name}")
+        env[v].meta = dict(v.meta)
+    attrs: list[str] = []
+
+    def get(a):
+        if a in env:
             return env[a]
-        for n in compute:
-            if owner[n] == s:
-                env[n] = g.node_copy(n, get)
-        if s == last:
-            g.output(fx.node.map_arg(out_node.args[0], get))
+        if a.op == "get_attr":
+            env[a] = g.get_attr(a.target)
+            env[a].meta = dict(a.meta)
+            attrs.append(a.target)
+        elif a.op != "placeholder" and owner[a] < s and not _is_tensor(a):
+            env[a] = g.node_copy(a, get)        # a symbolic size or tuple: computed again here
         else:
-            g.output(tuple(get(v) for v in carried[s]))
-        g.lint()
-        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
-        blocks = tuple(dict.fromkeys(block_key(n) for n in compute if owner[n] == s and n.meta.get("nn_module_stack")
-                                     and block_key(n) is not None))
-        stages.append(Stage(index=s, gm=sgm, blocks=blocks, carried_in=tuple(v.name for v in received),
-                            carried_out=tuple(v.name for v in carried[s]) if s < last else (),
-                            tensors=tuple(attrs)))
-    return stages
+            raise ShardingError(f"pipeline cut: stage {s} reads {a.name} ({a.op}), computed on stage "
+                                f"{owner.get(a)} and not carried", node=a)
+        return env[a]
+    for n in compute:
+        if owner[n] == s:
+            env[n] = g.node_copy(n, get)
+    if sends is None:
+        g.output(fx.node.map_arg(out_node.args[0], get))
+    else:
+        g.output(tuple(get(v) for v in sends))
+    g.lint()
+    sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+    blocks = tuple(dict.fromkeys(block_key(n) for n in compute if owner[n] == s and n.meta.get("nn_module_stack")
+                                 and block_key(n) is not None))
+    return Stage(index=s, gm=sgm, blocks=blocks, carried_in=tuple(v.name for v in received),
+                 carried_out=tuple(v.name for v in sends) if sends is not None else (),
+                 tensors=tuple(attrs))

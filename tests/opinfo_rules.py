@@ -149,7 +149,7 @@ class _Engine(types.SimpleNamespace):
 
 
 def _ctx(node, specs, mesh, batch_axes, bsym, B):
-    from autoshard.passes.propagate import _Ctx, _Shapes
+    from autoshard.passes.rule_context import NodeContext as _Ctx, Shapes as _Shapes
 
     e = _Engine(mesh=mesh, batch_axes=batch_axes, training=True, dropout="sharded",
                 policy=types.SimpleNamespace(cp_attention="gather", cp_order="contiguous"), params=set(),
@@ -220,7 +220,7 @@ def run_node(node, layout, given, choice, vals, mesh, rank, bsym, B, group):
     """The rule's local computation of ``node`` on this rank: its inputs re-laid, the op
     or kernel run, the post steps; returns the local output."""
     from autoshard.ir.argpath import apply_patches, get_arg
-    from autoshard.passes.propagate import _redistribute
+    from autoshard.passes.layouts import redistribute as _redistribute
     from autoshard.runtime import parallel_ops
 
     local = {}

@@ -13,7 +13,8 @@ import models
 import tiny_plans as tp
 from autoshard import Mesh, ShardingError, ShardSpec
 from autoshard.passes.pipeline import plan_captured
-from autoshard.passes.propagate import _redistribute, propagate
+from autoshard.passes.layouts import redistribute as _redistribute
+from autoshard.passes.propagate import propagate
 from autoshard.ir.plan import Comm, Step
 from autoshard.policies import POLICIES
 
@@ -352,7 +353,7 @@ def test_a_view_of_a_data_dependent_size_is_unknown_not_a_crash():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from autoshard.passes.propagate import _view_dim
+    from autoshard.passes.rule_context import view_dim as _view_dim
 
     env = ShapeEnv()
     u = env.create_unbacked_symint()

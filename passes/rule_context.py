@@ -1,0 +1,416 @@
+"""What a rule sees of the graph while the walk (:mod:`.propagate`) visits a node.
+
+:class:`NodeContext` implements :class:`~autoshard.policies.base.RuleContext` for one
+node: the layouts chosen so far, exact probe sizes (:class:`Shapes`), row facts, and
+the look-ahead a Linear policy asks before it splits its output (does the split reach
+a parallel consumer, :meth:`NodeContext.split_stop`). It reads the walk's state and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from autoshard.ir.spec import ShardSpec, replicated
+from autoshard.policies.base import SymbolicSizes
+
+from .row_order import RowFact
+
+__all__ = ["NodeContext", "Shapes", "aten_name", "is_tensor_val", "stop_note", "view_dim"]
+
+aten = torch.ops.aten
+
+
+def is_tensor_val(v) -> bool:
+    """``v`` (a node's ``meta["val"]``) is a tensor.
+
+        >>> is_tensor_val(torch.zeros(1)), is_tensor_val(3)
+        (True, False)
+    """
+    return isinstance(v, torch.Tensor)
+
+
+class Shapes:
+    """Global shapes of graph values, as exact probe integers (each free symbol a
+    distinct large prime, so products match only when they truly match) and as
+    concrete integers for the plan's batch size and sequence length."""
+
+    def __init__(self, bsym, ssym, batch_size, seq_len):
+        self.probe_map, self.conc_map = {}, {}
+        if bsym is not None:
+            self.probe_map[bsym] = SymbolicSizes.BATCH
+            self.conc_map[bsym] = batch_size
+        if ssym is not None:
+            self.probe_map[ssym] = SymbolicSizes.SEQ
+            self.conc_map[ssym] = seq_len
+        self.extra = SymbolicSizes.others()
+        self._seen: dict = {}      # id(SymNode) -> (node, probe, concrete): a size is evaluated once
+
+    def _ev(self, s, mp, probe: bool):
+        if isinstance(s, int):
+            return s
+        if isinstance(s, torch.SymInt):
+            hit = self._seen.get(id(s.node))
+            if hit is None:
+                expr = s.node.expr
+                for f in expr.free_symbols:
+                    if f not in self.probe_map:
+                        self.probe_map[f] = next(self.extra)
+                        hint = s.node.hint if isinstance(s.node.hint, int) else 8
+                        self.conc_map[f] = hint
+                hit = self._seen[id(s.node)] = (s.node, int(expr.xreplace(self.probe_map)),
+                                                int(expr.xreplace(self.conc_map)))
+            return hit[1] if probe else hit[2]
+        return int(s)
+
+    def probe(self, shape) -> tuple[int, ...]:
+        return tuple(self._ev(s, None, True) for s in shape)
+
+    def concrete(self, shape) -> tuple[int, ...]:
+        return tuple(self._ev(s, None, False) for s in shape)
+
+
+
+class NodeContext:
+    """What a rule may see of the graph: implements
+    :class:`~autoshard.policies.base.RuleContext` for the node being visited."""
+
+    def __init__(self, engine, node: fx.Node):
+        self.e, self.node = engine, node
+        self.mesh = engine.mesh
+        self.batch_axes = engine.batch_axes
+        self.BATCH = SymbolicSizes.BATCH
+        self.training = engine.training
+        self.dropout = engine.dropout
+        self.cp_attention = engine.policy.cp_attention
+        self.cp_order = engine.policy.cp_order
+
+    def is_tensor(self, a) -> bool:
+        return isinstance(a, fx.Node) and is_tensor_val(a.meta.get("val"))
+
+    def spec(self, a):
+        if not isinstance(a, fx.Node):
+            return None
+        if a.op == "get_attr" and a.target in self.e.params:
+            return self.e.st.param_spec.get(a.target) or replicated(a.meta["val"].dim())
+        if self.is_free_state(a):
+            return replicated(a.meta["val"].dim())
+        return self.e.st.specs.get(a.name)
+
+    def is_free_param(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.op == "get_attr" and a.target in self.e.params \
+            and a.target not in self.e.st.param_spec
+
+    def is_free_state(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.op == "placeholder" and a.name in self.e.state \
+            and a.name not in self.e.st.specs
+
+    def fixed_param_spec(self, a):
+        return self.e.st.param_spec.get(a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else None
+
+    def pshape(self, a) -> tuple[int, ...]:
+        return self.e.shapes.probe(a.meta["val"].shape)
+
+    def pshape_of_val(self, v) -> tuple[int, ...]:
+        return self.e.shapes.probe(v.shape)
+
+    def local_numel(self, a, spec: ShardSpec) -> int:
+        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        return math.prod(spec.local_shape(shape, self.mesh))
+
+    def local_size(self, a, spec: ShardSpec, d: int) -> int:
+        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        return spec.local_shape(shape, self.mesh)[d]
+
+    def is_batch_index(self, a) -> bool:
+        return isinstance(a, fx.Node) and a.name in self.e.st.batch_index
+
+    def row_fact(self, a, i: int | None = None) -> RowFact:
+        f = self.e.rows.get(a.name, RowFact()) if isinstance(a, fx.Node) else RowFact()
+        if isinstance(f, tuple):
+            return f[i] if i is not None else RowFact()
+        return f
+
+    def forced_replicate(self, node) -> bool:
+        return node.name in self.e.forced
+
+    def forced_reason(self, node) -> str:
+        """Why a re-plan holds this Linear whole: the op that refused its output's split
+        (empty when it is not forced)."""
+        return self.e.forced_why.get(node.name, "") if node.name in self.e.forced else ""
+
+    def default_out_spec(self, node):
+        v = node.meta.get("val")
+
+        def one(t):
+            if not is_tensor_val(t):
+                return None
+            sh = self.e.shapes.probe(t.shape)
+            rows = sh and SymbolicSizes.is_rows(sh[0])
+            return ShardSpec(dims=tuple(self.batch_axes if (rows and self.batch_axes and i == 0) else ()
+                                        for i, s in enumerate(sh)))
+
+        if isinstance(v, (list, tuple)):
+            return tuple(one(t) for t in v)
+        return one(v)
+
+    # ----- look-ahead helpers for the Linear policies
+    def output_segments(self, node) -> int:
+        """Number of equal blocks a later ``split`` cuts this Linear's output into (fused QKV)."""
+        n = self.e.shapes.probe(node.meta["val"].shape)[-1]
+        cur = node
+        for _ in range(8):
+            users = list(cur.users)
+            if len(users) > 1:
+                return self._slice_segments(cur, users)
+            if len(users) != 1:
+                return 1
+            u = users[0]
+            if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+                outs = u.meta["val"]
+                d = (u.args[2] if len(u.args) > 2 else 0)
+                sizes = {self.e.shapes.probe(o.shape)[d] for o in outs}
+                last = len(cur.meta["val"].shape) - 1
+                return len(outs) if len(sizes) == 1 and d % (last + 1) == last else 1
+            if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+                            aten.contiguous.default) and self.e.shapes.probe(u.meta["val"].shape)[-1] == n:
+                cur = u
+                continue
+            if u.target == aten.add.Tensor and self.e.shapes.probe(u.meta["val"].shape)[-1] == n and \
+                    any(isinstance(a, fx.Node) and a.op == "get_attr" for a in u.args):
+                cur = u             # its bias, added apart (passes/token_fold.py)
+                continue
+            return 1
+        return 1
+
+    def _slice_segments(self, value, users) -> int:
+        """Number of equal pieces when every user slices ``value``'s last dim into
+        equal, adjacent, step-1 pieces that cover it (Phi-3's sliced ``qkv_proj``)."""
+        shape = self.e.shapes.probe(value.meta["val"].shape)
+        last, n = len(shape) - 1, shape[-1]
+        pieces = set()
+        for u in users:
+            if u.target != aten.slice.Tensor:
+                return 1
+            a = list(u.args) + [None] * 5
+            if (a[1] or 0) % len(shape) != last or (a[4] or 1) != 1:
+                return 1
+            start, end = a[2] or 0, n if a[3] is None else min(a[3], n)
+            if not isinstance(start, int) or not isinstance(end, int):
+                return 1
+            pieces.add((start % n if start < 0 else start, end % n if end < 0 else end))
+        sizes = {e - b for b, e in pieces}
+        if len(sizes) != 1 or sorted(b for b, _ in pieces) != list(range(0, n, next(iter(sizes)))):
+            return 1
+        return len(pieces)
+
+    def output_feeds_parallel_consumer(self, node) -> bool:
+        """True when every path from this value reaches a Linear, the loss or the
+        graph output through ops that keep a feature split (pointwise, views, attention).
+
+        The split's dim is followed through views that cut it into ``[heads, head_dim]``
+        (and back), transposes and broadcasting; a norm or reduction over other dims
+        than the split one (a per-head q/k norm over ``head_dim`` while the heads are
+        split) keeps it local, so it does not stop the split."""
+        return not self.split_stop(node)
+
+    def split_stop(self, node) -> str:
+        """Why the split of this value's last dim cannot reach a parallel consumer
+        (:meth:`output_feeds_parallel_consumer`): the first op found that stops it, its
+        node and what it does to the split dim; empty when every path passes."""
+        seen: set[tuple[str, int | None]] = set()
+        rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
+        out_rank = rank_of(node)
+        stack = [(u, node, out_rank - 1 if out_rank else None) for u in node.users]
+        while stack:
+            u, src, d = stack.pop()
+            if (u.name, d) in seen:
+                continue
+            seen.add((u.name, d))
+            ann = self.e.ann.get(u.name)
+            if u.op == "output" or u.target in (aten._assert_tensor_metadata.default, aten.sym_size.int):
+                continue
+            if ann and ann.kind in ("linear", "loss"):
+                continue
+            t = u.target
+            if t in _SPLITS:        # pieces along another dim keep the split (rotary halves: chunk over head_dim)
+                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+                rank = len(_shape(src) or ())
+                nd = d if d is not None and rank and isinstance(dim, int) and dim % rank != d else None
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if t == operator.getitem and getattr(src, "target", None) in _SPLITS | {aten.max.dim, aten.min.dim}:
+                stack.extend((w, u, d) for w in u.users)      # one piece (or the values / indices) of it
+                continue
+            if ann and ann.kind in ("norm", "reduction"):
+                nd = _reduced_keeps(u, src, d)
+                if nd is None and _is_statistic(u, src, d):
+                    continue        # a norm's statistic over the split dim: a partial sum, all-reduced where used
+                if nd is None:
+                    return stop_note(u, f"a {ann.kind} over the split dim" if d is not None
+                                 else f"a {ann.kind} after an op that loses track of the split dim")
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if ann and ann.kind == "embedding":
+                return stop_note(u, "a lookup that reads it as indices")
+            if t in _PASS_THROUGH or (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
+                nd = _contract_dim(u, src, d) if t in _CONTRACTS else _broadcast_dim(u, src, d)
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if t == aten.type_as.default:       # a cast (Gemma-3's norms): the split passes; a dtype donor's does not
+                if u.args[0] is src:
+                    stack.extend((w, u, d) for w in u.users)
+                continue
+            if t in (aten.max.dim, aten.min.dim):       # a search along another dim: both outputs keep the split
+                nd = _reduced_keeps(u, src, d)
+                if nd is None:
+                    return stop_note(u, "a search over the split dim" if d is not None
+                                 else "a search after an op that loses track of the split dim")
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            if t in (aten.index_copy_.default, aten.index_copy.default):     # rows written into a cache:
+                stack.extend((w, u, d) for w in u.users)                     # the same dims, another length
+                continue
+            if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
+                nd = view_dim(u, src, d) if ann and ann.kind == "view" else None
+                stack.extend((w, u, nd) for w in u.users)
+                continue
+            return stop_note(u, "an op with no rule that keeps a feature split")
+        return ""
+
+    def is_largest_embedding(self, w) -> bool:
+        return w.target == self.e.largest_embedding
+
+
+_CONTRACTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default,
+              aten.scaled_dot_product_attention.default}
+
+
+def _shape(n):
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if hasattr(v, "shape") else None
+
+
+def stop_note(u, what: str) -> str:
+    """``"`aten.mean.dim` at node `mean_3` (a norm over the split dim)"``: the op that
+    stops a split, for a plan note."""
+    return f"`{aten_name(u)}` at node `{u.name}` ({what})"
+
+
+def aten_name(node) -> str:
+    t = node.target
+    return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
+
+
+def _contract_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the matmul ``u`` when it is one of
+    its batch dims (attention's heads through ``QKᵀ`` and ``PV``); None otherwise."""
+    a = _shape(src)
+    if d is None or a is None or u.target not in (aten.matmul.default, aten.bmm.default) or d >= len(a) - 2:
+        return None
+    return _broadcast_dim(u, src, d)
+
+
+def _broadcast_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the pointwise ``u`` (broadcasting
+    prepends dims); None where unknown."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None or len(b) < len(a):
+        return None
+    return d + len(b) - len(a)
+
+
+def view_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in the output of the view ``u``: kept by a view that
+    keeps the dims up to it, moved by a transpose, kept on the outer factor when the dim
+    is cut in two (``[.., heads·hd] → [.., heads, hd]``) or merged with its inner neighbour
+    (and back); None where unknown (the caller then stops at the next norm), sizes that
+    depend on data (an unbacked ``u8`` no comparison can decide: Idefics3's connector) too."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return _view_dim_of(u, src, d)
+    except GuardOnDataDependentSymNode:
+        return None
+
+
+def _view_dim_of(u, src, d):
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None:
+        return None
+    if u.target == aten.transpose.int:
+        i, j = (x % len(a) for x in u.args[1:3])
+        return j if d == i else i if d == j else d
+    if u.target == aten.unsqueeze.default:          # a new size-1 dim (repeat_kv's [:, :, None])
+        p = u.args[1] % len(b)
+        return d if d < p else d + 1
+    if u.target == aten.expand.default:             # broadcast to more (or new leading) dims
+        return d + len(b) - len(a) if b[d + len(b) - len(a)] == a[d] else None
+    if u.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    if a[:d] != b[:d]:
+        return None
+    if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:
+        return d
+    if len(b) == len(a) + 1 and len(b) > d + 1 and b[d] * b[d + 1] == a[d] and a[d + 1:] == b[d + 2:]:
+        return d                                   # cut in two: the split stays on the outer factor
+    if len(a) == len(b) + 1 and len(a) > d + 1 and a[d] * a[d + 1] == b[d] and a[d + 2:] == b[d + 1:]:
+        return d                                   # merged with its inner neighbour
+    return None
+
+
+def _reduced_keeps(u, src, d):
+    """Where the split dim ``d`` of ``src`` is in the output of the norm / reduction ``u``
+    when ``u`` does not reduce over it; None when it does (or when unknown)."""
+    a, b = _shape(src), _shape(u)
+    if d is not None and a is not None and u.target in (aten.max.dim, aten.min.dim) and u.args[0] is src:
+        dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", -1)    # values and indices (a tuple)
+        if not isinstance(dim, int) or dim % len(a) == d:
+            return None
+        keep = u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False)
+        return d if keep or dim % len(a) > d else d - 1
+    if d is None or a is None or b is None or not u.args or u.args[0] is not src:
+        return None
+    if u.target in (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction):
+        dims = u.args[1] if len(u.args) > 1 else None
+        if not isinstance(dims, (list, tuple)) or not dims:
+            return None
+        red = {x % len(a) for x in dims}
+        if d in red:
+            return None
+        keep = (u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False))
+        return d if keep else d - sum(1 for r in red if r < d)
+    if u.target == aten.layer_norm.default:
+        return d if d < len(a) - len(u.args[1]) else None
+    return None
+
+
+def _is_statistic(u, src, d) -> bool:
+    """``u`` is a mean or sum over exactly the split dim ``d`` of ``src``, kept as a
+    size-1 dim: an RMSNorm's mean square over features split across ranks (OLMo-2's
+    q/k norms over the whole projection). Its value is a partial sum the first op not
+    linear in it all-reduces (``[..., 1]`` per token), and the normalised features keep
+    their split: a distributed norm with no gather of the features."""
+    a = _shape(src)
+    if d is None or a is None or not u.args or u.args[0] is not src:
+        return False
+    if u.target not in (aten.mean.dim, aten.sum.dim_IntList):
+        return False
+    dims = u.args[1] if len(u.args) > 1 else None
+    keep = u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False)
+    return isinstance(dims, (list, tuple)) and {x % len(a) for x in dims} == {d} and bool(keep)
+
+
+_PASS_THROUGH = {aten.dropout.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                 aten.scaled_dot_product_attention.default, aten.to.dtype, aten.to.dtype_layout,
+                 aten._to_copy.default, aten.slice.Tensor, aten.cat.default, aten.matmul.default,
+                 aten.bmm.default, aten.softmax.int, aten._softmax.default, aten.stack.default,
+                 aten.baddbmm.default, aten.flatten.using_ints}
+
