@@ -870,14 +870,13 @@ class ShardedModule(ModelFace, nn.Module):
         """
         import torch.distributed as dist
 
-        from .launch.capture_share import capture_shared
-        from .passes.pipeline import prepare
+        from .launch.pipeline import PIPELINE, layout_state
         from .policies import POLICIES
         from .runtime.compare import Comparison, merge, record
 
         kwargs = {k: v for k, v in batch.items() if v is not None}
-        cap = capture_shared(dense_model, example_inputs=kwargs)
-        prepared = prepare(cap, POLICIES[self.plan.mode](self.plan.mesh))
+        prepared = PIPELINE.run(layout_state(POLICIES[self.plan.mode](self.plan.mesh), model=dense_model,
+                                             example_inputs=kwargs), "capture", "prepare").prepared
         dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
         with torch.no_grad():
             values = record(prepared.module, {k: v for k, v in {**_on_device(kwargs, dev), **prepared.constants}.items()
