@@ -57,7 +57,6 @@ from .launched import LaunchFacts, Launched
 __all__ = ["LaunchState", "Stage", "StageError", "Pipeline", "PIPELINE", "LAUNCH", "launch_key", "launch_shape", "layout_state", "recipe_state"]
 
 LAUNCH = ("capture", "prepare", "plan", "groups", "rewrite")     # a rank's graph; "place" follows the module
-_CAPTURES = {"shared": capture_shared, "cached": capture_cached, "for_plan": capture_for_plan}
 
 
 class StageError(AutoshardError, ValueError):
@@ -157,7 +156,8 @@ def _capture(state: LaunchState) -> LaunchState:
     if state.capture_with == "plain":
         return state.but(captured=capture(state.model, example_inputs=state.example_inputs))
     kw = {"capture_fn": state.capture_fn} if state.capture_fn is not None else {}
-    return state.but(captured=_CAPTURES[state.capture_with](state.model, example_inputs=state.example_inputs, **kw))
+    how = {"shared": capture_shared, "cached": capture_cached, "for_plan": capture_for_plan}[state.capture_with]
+    return state.but(captured=how(state.model, example_inputs=state.example_inputs, **kw))
 
 
 def _prepare(state: LaunchState) -> LaunchState:
