@@ -179,15 +179,18 @@ def _plan(state: LaunchState) -> LaunchState:
     model) for ``batch_size`` and ``seq_len`` (None: :func:`launch_shape`'s)."""
     if state.batch_size is None:        # shard(): from the capture's example
         state = launch_shape(state)
-    pol = state.policy
+    pol, p = state.policy, None
     if pol.cp > 1 and pol.cp_attention == "auto":
         from ..planning.search import choose_cp_attention
 
-        pol = choose_cp_attention(state.prepared, pol, batch_size=state.batch_size, seq_len=state.seq_len,
-                                  dropout=state.config.dropout, cluster=state.config.search_cluster())[0]
-    p = plan_prepared(state.prepared, pol, batch_size=state.batch_size, seq_len=state.seq_len,
-                      gather_outputs=state.config.gather_logits, dropout=state.config.dropout,
-                      pinned=state.pinned, frozen=state.frozen)
+        pol, chosen = choose_cp_attention(state.prepared, pol, batch_size=state.batch_size, seq_len=state.seq_len,
+                                          dropout=state.config.dropout, cluster=state.config.search_cluster())
+        if state.pinned is None and state.frozen is None and state.config.gather_logits:
+            p = chosen      # planned with these very options (plan()): not planned a second time
+    if p is None:
+        p = plan_prepared(state.prepared, pol, batch_size=state.batch_size, seq_len=state.seq_len,
+                          gather_outputs=state.config.gather_logits, dropout=state.config.dropout,
+                          pinned=state.pinned, frozen=state.frozen)
     return state.but(policy=pol, config=state.config.resolved(pol), plan=p)
 
 
