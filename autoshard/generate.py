@@ -41,14 +41,13 @@ from torch import nn
 from torch.export import Dim
 
 from .io.builder import build_meta
-from .launch.capture_share import capture_shared
 from .ir.errors import ConfigError
 from .io.hf_fill import meta_tensors
 from .ir.log import logger
 from .passes.capture import Captured, input_symbols, log_mel_shape, unlift
 from .passes.experts import mode_layout
-from .passes.pipeline import plan_captured, prepare
 from .ir.plan import ShardingPlan
+from .launch.pipeline import PIPELINE, layout_state
 from .launch.recapture import rewrite_bound
 
 __all__ = ["Generator", "sharded_lm", "step_class", "encoder_class", "is_encoder_decoder",
@@ -317,13 +316,18 @@ def drop_guards(gm) -> None:
 
 
 def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batch: int, seq: int,
-               dropout: str = "sharded", capture=capture_shared):
+               dropout: str = "sharded", capture_with: str = "shared"):
     """Capture ``built.model`` (a step or encoder class on meta) for ``example(model)`` and
     plan it under ``policy`` with the layouts of ``held_plan`` (the module's plan) pinned
-    and its vocabulary padded alike; returns ``(captured, plan)``. Refuses, by name,
+    and its vocabulary padded alike, through the launch pipeline's capture (``capture_with``:
+    :class:`~autoshard.launch.pipeline.LaunchState`'s), prepare and plan stages;
+    returns ``(prepared capture, plan)``. Refuses, by name,
     a graph that holds tensors its forward computes (a meta capture leaves them without
     values) or that would split a parameter otherwise than ``held_plan``."""
-    cap = capture(built.model, example_inputs=example(built.model), capture_fn=capture_fn)
+    state = PIPELINE.run(layout_state(policy, dropout=dropout, gather_outputs=True, model=built.model,
+                                      example_inputs=example(built.model), capture_with=capture_with,
+                                      capture_fn=capture_fn), "capture")
+    cap = state.captured
     drop_guards(cap.module)
     filled = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)} | set(built.buffers)
     made = [n for n in meta_tensors(cap.module) if n not in filled]     # constants export lifted out of the forward
@@ -336,11 +340,11 @@ def plan_graph(built, what: str, example, capture_fn, policy, held_plan, *, batc
     vocab = None
     if padded is not None:      # pad the step's vocabulary as the module's was
         vocab = next(d for d, g in zip(padded.dense_shape, padded.global_shape) if d != g)
-    cap = prepare(cap, policy, vocab=vocab)
     held = held_plan.params_by_name()
     mine = {n for n, _ in cap.module.named_parameters(remove_duplicate=False)}
-    p = plan_captured(cap, policy, batch_size=batch, seq_len=seq, gather_outputs=True, dropout=dropout,
-                      pinned={n: mode_layout(pp.spec, held_plan.mesh, policy.ep) for n, pp in held.items() if n in mine})
+    pinned = {n: mode_layout(pp.spec, held_plan.mesh, policy.ep) for n, pp in held.items() if n in mine}
+    state = PIPELINE.run(state.but(vocab=vocab, pinned=pinned, batch_size=batch, seq_len=seq), "prepare", "plan")
+    cap, p = state.prepared, state.plan
     used = {n.target for n in cap.module.graph.nodes if n.op == "get_attr" and n.users}
     for pp in p.params:
         have = next((held[n] for n in (pp.name, *pp.aliases) if n in held), None)
@@ -360,8 +364,6 @@ def plan_step(model: nn.Module, policy, held_plan, *, step: str = "decode", max_
     sequences, laid out as ``held_plan`` (the model's own plan under ``policy``) lays the
     parameters: what :meth:`~autoshard.module.ShardedModule.generate` would run, planned
     without processes (:func:`autoshard.plan` with ``step=``)."""
-    from .launch.capture_share import capture_cached
-
     if step not in ("decode", "prefill"):
         raise ConfigError(f"step={step!r}: the generation steps are 'decode' and 'prefill'")
     prefill = step == "prefill"
@@ -370,7 +372,7 @@ def plan_step(model: nn.Module, policy, held_plan, *, step: str = "decode", max_
     built.model.eval()
     _, p = plan_graph(built, f"{step} step (cache {max_len})",
                       lambda m: step_inputs(m, prefill=prefill, max_len=max_len), capture_step, policy, held_plan,
-                      batch=batch, seq=5 if prefill else 1, capture=capture_cached)
+                      batch=batch, seq=5 if prefill else 1, capture_with="cached")
     return p
 
 
@@ -423,7 +425,7 @@ class Generator:
         built = build_meta(r.config, model_class=cls, dtype=m.dtype, adapt=r.adapt)
         built.model.eval()
         cap, p = plan_graph(built, what, example, capture_fn, r.policy, m.plan, batch=batch * m.plan.dp,
-                            seq=seq, dropout=r.dropout, capture=capture_shared)      # collective
+                            seq=seq, dropout=r.dropout, capture_with="shared")      # collective
         gm = rewrite_bound(m, cap, p, built)
         self.captures += 1
         logger.info("captured the %s in %.1f s", what, time.perf_counter() - t0)

@@ -335,15 +335,13 @@ def _build(job: dict):
 
 def _run_rank(rank: int, world: int, job: dict) -> dict:
     import autoshard
-    from .launch.capture_share import capture_shared
-    from .passes.pipeline import prepare
     from .policies import make_policy
-    from .runtime import compare
     from .runtime.collectives import CommLedger
 
     clock = _Clock(job.get("t_start"))
     clock.lap("start-up")
     dense = _build(job)
+    dense32 = None
     if job["dtype"] == "bf16":
         dense32 = copy.deepcopy(dense)
         dense = dense.to(torch.bfloat16)
@@ -359,24 +357,7 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
     out_d = dense(**inputs)
     out_d.loss.backward()
     clock.lap("dense run")
-    cap = capture_shared(model, example_inputs=local)
-    clock.lap("capture (shared)")
-    prepared = prepare(cap, pol)
-    # the recording runs the graph, whose in-place buffer updates (a training BatchNorm's
-    # running statistics and num_batches_tracked) would otherwise be where the sharded run starts
-    kept = [(t, t.detach().clone()) for m in (model, prepared.module) for _, t in m.named_buffers()]
-    with torch.no_grad():
-        ref_vals = compare.record(prepared.module, {**inputs, **prepared.constants})     # every replica's rows
-        for t, v in kept:
-            t.copy_(v)
-    clock.lap("dense node values")
-    node_tol = None
-    if job["dtype"] == "bf16":      # a node's tolerance: twice the dense bf16 run's own error against fp32
-        cap32 = prepare(capture_shared(copy.deepcopy(dense32), example_inputs=local), pol)
-        with torch.no_grad():
-            vals32 = compare.record(cap32.module, {**inputs, **cap32.constants})
-        node_tol = {k: 2 * _noise(v, vals32[k]) + 1e-6 for k, v in ref_vals.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                    and isinstance(vals32.get(k), torch.Tensor) and vals32[k].shape == v.shape and v.numel()}
+    cap, ref_vals, node_tol = _dense_values(model, dense32, pol, inputs, local, clock)
     sharded = autoshard.shard(model, mode=job["mode"], depth=job["depth"], dp=dp, example_inputs=local, captured=cap)
     plan = sharded.plan
     clock.lap("shard (plan, rewrite)")
@@ -387,10 +368,57 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
         out = sharded(**local)
     with CommLedger() as bwd:
         out.loss.backward()
+    checks, missing = _check_run(rank, out, out_d, sharded, dense, dense32, inputs, rows, plan)
+    kinds = {n.name: (n.kind, n.module or "") for n in plan.nodes}
+    clock.lap("sharded run, checks, step")
+    return {"seconds": clock.laps,
+        "nodes": cmp_rows, "checks": checks, "missing_grads": missing, "kinds": kinds if rank == 0 else {},
+        "ledger": {"fwd": {"ledger": (fwd.count(), fwd.bytes_per_rank()),
+                           "plan": (len(plan.comms("fwd")), plan.comm_bytes_per_rank("fwd"))},
+                   "bwd": {"ledger": (bwd.count(), bwd.bytes_per_rank()),
+                           "plan": (len(plan.comms("bwd")), plan.comm_bytes_per_rank("bwd"))}},
+        "split": {k: v for k, v in plan.parallel_fraction().items() if isinstance(v, float)} if rank == 0 else {},
+    }
 
+
+def _dense_values(model, dense32, pol, inputs: dict, local: dict, clock) -> tuple:
+    """``(capture, node values, node tolerances)``: the launch pipeline's capture (shared by
+    the ranks, handed to shard() after) and prepare stages, the prepared graph run on every
+    replica's rows to record each node's dense value; in bf16 each node's tolerance is twice
+    the dense bf16 run's own error against fp32 (None in fp32)."""
+    from .config import ShardConfig
+    from .launch.pipeline import PIPELINE, LaunchState
+    from .runtime import compare
+
+    state = PIPELINE.run(LaunchState(config=ShardConfig(), model=model, example_inputs=local, policy=pol), "capture")
+    clock.lap("capture (shared)")
+    prepared = PIPELINE.run(state, "prepare").prepared
+    # the recording runs the graph, whose in-place buffer updates (a training BatchNorm's
+    # running statistics and num_batches_tracked) would otherwise be where the sharded run starts
+    kept = [(t, t.detach().clone()) for m in (model, prepared.module) for _, t in m.named_buffers()]
+    with torch.no_grad():
+        ref_vals = compare.record(prepared.module, {**inputs, **prepared.constants})     # every replica's rows
+        for t, v in kept:
+            t.copy_(v)
+    clock.lap("dense node values")
+    if dense32 is None:
+        return state.captured, ref_vals, None
+    cap32 = PIPELINE.run(state.but(model=copy.deepcopy(dense32), captured=None), "capture", "prepare").prepared
+    with torch.no_grad():
+        vals32 = compare.record(cap32.module, {**inputs, **cap32.constants})
+    node_tol = {k: 2 * _noise(v, vals32[k]) + 1e-6 for k, v in ref_vals.items() if isinstance(v, torch.Tensor)
+                and v.is_floating_point() and isinstance(vals32.get(k), torch.Tensor) and vals32[k].shape == v.shape
+                and v.numel()}
+    return state.captured, ref_vals, node_tol
+
+
+def _check_run(rank: int, out, out_d, sharded, dense, dense32, inputs: dict, rows, plan) -> tuple[dict, list]:
+    """``(checks, missing gradients)``: loss, logits, every local gradient and the parameters
+    after one SGD step, sharded against dense (fp32: ``_FP32_TOL``; bf16: twice the dense
+    bf16 run's own error against fp32)."""
     checks = {}
     ref32 = None
-    if job["dtype"] == "bf16":
+    if dense32 is not None:
         out32 = dense32(**inputs)
         out32.loss.backward()
         ref32 = (out32, dict(dense32.named_parameters(remove_duplicate=False)))
@@ -434,16 +462,7 @@ def _run_rank(rank: int, world: int, job: dict) -> dict:
         ref_hi = pp.spec.local(pp.pad(ref32[1][pp.name].detach()), mesh, rank) if ref32 else None
         check("parameters after one SGD step", sparams[pp.name],
               pp.spec.local(pp.pad(dparams[pp.name].detach()), mesh, rank), ref_hi)
-    kinds = {n.name: (n.kind, n.module or "") for n in plan.nodes}
-    clock.lap("sharded run, checks, step")
-    return {"seconds": clock.laps,
-        "nodes": cmp_rows, "checks": checks, "missing_grads": missing, "kinds": kinds if rank == 0 else {},
-        "ledger": {"fwd": {"ledger": (fwd.count(), fwd.bytes_per_rank()),
-                           "plan": (len(plan.comms("fwd")), plan.comm_bytes_per_rank("fwd"))},
-                   "bwd": {"ledger": (bwd.count(), bwd.bytes_per_rank()),
-                           "plan": (len(plan.comms("bwd")), plan.comm_bytes_per_rank("bwd"))}},
-        "split": {k: v for k, v in plan.parallel_fraction().items() if isinstance(v, float)} if rank == 0 else {},
-    }
+    return checks, missing
 
 
 def _noise(low: torch.Tensor, high: torch.Tensor) -> float:
@@ -585,41 +604,10 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
     # the ranks' process starts now: its imports overlap the planning below
     ranks = _Ranks(world_size)
     try:
-        folder = str(model_or_config) if isinstance(model_or_config, (str, os.PathLike)) and \
-            os.path.isdir(model_or_config) else None
-        cfg = copy.deepcopy(cfg)
-        if full:
-            if model is None:
-                n = _param_count(cfg, cls)
-                need = n * 4 * 6 * (world_size + 1)
-                have = _memory_bytes()
-                if have and need > have * 0.8:
-                    return refuse(f"--full needs about {need / 2**30:.1f} GiB for {world_size} ranks' dense and "
-                                  f"sharded copies of {n / 1e6:,.0f}M parameters; this machine has "
-                                  f"{have / 2**30:.1f} GiB: run without --full (a shrunk copy)")
-        else:
-            from .planning.shrink import shrink
-
-            small = shrink(cfg, pol)
-            report.shrunk = [tuple(c) for c in small.changes]
-            cfg = small.config
-            model = None        # rebuilt from the shrunk config on every rank
-            folder = None
-        report.shrunk += [tuple(c) for c in _no_dropout(cfg)]      # cfg is verify's own copy
-        seq_split = pol.seq_split()
-        seq = -(-max(seq_len, 2) // seq_split) * seq_split
-        if batch_size is None:          # at least two rows per replica: one of them left-padded
-            from .planning.validate import smallest_batch
-
-            batch_size, report.batch_note = smallest_batch(pol, dp, rows=2)
-        report.batch = (batch_size, seq)
-        fn = str(model_or_config) if full and model is not None and isinstance(model_or_config, (str, os.PathLike)) \
-            else None
-        job = {"config": cfg, "cls": cls, "fn": fn, "folder": folder if full and _has_weights(folder) else None,
-               "seed": seed, "dtype": dtype, "batch": batch_size, "seq": seq, "dp": dp, "mode": mode, "depth": depth,
-               "setup": setup, "pg_timeout": max(60.0, timeout / 2)}
-        if model is not None and full and fn is None:
-            job["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        job = _job(model_or_config, report, cfg, cls, model, pol, full=full, batch_size=batch_size,
+                   seq_len=seq_len, seed=seed, dtype=dtype, setup=setup, timeout=timeout)
+        if isinstance(job, str):
+            return refuse(job)
         # capture and plan here first, without processes: a refused architecture stops here,
         # and the ranks find the capture in the disk cache
         try:
@@ -635,22 +623,71 @@ def verify(model_or_config, *, world_size: int, mode: str, depth: int | None = N
             "plan here (capture, plan)"], 2)
         errors = [(r, p) for r, st, p in results if st == "error"]
         if errors:
-            real = [e for e in errors if e[1]["kind"] != "lost"] or errors
-            r, e = min(real, key=lambda x: ({"refused": 0, "mismatch": 1, "crash": 2, "lost": 3}[x[1]["kind"]], x[0]))
-            msg = f"{e['type']} on rank {r}: " + "\n".join(e["message"].splitlines()[:6])
-            report.seconds = time.perf_counter() - t0
-            if e["kind"] == "refused":
-                return refuse(msg)
-            report.verdict, report.exit_code = "mismatch", MISMATCH
-            report.reason = msg + ("" if e["kind"] == "mismatch" else "\n" + e["traceback"][-2000:])
-            report.first_node = e["node"]
-            return report
+            return _rank_error(report, errors, refuse, t0)
         payloads = [p for _, _, p in results]
         _fill(report, payloads)
         report.seconds = time.perf_counter() - t0
         return report
     finally:
         ranks.close()
+
+
+def _job(model_or_config, report: VerifyReport, cfg, cls, model, pol, *, full: bool, batch_size, seq_len: int,
+         seed: int, dtype: str, setup, timeout: float):
+    """What every rank builds and runs (the model's config, shrunk unless ``full``; the batch;
+    the layout), the shrinking and batch said in ``report``; a string: why ``full`` is refused."""
+    world_size, dp, mode, depth = report.world_size, report.dp, report.mode, report.depth
+    folder = str(model_or_config) if isinstance(model_or_config, (str, os.PathLike)) and \
+        os.path.isdir(model_or_config) else None
+    cfg = copy.deepcopy(cfg)
+    if full:
+        if model is None:
+            n = _param_count(cfg, cls)
+            need = n * 4 * 6 * (world_size + 1)
+            have = _memory_bytes()
+            if have and need > have * 0.8:
+                return (f"--full needs about {need / 2**30:.1f} GiB for {world_size} ranks' dense and "
+                        f"sharded copies of {n / 1e6:,.0f}M parameters; this machine has "
+                        f"{have / 2**30:.1f} GiB: run without --full (a shrunk copy)")
+    else:
+        from .planning.shrink import shrink
+
+        small = shrink(cfg, pol)
+        report.shrunk = [tuple(c) for c in small.changes]
+        cfg = small.config
+        model = None        # rebuilt from the shrunk config on every rank
+        folder = None
+    report.shrunk += [tuple(c) for c in _no_dropout(cfg)]      # cfg is verify's own copy
+    seq_split = pol.seq_split()
+    seq = -(-max(seq_len, 2) // seq_split) * seq_split
+    if batch_size is None:          # at least two rows per replica: one of them left-padded
+        from .planning.validate import smallest_batch
+
+        batch_size, report.batch_note = smallest_batch(pol, dp, rows=2)
+    report.batch = (batch_size, seq)
+    fn = str(model_or_config) if full and model is not None and isinstance(model_or_config, (str, os.PathLike)) \
+        else None
+    job = {"config": cfg, "cls": cls, "fn": fn, "folder": folder if full and _has_weights(folder) else None,
+           "seed": seed, "dtype": dtype, "batch": batch_size, "seq": seq, "dp": dp, "mode": mode, "depth": depth,
+           "setup": setup, "pg_timeout": max(60.0, timeout / 2)}
+    if model is not None and full and fn is None:
+        job["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return job
+
+
+def _rank_error(report: VerifyReport, errors: list, refuse, t0: float) -> VerifyReport:
+    """The report of a run where ranks failed: the most telling error (refused, then a
+    mismatch, a crash, a lost rank; the lowest rank of that kind)."""
+    real = [e for e in errors if e[1]["kind"] != "lost"] or errors
+    r, e = min(real, key=lambda x: ({"refused": 0, "mismatch": 1, "crash": 2, "lost": 3}[x[1]["kind"]], x[0]))
+    msg = f"{e['type']} on rank {r}: " + "\n".join(e["message"].splitlines()[:6])
+    report.seconds = time.perf_counter() - t0
+    if e["kind"] == "refused":
+        return refuse(msg)
+    report.verdict, report.exit_code = "mismatch", MISMATCH
+    report.reason = msg + ("" if e["kind"] == "mismatch" else "\n" + e["traceback"][-2000:])
+    report.first_node = e["node"]
+    return report
 
 
 def _fill(report: VerifyReport, payloads: list) -> None:
@@ -692,8 +729,8 @@ def _fill(report: VerifyReport, payloads: list) -> None:
 def _plan_here(job: dict, world: int):
     """The plan the ranks will make, made in this process from the model they build (its
     capture stored in the disk cache for rank 0): raises what shard() would raise."""
-    from .launch.capture_share import capture_cached
-    from .passes.pipeline import plan_captured
+    from .config import ShardConfig
+    from .launch.pipeline import PIPELINE, LaunchState
     from .policies import make_policy
 
     model = _build(job)
@@ -702,9 +739,10 @@ def _plan_here(job: dict, world: int):
     b, s, dp = job["batch"], job["seq"], job["dp"]
     local = {k: v[: b // dp] for k, v in _batch(model, b, s, dp).items()}
     pol = make_policy(job["mode"], world, job["depth"], dp)
-    cap = capture_cached(model, example_inputs=local)
     frozen = frozenset(n for n, t in model.named_parameters(remove_duplicate=False) if not t.requires_grad)
-    return plan_captured(cap, pol, batch_size=b, seq_len=s, frozen=frozen)
+    return PIPELINE.run(LaunchState(config=ShardConfig(), model=model, example_inputs=local, capture_with="cached",
+                                    policy=pol, frozen=frozen, batch_size=b, seq_len=s),
+                        "capture", "prepare", "plan").plan
 
 
 def _first_lines(e: BaseException, n: int = 8) -> str:

@@ -23,7 +23,7 @@ from .token_fold import fold_token_flattens
 from .propagate import propagate
 from .trace import trace
 
-__all__ = ["plan_captured", "prepare"]
+__all__ = ["plan_captured", "plan_prepared", "prepare"]
 
 
 def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> Captured:
@@ -48,24 +48,40 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,
                   gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None,
                   frozen: frozenset[str] | None = None) -> ShardingPlan:
-    """The finished plan of ``captured`` under ``policy``: specs, kernels and
+    """The finished plan of ``captured`` under ``policy``: :func:`prepare`, then
+    :func:`plan_prepared` (the search's form: each candidate prepares its own capture;
+    the launch pipeline, :mod:`autoshard.launch.pipeline`, prepares once and plans the result)."""
+    _check_cp_attention(policy)
+    _check_batch_dynamic(captured, policy)
+    return plan_prepared(prepare(captured, policy), policy, batch_size=batch_size, seq_len=seq_len,
+                         gather_outputs=gather_outputs, dropout=dropout, pinned=pinned, frozen=frozen)
+
+
+def plan_prepared(prepared: Captured, policy: Policy, *, batch_size: int, seq_len: int,
+                  gather_outputs: bool = True, dropout: str = "sharded", pinned: dict | None = None,
+                  frozen: frozenset[str] | None = None) -> ShardingPlan:
+    """The finished plan of ``prepared`` (what :func:`prepare` made of a capture under
+    ``policy``): specs, kernels and
     collectives (:func:`~autoshard.passes.propagate.propagate`) and the tensors each
     node saves for backward (:func:`~autoshard.passes.trace.trace`). ``pinned``: parameter
     layouts fixed beforehand, ``frozen``: the names of the parameters with ``requires_grad=False``
-    in the model (default: those of ``captured.module``; :func:`~autoshard.passes.propagate.propagate`).
+    in the model (default: those of ``prepared.module``; :func:`~autoshard.passes.propagate.propagate`).
     A policy's ``cp_attention="auto"`` is chosen before, by the cost model
     (:func:`autoshard.planning.search.choose_cp_attention`, which ``plan()`` and ``shard()`` call)."""
+    _check_cp_attention(policy)
+    _check_batch_dynamic(prepared, policy)
+    p = propagate(prepared, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
+                  dropout=dropout, pinned=pinned, frozen=frozen)
+    p = trace(p, prepared.module)
+    if policy.ep > 1:       # the experts over the dp (× cp) ranks: the mode's plan, then their split
+        p = plan_expert_parallel(p, prepared.module, policy.ep)
+    return p
+
+
+def _check_cp_attention(policy: Policy) -> None:
     if policy.cp > 1 and policy.cp_attention not in ("ring", "gather"):
         raise ValueError(f"cp_attention={policy.cp_attention!r} reaches the planner unresolved: choose it first "
                          f"(autoshard.planning.search.choose_cp_attention)")
-    _check_batch_dynamic(captured, policy)
-    captured = prepare(captured, policy)
-    p = propagate(captured, policy, batch_size=batch_size, seq_len=seq_len, gather_outputs=gather_outputs,
-                  dropout=dropout, pinned=pinned, frozen=frozen)
-    p = trace(p, captured.module)
-    if policy.ep > 1:       # the experts over the dp (× cp) ranks: the mode's plan, then their split
-        p = plan_expert_parallel(p, captured.module, policy.ep)
-    return p
 
 
 def _check_batch_dynamic(captured: Captured, policy: Policy) -> None:

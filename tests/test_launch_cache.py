@@ -19,7 +19,7 @@ def _launch(name: str, mode: str, inputs: dict, depth=None):
     """shard() of a fresh ``name`` model (same seed), one forward + backward: (module,
     logits, loss, grads, capture_shared calls)."""
     import autoshard
-    import autoshard.api as api
+    import autoshard.launch.pipeline as api      # its capture stage makes the shared capture
     from autoshard.launch import capture_share
 
     calls = []
@@ -76,7 +76,7 @@ def _twice(rank, world, name, mode, depth=None, drop_rank=None):
 def _key_of(name, inputs, mode, depth):
     import torch.distributed as dist
 
-    from autoshard import api
+    from autoshard.launch.pipeline import launch_key
     from autoshard.planning.cost import default_cluster
     from autoshard.policies import make_policy
 
@@ -86,8 +86,8 @@ def _key_of(name, inputs, mode, depth):
     else:
         pol = make_policy(mode, world, depth, 1)
         layout = dict(policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
-    return api._launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True,
-                           dropout="sharded", **layout)
+    return launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True,
+                      dropout="sharded", **layout)
 
 
 @pytest.mark.parametrize("name,mode,world", [("llama", "1d", 2), ("gpt2", "2d", 4), ("llama-v131", "1d-sp", 2),

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import autoshard
-from autoshard import api
+from autoshard.launch import pipeline
 from autoshard.cli import main
 from autoshard.ir.errors import AutoshardWarning
 from autoshard.ir.plan import WHOLE_LIMIT
@@ -107,7 +107,7 @@ def test_warning_names_the_largest_whole_weights(bloom):
     assert f"{f['vs_ideal']:.2f}× the 1d ideal" in report
     assert "self_attention.query_key_value.weight" in report and "`aten.select.int`" in report
     with pytest.warns(AutoshardWarning, match=r"held whole: transformer\.h\.\d\.self_attention\.query_key_value\.weight"):
-        api._warn_whole(bloom)
+        pipeline._warn_whole(bloom)
 
 
 def test_fully_split_model_does_not_warn(llama):
@@ -115,7 +115,7 @@ def test_fully_split_model_does_not_warn(llama):
     assert llama.parallel_fraction()["vs_ideal"] <= WHOLE_LIMIT and llama.whole_report() == ""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        api._warn_whole(llama)
+        pipeline._warn_whole(llama)
 
 
 def test_check_shows_the_warning(tmp_path, capsys):

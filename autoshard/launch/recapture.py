@@ -28,12 +28,9 @@ import torch
 
 from ..io.builder import Built, build_meta
 from ..ir.errors import ConfigError
-from ..runtime.groups import plan_groups
 from ..io.hf_fill import fill_buffers, set_param
 from ..ir.log import logger
-from .capture_share import capture_shared
-from ..passes.pipeline import plan_captured, prepare
-from ..passes.rewrite import rewrite
+from .pipeline import PIPELINE, recipe_state
 from ..ir.signature import InputSignature, SignatureGraph, batch_inputs, pad_blocker, seq_of
 
 __all__ = ["capture_graph", "meta_example", "rewrite_bound"]
@@ -66,9 +63,11 @@ def rewrite_bound(module, cap, p, built):
     buffers the module's or, where the module has none, the values ``built`` holds.
     Collective where ``p`` needs a process group the module did not."""
     held = module.plan.params_by_name()
-    groups = plan_groups(p, module.rank)
-    module.groups.update(groups)
-    gm = rewrite(cap.module, p, rank=module.rank, groups=groups)
+    state = PIPELINE.run(recipe_state(module.recipe, prepared=cap, plan=p, rank=module.rank,
+                                      batch_size=module.recipe.batch_size, seq_len=module.recipe.seq_len),
+                         "groups", "rewrite")
+    module.groups.update(state.groups)
+    gm = state.gm
     own = module.graph_module()
     for pp in p.params:
         name = next(n for n in (pp.name, *pp.aliases) if n in held)
@@ -100,11 +99,11 @@ def capture_graph(module, kwargs: dict, *, batch: int | None = None):
         example = meta_example(kwargs, seq=seq, batch=batch or (3 if seq == 2 else 2))
     else:
         example = meta_example(kwargs, max_seq=lim[1] if lim else None, batch=batch or 2)
-    cap = capture_shared(built.model, example_inputs=example)     # collective: every rank makes this call
-    cap = prepare(cap, r.policy)
-    p = plan_captured(cap, r.policy, batch_size=r.batch_size, seq_len=r.seq_len, gather_outputs=r.gather_outputs,
-                      dropout=r.dropout, frozen=frozenset(n for pp in module.plan.params if not pp.trainable
-                                                          for n in (pp.name, *pp.aliases)))
+    frozen = frozenset(n for pp in module.plan.params if not pp.trainable for n in (pp.name, *pp.aliases))
+    state = PIPELINE.run(recipe_state(r, model=built.model, example_inputs=example, frozen=frozen,
+                                      batch_size=r.batch_size, seq_len=r.seq_len),
+                         "capture", "prepare", "plan")     # collective: every rank makes the shared capture
+    cap, p = state.prepared, state.plan
     sig = InputSignature.of(example).describe()
     held = module.plan.params_by_name()
     for pp in p.params:

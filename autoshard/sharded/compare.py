@@ -51,14 +51,13 @@ def compare(sharded, dense_model: nn.Module, batch: dict, *, atol: float = 1e-5,
     Collective: every rank calls it."""
     import torch.distributed as dist
 
-    from ..launch.capture_share import capture_shared
-    from ..passes.pipeline import prepare
+    from ..launch.pipeline import PIPELINE, layout_state
     from ..policies import POLICIES
     from ..runtime.compare import Comparison, merge, record
 
     kwargs = {k: v for k, v in batch.items() if v is not None}
-    cap = capture_shared(dense_model, example_inputs=kwargs)
-    prepared = prepare(cap, POLICIES[sharded.plan.mode](sharded.plan.mesh))
+    prepared = PIPELINE.run(layout_state(POLICIES[sharded.plan.mode](sharded.plan.mesh), model=dense_model,
+                                         example_inputs=kwargs), "capture", "prepare").prepared
     dev = next((p.device for p in dense_model.parameters()), torch.device("cpu"))
     with torch.no_grad():
         values = record(prepared.module, {k: v for k, v in {**on_device(kwargs, dev), **prepared.constants}.items()

@@ -32,7 +32,7 @@ SAMPLE = ("llama", "gpt2", "bert", "mixtral", "t5")     # the cells `make test` 
 def _launch(name: str, mode: str, inputs: dict):
     """``shard()`` of a fresh ``name`` model as a new process would: (module, captures made)."""
     import autoshard
-    import autoshard.api as api
+    import autoshard.launch.pipeline as api      # its capture stage makes the shared capture
     from autoshard.launch import capture_share
 
     calls = []
@@ -50,14 +50,14 @@ def _entry_path(name: str, mode: str, inputs: dict) -> Path:
     """This rank's launch-cache entry for the launches :func:`_launch` makes."""
     import torch.distributed as dist
 
-    from autoshard import api
     from autoshard.launch import cache_dir
+    from autoshard.launch.pipeline import launch_key
     from autoshard.policies import make_policy
 
     world = dist.get_world_size()
     pol = make_policy(mode, world, None, 1)
-    key = api._launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True, dropout="sharded",
-                          policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
+    key = launch_key(models.build(name), inputs, world, dist.get_rank(), gather_logits=True, dropout="sharded",
+                      policy=type(pol).__qualname__, mesh=(pol.mesh.axes, pol.mesh.sizes))
     return cache_dir.folder("launch") / f"{key}.bin"
 
 
