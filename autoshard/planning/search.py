@@ -332,19 +332,22 @@ def _weighted(costs: list[CostEstimate], weights: list[int], fallbacks: int) -> 
 
 class _Rungs:
     """A stamped capture's shallow graphs with their weights (:meth:`~autoshard.passes.stamp.Shallow.rungs`),
-    and the same with their token flattens folded once for every cp candidate: ``prepare()``
-    then finds nothing to fold instead of copying the graph per candidate."""
+    each prepared once per layout that changes it (:meth:`prepared`): candidates that fold,
+    pad the vocabulary and pad widths alike share one prepared graph, and ``prepare()``
+    inside :func:`~autoshard.passes.pipeline.plan_captured` then finds nothing to do
+    (it returns a prepared capture itself) instead of padding it again per candidate."""
 
     def __init__(self, rungs: list) -> None:
-        self.rungs, self._folded = rungs, None
+        self.rungs, self._prepared = rungs, {}
 
-    def folded(self) -> list:
-        from ..passes.linear_fold import fold_transposed_weights
-        from ..passes.token_fold import fold_token_flattens
+    def prepared(self, pol) -> list:
+        """The rungs as :func:`~autoshard.passes.pipeline.prepare` makes them for ``pol``."""
+        from ..passes.pipeline import prepare
 
-        if self._folded is None:
-            self._folded = [(fold_token_flattens(fold_transposed_weights(c)), w) for c, w in self.rungs]
-        return self._folded
+        key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple())
+        if key not in self._prepared:
+            self._prepared[key] = [(prepare(c, pol), w) for c, w in self.rungs]
+        return self._prepared[key]
 
 
 def _price(cap, rungs: _Rungs | None, pol, *, batch_size: int, seq_len: int, estimate_kw: dict):
@@ -357,7 +360,7 @@ def _price(cap, rungs: _Rungs | None, pol, *, batch_size: int, seq_len: int, est
     if rungs is None:
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
         return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
-    rungs = rungs.folded() if pol.cp > 1 else rungs.rungs
+    rungs = rungs.prepared(pol)
     plans = [plan_captured(c, pol, batch_size=batch_size, seq_len=seq_len) for c, _ in rungs]
     weights = [w for _, w in rungs]
     fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
