@@ -260,6 +260,46 @@ def test_plan_shows_the_all_to_alls():
     assert all(collective_time(c, p.mesh, CLUSTERS["dgx-a100"])[0] > 0 for c in a2a)
 
 
+def _ep_remat(rank, world, dp, ep):
+    from autoshard.runtime.collectives import CommLedger
+
+    torch.set_num_threads(1)
+    tp = world // dp
+    dense = models.build("mixtral")
+    inputs = models.batch("mixtral", b=4 * dp)
+    rows = slice((rank // tp) * 4, (rank // tp + 1) * 4)
+    local = {k: v[rows] for k, v in inputs.items()}
+    out_d = dense(**inputs)
+    out_d.loss.backward()
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=dp, ep=ep, example_inputs=local,
+                              activation_checkpointing=True)
+    blocks = sum(1 for n, _ in sharded.graph_module().named_children() if n.startswith("_remat_"))
+    with CommLedger() as led:
+        out = sharded(**local)
+        out.loss.backward()
+    failures = []
+    cmp = models.comparer(failures)
+    cmp("loss", out.loss, out_d.loss)
+    cmp("logits", out.logits, out_d.logits[rows])
+    models.compare_local_grads(cmp, failures, sharded.plan, sharded, dense, rank)
+    a2a = [c for c in sharded.plan.comms() if c.kind == "all_to_all"]
+    return {"failures": failures, "blocks": blocks, "a2a": sum(c.kind == "all_to_all" for c in led.calls),
+            "plan_a2a": len(a2a), "plan_a2a_fwd": sum(c.phase == "fwd" for c in a2a)}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("dp,ep", [(2, 2), (4, 2)])
+def test_ep_with_activation_checkpointing(dp, ep):
+    """activation_checkpointing=True with ep (4 ranks: tp2 × dp2 at ep=2, tp1 × dp4 at ep=2):
+    each decoder layer recomputes in backward, its dispatch and combine with it (the ledger
+    holds the plan's all-to-alls plus the forward ones once more), and the loss, logits and
+    every local gradient equal dense's."""
+    for rank, r in enumerate(get_pool(4, timeout=600).run(_ep_remat, dp, ep)):
+        assert r["failures"] == [], (rank, r["failures"][:6])
+        assert r["blocks"] == 2, r
+        assert r["a2a"] == r["plan_a2a"] + r["plan_a2a_fwd"], r
+
+
 def test_plan_ep_below_dp():
     """ep=2 of dp=4 (tp1): each expert weight is written as 2 blocks of 2 experts held in 2
     copies each (E · 2 rows split 4 ways: a rank holds 2 experts), its gradient summed over
