@@ -300,6 +300,39 @@ def test_ep_with_activation_checkpointing(dp, ep):
         assert r["a2a"] == r["plan_a2a"] + r["plan_a2a_fwd"], r
 
 
+def _ep_lora(rank, world):
+    import peft
+
+    torch.set_num_threads(1)
+    dense = peft.get_peft_model(models.build("mixtral"), peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                                        target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():       # non-zero B: the adapters change the output (and the experts' inputs)
+        torch.manual_seed(1)
+        for n, p in dense.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    dense.train()
+    res, sharded, _ = models.check_trainable(
+        rank, world, dense, copy.deepcopy(dense), models.batch("mixtral", b=8), mode="1d", dp=2, ep=2,
+        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)))
+    res["experts"] = [(pp.spec.dims[0], pp.trainable) for pp in sharded.plan.params if ".experts." in pp.name]
+    res["a2a"] = len([c for c in sharded.plan.comms() if c.kind == "all_to_all"])
+    return res
+
+
+@pytest.mark.extended
+def test_ep_with_lora():
+    """shard(peft model) with ep=2 (tp2 × dp2): LoRA on the attention's q and v, the experts
+    frozen and split over dp: the rows still travel both ways (their gradient flows to the
+    adapters below), and the loss, logits and every adapter's local gradient equal dense
+    peft's; the frozen experts get no gradient and no sync; the ledger holds the plan's calls."""
+    for rank, r in enumerate(get_pool(4, timeout=600).run(_ep_lora)):
+        assert r["failures"] == [], (rank, r["failures"][:6])
+        assert r["experts"] and all(e == (("dp",), False) for e in r["experts"]), r["experts"]
+        assert r["a2a"] == 2 * 5 and r["ledger"]["fwd"][0] == r["plan"]["fwd"][0], r
+        assert r["ledger"]["bwd"][0] == r["plan"]["bwd"][0], r
+
+
 def test_plan_ep_below_dp():
     """ep=2 of dp=4 (tp1): each expert weight is written as 2 blocks of 2 experts held in 2
     copies each (E · 2 rows split 4 ways: a rank holds 2 experts), its gradient summed over
