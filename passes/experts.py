@@ -267,95 +267,115 @@ def _needs_grad(n: fx.Node, trainable: set[str], memo: dict) -> bool:
     return memo[n]
 
 
+def _row_bytes(plan, nodes: dict, seg: ExpertSegment, n: fx.Node) -> int:
+    """A row's local bytes where ``seg`` takes ``n`` (or gives it out, an exit): its spec after
+    the re-layout steps its first consumer in the segment puts on it (the rows move after them)."""
+    from autoshard.ir.argpath import get_arg
+    from autoshard.ir.spec import ShardSpec
+
+    v = n.meta["val"]
+    np_ = nodes.get(n.name)
+    spec = np_.out_spec if np_ is not None and isinstance(np_.out_spec, ShardSpec) else None
+    if spec is None:
+        return math.prod(v.shape[1:]) * v.element_size() if n.op != "call_function" else \
+            math.prod(np_.local_shape[1:]) * v.element_size()
+    user = next((u for u in seg.nodes if n in u.all_input_nodes), None)     # None: an exit
+    for path, steps in nodes[user.name].arg_steps if user is not None else ():
+        if get_arg(user, path) is n:
+            for st in steps:
+                spec = st.effect(spec, tuple(v.shape), plan.mesh, v.element_size(), False)[1]
+    local = [s // plan.mesh.size(d) if d else s for s, d in zip(v.shape, spec.dims)]
+    return math.prod(local[1:]) * v.element_size()
+
+
+def _split_experts(p, axes: tuple[str, ...], ep: int, size: int):
+    """An expert weight's plan cut on its expert dim over ``axes`` (``size`` ranks) for ``ep``
+    ranks, its gradient sync over ``axes`` dropped. Where ``copies = size / ep > 1``, each
+    block of ``E / ep`` experts is held by ``copies`` consecutive ranks along ``axes``: the
+    padded-copies layout of docs/design.md, "Uneven widths" (the ``ep`` blocks each repeated
+    ``copies`` times, ``E · copies`` rows split ``size`` ways), whose gradients the copies'
+    all-reduce sums (:meth:`~autoshard.ir.plan.ShardingPlan.copy_sync_comms`)."""
+    from autoshard.ir.errors import ShardingError
+
+    if p.spec.dims[0]:
+        raise ShardingError(f"expert parallelism: the expert dim of `{p.name}` is already split over "
+                            f"{p.spec.dims[0]}; valid here: ep=1")
+    spec, sync, copies = p.spec.with_dim(0, axes), tuple(a for a in p.grad_sync if a not in axes), size // ep
+    if copies == 1:
+        return dataclasses.replace(p, spec=spec, grad_sync=sync)
+    if p.dense_shape:
+        raise ShardingError(f"expert parallelism: `{p.name}` is padded already ({p.dense_shape} -> "
+                            f"{p.global_shape}); valid here: ep={size} or ep=1")
+    return dataclasses.replace(p, spec=spec, grad_sync=sync, global_shape=(p.global_shape[0] * copies,
+                               *p.global_shape[1:]), dense_shape=tuple(p.global_shape), pad_segments=ep,
+                               pad_copies=copies)
+
+
 def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
-    """``plan`` with its experts cut over ``ep`` ranks (:func:`ep_axes`): each expert
-    weight split on its expert dim (a rank holds ``E / ep`` experts, each as the TP
-    layout keeps it), its gradient no longer summed over those axes (the rows of every
-    rank of the group reach the experts' owner: its gradient is already the sum), and the
+    """``plan`` with its experts cut over ``ep`` ranks of :func:`ep_axes` (``ep`` divides
+    their size; :func:`_split_experts`): each expert weight split on its expert dim (a rank holds
+    ``E / ep`` experts, each as the TP layout keeps it), its gradient no longer summed over
+    those axes (the rows of every rank of the ep group reach the experts' owner: its
+    gradient is already their sum; the copies' all-reduce adds the other groups'), and the
     all-to-alls on the nodes that run them, at their expected bytes under uniform routing
     (a row leaves its rank with probability ``(ep-1)/ep``).
 
     Raises:
-        ConfigError: ``ep`` is not the size of the plan's data-parallel (× context-parallel)
-            axes, the model has no grouped expert matmul, or ``ep`` does not divide the
+        ConfigError: ``ep`` does not divide the plan's data-parallel (× context-parallel)
+            ranks, the model has no grouped expert matmul, or ``ep`` does not divide the
             experts; the message names the valid choices.
         ShardingError: an expert segment's rows are not split over those axes.
     """
-    from autoshard.ir.argpath import get_arg
     from autoshard.ir.errors import ConfigError, ShardingError
     from autoshard.ir.plan import Comm
-    from autoshard.ir.spec import ShardSpec
 
     axes = ep_axes(plan.mesh)
     size = plan.mesh.size(axes) if axes else 1
-    if ep != size:
+    if size % ep:
         raise ConfigError(f"ep={ep}: expert parallelism runs over the data-parallel (× context-parallel) ranks, "
-                          f"{size} here ({plan.mesh}); valid ep: 1, {size}")
+                          f"{size} here ({plan.mesh}); valid ep: {[d for d in range(1, size + 1) if size % d == 0]}")
     segs = expert_segments(gm)
     if not segs:
         raise ConfigError(f"ep={ep}: the model has no grouped expert matmul (a mixture-of-experts layer) to "
                           f"spread over ranks; valid ep: 1")
-    params = {p.name: p for p in plan.params}
-    nodes = {n.name: n for n in plan.nodes}
+    orig, nodes = {p.name: p for p in plan.params}, {n.name: n for n in plan.nodes}
+    params = dict(orig)
     trainable = {p.name for p in plan.params if p.trainable and not p.is_buffer}
     memo: dict = {}
-    new_params, new_nodes = {}, {}
     for seg in segs:
         e = seg.num_experts
         if e % ep:
             raise ConfigError(f"ep={ep} does not divide the {e} experts of `{seg.grouped[0].name}`; valid ep: "
                               f"{[d for d in range(1, e + 1) if e % d == 0 and size % d == 0]}")
         first = nodes[seg.grouped[0].name]
-        spec = first.out_spec
-        if tuple(spec.dims[0]) != axes:
+        if tuple(first.out_spec.dims[0]) != axes:
             raise ShardingError(f"expert parallelism over {axes}: the token rows of `{first.name}` are split over "
-                                f"{spec.dims[0]}, not over the ep ranks; valid here: ep=1", node=seg.grouped[0])
+                                f"{first.out_spec.dims[0]}, not over the ep ranks; valid here: ep=1",
+                                node=seg.grouped[0])
         rows = first.local_shape[0]
 
-        def row_bytes(n: fx.Node) -> int:
-            """A row's local bytes where the segment takes ``n`` (or gives it out, an exit): its
-            spec after the re-layout steps its first consumer in the segment puts on it (the
-            rows move after them)."""
-            v = n.meta["val"]
-            np_ = nodes.get(n.name)
-            spec = np_.out_spec if np_ is not None and isinstance(np_.out_spec, ShardSpec) else None
-            if spec is None:
-                return math.prod(v.shape[1:]) * v.element_size() if n.op != "call_function" else \
-                    math.prod(np_.local_shape[1:]) * v.element_size()
-            user = next((u for u in seg.nodes if n in u.all_input_nodes), None)     # None: an exit
-            for path, steps in nodes[user.name].arg_steps if user is not None else ():
-                if get_arg(user, path) is n:
-                    for st in steps:
-                        spec = st.effect(spec, tuple(v.shape), plan.mesh, v.element_size(), False)[1]
-            local = [s // plan.mesh.size(d) if d else s for s, d in zip(v.shape, spec.dims)]
-            return math.prod(local[1:]) * v.element_size()
-
-        def a2a(phase, nbytes):
+        def a2a(phase, v):
             return Comm(phase=phase, kind="all_to_all", axes=axes, group_size=ep,
-                        buffer_bytes=int(round(rows * (ep - 1) / ep * nbytes)))
+                        buffer_bytes=int(round(rows * (ep - 1) / ep * _row_bytes(plan, nodes, seg, v))))
+
+        def both(v):
+            return [a2a("fwd", v)] + ([a2a("bwd", v)] if _needs_grad(v, trainable, memo) else [])
 
         counts = Comm(phase="fwd", kind="all_to_all", axes=axes, group_size=ep, buffer_bytes=(ep - 1) * (e // ep) * 8)
-        out = [counts] + [a2a("fwd", row_bytes(v)) for v in seg.rows] + \
-            [a2a("bwd", row_bytes(v)) for v in seg.rows if _needs_grad(v, trainable, memo)]
+        out = [counts] + [a2a("fwd", v) for v in seg.rows] + [a2a("bwd", v) for v in seg.rows
+                                                             if _needs_grad(v, trainable, memo)]
         nodes[first.name] = dataclasses.replace(first, comms=first.comms + tuple(out), notes=first.notes + (
             f"expert parallelism: {e // ep} of {e} experts per rank; token rows dispatched to them by all-to-all "
-            f"over {','.join(axes)}",))
+            f"over {','.join(axes)}" + (f" (groups of {ep})" if ep < size else ""),))
         for x in seg.exits:
-            back = [a2a("fwd", row_bytes(x))] + ([a2a("bwd", row_bytes(x))] if _needs_grad(x, trainable, memo) else [])
-            nodes[x.name] = dataclasses.replace(nodes[x.name], comms=nodes[x.name].comms + tuple(back))
+            nodes[x.name] = dataclasses.replace(nodes[x.name], comms=nodes[x.name].comms + tuple(both(x)))
         for g in seg.grouped:
-            np_ = nodes[g.name]
-            nodes[g.name] = dataclasses.replace(np_, weight=f"{np_.weight} · experts / {ep}",
-                                                param_bytes=np_.param_bytes // ep)
+            nodes[g.name] = dataclasses.replace(nodes[g.name], weight=f"{nodes[g.name].weight} · experts / {ep}",
+                                                param_bytes=nodes[g.name].param_bytes // ep)
         for name in seg.weights:
-            p = params[name]
-            if p.spec.dims[0]:
-                raise ShardingError(f"expert parallelism: the expert dim of `{name}` is already split over "
-                                    f"{p.spec.dims[0]}; valid here: ep=1")
-            new_params[name] = dataclasses.replace(
-                p, spec=p.spec.with_dim(0, axes), grad_sync=tuple(a for a in p.grad_sync if a not in axes))
+            params[name] = _split_experts(orig[name], axes, ep, size)
     return dataclasses.replace(plan, nodes=tuple(nodes[n.name] for n in plan.nodes),
-                               params=tuple(new_params.get(p.name, p) for p in plan.params))
+                               params=tuple(params[p.name] for p in plan.params))
 
 
 def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
@@ -365,9 +385,11 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
     dispatched (:func:`~autoshard.runtime.experts.ep_dispatch`), the grouped matmuls on the
     local group offsets, and each value leaving the segment combined back
     (:func:`~autoshard.runtime.experts.ep_combine`)."""
+    import torch.distributed as dist
+
     from autoshard.runtime import experts as X
     from autoshard.runtime import selfcheck
-    from autoshard.runtime.groups import axes_label
+    from autoshard.runtime.groups import axes_label, stride_group
 
     params = plan.params_by_name()
     split = {n.args[1].target for n in gm.graph.nodes if n.target is grouped_linear and
@@ -383,7 +405,9 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
             continue
         if len(axes) != 1:
             raise ValueError(f"the experts of `{seg.grouped[0].name}` are split over different axes: {axes}")
-        group = groups[axes_label(axes.pop())]
+        axes = axes.pop()
+        copies = max(params[w].pad_copies for w in seg.weights)     # > 1: ep < size(axes), see _split_experts
+        group = groups[axes_label(axes)] if copies <= 1 else stride_group(plan.mesh, axes, copies, dist.get_rank())
         inside = set(seg.nodes)
         with g.inserting_before(seg.nodes[0]):
             route = g.call_function(X.ep_route, (seg.offs, group))

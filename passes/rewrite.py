@@ -36,9 +36,12 @@ def slice_params(gm: fx.GraphModule, plan: ShardingPlan, mesh: Mesh, rank: int) 
     ``trainable`` says (the model's flag at planning time, whatever module ``gm`` was captured from)."""
     for pp in plan.params:
         full = gm.get_parameter(pp.name)
-        local = nn.Parameter(pp.spec.local(full.detach(), mesh, rank), requires_grad=pp.trainable) \
+        # a tensor the graph holds at its Hugging Face shape and the plan pads (experts held in
+        # copies: docs/design.md, "Expert parallelism") is padded first; a padded width is already
+        local = nn.Parameter(pp.spec.local(pp.pad(full.detach()), mesh, rank), requires_grad=pp.trainable) \
             if full.device.type != "meta" else nn.Parameter(
-                torch.empty(pp.spec.local_shape(full.shape, mesh), dtype=full.dtype, device="meta"),
+                torch.empty(pp.spec.local_shape(pp.global_shape if tuple(full.shape) == pp.hf_shape else full.shape,
+                                                mesh), dtype=full.dtype, device="meta"),
                 requires_grad=pp.trainable)
         for name in (pp.name,) + pp.aliases:
             mod_path, _, attr = name.rpartition(".")

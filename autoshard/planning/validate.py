@@ -366,13 +366,14 @@ def check_min_seq(seq: int, plan, *, source: str) -> list[Problem]:
 
 def check_ep(ep, *, mode: str, dp: int, cp: int, fsdp: bool = False) -> list[Problem]:
     """Expert parallelism's size against the layout, before any collective: an integer
-    ``>= 1``; above 1, ``mode="1d"`` (the one mode it composes with today), the size of
-    the data-parallel × context-parallel ranks it borrows (``ep`` must divide ``dp·cp``;
-    a part of them is not implemented yet), without FSDP (docs/design.md, "Expert parallelism").
+    ``>= 1``; above 1, ``mode="1d"`` (the one mode it composes with today), a divisor of
+    the data-parallel × context-parallel ranks it borrows (below their number, each block
+    of experts is held by ``dp·cp / ep`` of them), without FSDP (docs/design.md, "Expert
+    parallelism").
 
     >>> [p.message for p in check_ep(3, mode="1d", dp=4, cp=1)]
-    ['ep=3 must divide dp × cp = 4 (the ranks expert parallelism borrows); valid ep: 1, 4']
-    >>> check_ep(2, mode="1d", dp=2, cp=1)
+    ['ep=3 must divide dp × cp = 4 (the ranks expert parallelism borrows); valid ep: 1, 2, 4']
+    >>> check_ep(2, mode="1d", dp=4, cp=1)
     []
     """
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -380,14 +381,11 @@ def check_ep(ep, *, mode: str, dp: int, cp: int, fsdp: bool = False) -> list[Pro
     if ep == 1:
         return []
     n = dp * cp
-    valid = "1" if n == 1 else f"1, {n}"
     out = []
     if n % ep:
+        valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         out.append(Problem("ep", f"ep={ep} must divide dp × cp = {n} (the ranks expert parallelism borrows); "
                                  f"valid ep: {valid}"))
-    elif ep != n:
-        out.append(Problem("ep", f"ep={ep}: a part of the dp × cp = {n} ranks is not implemented yet (expert "
-                                 f"gradients then summed over the dp/ep ranks holding the same experts); valid ep: {valid}"))
     if mode != "1d":
         out.append(Problem("ep", f"ep={ep} composes with mode='1d' only today, got mode={mode!r}; valid: mode='1d' or ep=1"))
     if fsdp:

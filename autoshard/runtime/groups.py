@@ -12,7 +12,7 @@ from . import collectives as C
 from .device import comm_device
 from .timeout import timeout_seconds
 
-__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group", "copy_group", "copy_sync_hooks"]
+__all__ = ["mesh_group", "axes_label", "group_alias", "plan_groups", "ranks_group", "copy_group", "stride_group", "copy_sync_hooks"]
 
 
 def axes_label(axes) -> str:
@@ -118,13 +118,25 @@ def copy_group(mesh: Mesh, axes: tuple[str, ...], size: int, rank: int) -> str:
     """The name of this rank's group of ``size`` consecutive ranks along ``axes`` (the
     ranks holding copies of one kv head: docs/design.md, "Uneven widths"), every such
     group created once, collectively, in a rank-independent order."""
-    key = (id(dist.group.WORLD), mesh, axes, "copies", size)
+    return _sub_group(mesh, axes, f"copies{size}", lambda r: [r[i:i + size] for i in range(0, len(r), size)], rank)
+
+
+def stride_group(mesh: Mesh, axes: tuple[str, ...], stride: int, rank: int) -> str:
+    """The name of this rank's group of the ranks ``stride`` apart along ``axes`` (an
+    expert-parallel group of ``size(axes) / stride`` ranks, one per block of experts, where
+    ``stride`` consecutive ranks hold copies of each block: docs/design.md, "Expert
+    parallelism"), every such group created once, collectively, in a rank-independent order."""
+    return _sub_group(mesh, axes, f"stride{stride}", lambda r: [r[i::stride] for i in range(stride)], rank)
+
+
+def _sub_group(mesh: Mesh, axes: tuple[str, ...], kind: str, parts, rank: int) -> str:
+    """The alias of this rank's group among ``parts(ranks)`` of each group over ``axes``."""
+    key = (id(dist.group.WORLD), mesh, axes, kind)
     if key not in _GROUPS:
-        alias = f"{group_alias(mesh, axes)}/copies{size}"
+        alias = f"{group_alias(mesh, axes)}/{kind}"
         for ranks in mesh.all_groups(axes):
-            for i in range(0, len(ranks), size):
-                sub = list(ranks[i:i + size])
-                pg = dist.new_group(sub, group_desc=f"{axes_label(axes)}/copies{size}", sort_ranks=False,
+            for sub in parts(tuple(ranks)):
+                pg = dist.new_group(list(sub), group_desc=f"{axes_label(axes)}/{kind}", sort_ranks=False,
                                     timeout=datetime.timedelta(seconds=timeout_seconds()))
                 if rank in sub:
                     _register_alias(alias, pg)
