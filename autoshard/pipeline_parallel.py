@@ -65,7 +65,8 @@ class StageInfo:
     seconds: float              # forward + backward compute and collectives, at the planned batch
     carried_in: int             # tensors received from the stage before
     carried_bytes: int = 0      # their bytes per rank and micro-batch (at the planned batch)
-    grad_bytes: int = 0         # the bytes of their gradients sent back (the floating ones)
+    grad_bytes: int = 0         # the bytes of their gradients sent back (those that need one)
+    grad_in: int = 0            # how many of them have a gradient sent back
 
 
 def stage_ranks(schedule: str, pp: int) -> list[int]:
@@ -368,10 +369,10 @@ def _stage_infos(p: ShardingPlan, stages: list[Stage], owners, keys, starts, cos
         for name, val in zip(st.carried_in, _carried_values(st)):
             nbytes = _local_bytes(p, name, val)
             fwd += nbytes
-            grad += nbytes if val is None or val.is_floating_point() else 0
+            grad += nbytes if name in st.grad_in else 0
         out.append(StageInfo(index=st.index, pp_rank=owners[st.index], blocks=tuple(keys[lo:hi]), param_bytes=pbytes,
                              activation_bytes=int(acts), seconds=secs, carried_in=len(st.carried_in),
-                             carried_bytes=fwd, grad_bytes=grad))
+                             carried_bytes=fwd, grad_bytes=grad, grad_in=len(st.grad_in)))
     return tuple(out)
 
 
@@ -628,12 +629,12 @@ class PipelinedModule(nn.Module):
         for s in range(n):
             here = self.owners[s] == self.pp_rank
             if here and s and self.owners[s - 1] != self.pp_rank:
-                carried = _recv_tensors(self.peer_rank(s - 1), pg, self.device)
+                carried = _recv_tensors(self.peer_rank(s - 1), self.group_name(("pp",)), self.device)
             if here:
                 out = self._runners[s](*carried, **batch)
                 carried = out
                 if s + 1 < n and self.owners[s + 1] != self.pp_rank:
-                    _send_tensors(carried, self.peer_rank(s + 1), pg)
+                    _send_tensors(carried, self.peer_rank(s + 1), self.group_name(("pp",)))
         last = self.peer_rank(n - 1)
         obj = [tuple(t.cpu() for t in out) if self.rank == last else None]
         dist.broadcast_object_list(obj, src=last, group=pg)
@@ -842,20 +843,20 @@ def _spec_axes(spec, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axes if a in spec.axes)
 
 
-def _send_tensors(ts: tuple, dst: int, pg) -> None:
-    """Point-to-point: the tensors' shapes and dtypes, then the tensors."""
+def _send_tensors(ts: tuple, dst: int, group: str) -> None:
+    """Point-to-point: the tensors' shapes and dtypes, then the tensors (counted by the ledger)."""
     meta = [(tuple(t.shape), t.dtype) for t in ts]
-    dist.send_object_list([meta], dst=dst, group=pg)
+    dist.send_object_list([meta], dst=dst, group=C._pg(group))
     for t in ts:
-        dist.send(t.contiguous(), dst=dst, group=pg)
+        C.send(t, dst, group)
 
 
-def _recv_tensors(src: int, pg, device) -> tuple:
+def _recv_tensors(src: int, group: str, device) -> tuple:
     obj = [None]
-    dist.recv_object_list(obj, src=src, group=pg)
+    dist.recv_object_list(obj, src=src, group=C._pg(group))
     out = []
     for shape, dtype in obj[0]:
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src, group=pg)
+        C.recv(t, src, group)
         out.append(t)
     return tuple(out)
