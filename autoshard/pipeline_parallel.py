@@ -40,7 +40,7 @@ from .ir.kernels import Dropout
 from .ir.mesh import Mesh
 from .ir.plan import ShardingPlan
 from .ir.signature import batch_of, seq_of
-from .passes.stages import Stage, balance, blocks_in_order, cut
+from .passes.stages import Stage, balance, blocks_in_order, checkpoint_stages, cut
 from .planning.validate import Problem, check_dims, check_example_inputs, check_model, raise_problems
 from .runtime import collectives as C
 from .runtime import parallel_ops
@@ -107,8 +107,7 @@ def check_pipeline(*, pp, schedule, world: int, mode: str, config=None, fsdp: bo
     if mode == "auto" and not auto:
         out.append(Problem("mode", "mode='auto' with pp > 1 is searched by shard() only; here name the mode: "
                                    "'1d', '1d-sp', '2d', '2.5d' or '3d'"))
-    for flag, name in ((fsdp, "fsdp=True"), (activation_checkpointing, "activation_checkpointing=True"),
-                       (weights is not None, "weights= (or a folder path)")):
+    for flag, name in ((fsdp, "fsdp=True"), (weights is not None, "weights= (or a folder path)")):
         if flag:
             out.append(Problem("pp", f"{name} is not built with pp > 1 yet; valid: pp=1, or leave it out"))
     n = _layers(config)
@@ -201,6 +200,8 @@ def shard_pipelined(model: nn.Module, *, mode: str, pp: int, schedule: str | Non
     starts = balance(costs, len(owners), head, tail, **_block_memory(p, keys, pp, cluster))
     stages = cut(gm, [keys[i] for i in starts[1:]])
     infos = _stage_infos(p, stages, owners, keys, starts, costs, head, tail)
+    if activation_checkpointing:        # after the infos: they read the stages' carried placeholders
+        checkpoint_stages(stages)
     return PipelinedModule(stages, infos, p, mesh=mesh, rank=rank, groups=groups, schedule=schedule,
                            captured=cap, model=model, device=device)
 

@@ -39,9 +39,9 @@ from torch import fx
 
 from autoshard.ir.errors import ConfigError, ShardingError
 
-from .remat import block_key, block_segments
+from .remat import block_key, block_segments, checkpoint_blocks
 
-__all__ = ["Stage", "blocks_in_order", "balance", "cut", "needs_grad"]
+__all__ = ["Stage", "blocks_in_order", "balance", "checkpoint_stages", "cut", "needs_grad"]
 
 _MISSING = object()
 
@@ -266,3 +266,13 @@ def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
                             carried_out=tuple(v.name for v in carried[s]) if s < last else (),
                             tensors=tuple(attrs), grad_in=tuple(v.name for v in received if v in grad)))
     return stages
+
+
+def checkpoint_stages(stages: list[Stage]) -> int:
+    """Activation checkpointing inside every stage: each block of a stage's graph runs
+    under non-reentrant checkpointing (:func:`autoshard.passes.remat.checkpoint_blocks`),
+    so a stage keeps only its blocks' inputs per micro-batch in flight and recomputes
+    the rest in its backward (its collectives too, in the same order on every rank of the
+    stage). A stage's inputs, outputs and parameters do not change. Returns the blocks
+    wrapped, over all stages."""
+    return sum(checkpoint_blocks(st.gm) for st in stages)

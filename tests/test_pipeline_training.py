@@ -61,3 +61,40 @@ def test_p2p_in_the_ledger_is_the_plans():
         assert r["stage"] == (4, 5248, 1, 4096), r["stage"]
     assert res[0]["want"] == {"send": (16, 4 * 5248), "recv": (4, 4 * 4096)}
     assert res[2]["want"] == {"recv": (16, 4 * 5248), "send": (4, 4 * 4096)}
+
+
+def _checkpointed_vs_dense(rank, world, schedule):
+    """_train_vs_dense with activation_checkpointing=True, and how many blocks this rank's
+    stages run under checkpointing."""
+    import autoshard
+    from test_pipeline_parallel import _train_vs_dense
+
+    made, shard = [], autoshard.shard
+
+    def keep(*args, **kwargs):
+        made.append(shard(*args, **kwargs))
+        return made[-1]
+    autoshard.shard = keep
+    try:
+        res = _train_vs_dense(rank, world, "llama", "1d", 2, schedule, steps=2,
+                              shard_kw={"activation_checkpointing": True})
+    finally:
+        autoshard.shard = shard
+    sharded = made[0]
+    # the blocks run checkpointed, against the blocks the stages hold
+    res["remat"] = (sorted({m.key for i in sharded.stage_indices for m in sharded.runner(i).stage_gm.children()
+                            if type(m).__name__ == "_Checkpointed"}),
+                    sorted(b for i in sharded.stage_indices for b in sharded.stages[i].blocks))
+    return res
+
+
+def test_activation_checkpointing_inside_the_stages_is_exact():
+    """activation_checkpointing=True under pp: every block of each stage runs checkpointed,
+    and two AdamW steps of tp2 × pp2 equal the
+    dense train_step (losses, local gradients, gathered state, the forward)."""
+    from test_pipeline_parallel import _check
+
+    res = get_pool(4).run(_checkpointed_vs_dense, "1f1b")
+    _check(res)
+    for r in res:
+        assert r["remat"][0] == r["remat"][1] and r["remat"][0], r["remat"]
