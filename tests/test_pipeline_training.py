@@ -52,7 +52,7 @@ def test_p2p_in_the_ledger_is_the_plans():
     predict: per micro-batch the mask, rotary cos and sin and the hidden states forward
     (5248 B per rank at 2 × 8, hidden 64), the hidden states' gradient alone back (4096 B:
     the mask and the rotary tables, made from no parameter, get none)."""
-    res = get_pool(4).run(_p2p_ledger)
+    res = get_pool(4, timeout=600).run(_p2p_ledger)
     for r in res:
         (got, groups, loss_sums), want = r["step"], r["want"]
         assert got == want, (got, want)
@@ -94,7 +94,71 @@ def test_activation_checkpointing_inside_the_stages_is_exact():
     dense train_step (losses, local gradients, gathered state, the forward)."""
     from test_pipeline_parallel import _check
 
-    res = get_pool(4).run(_checkpointed_vs_dense, "1f1b")
+    res = get_pool(4, timeout=600).run(_checkpointed_vs_dense, "1f1b")
     _check(res)
     for r in res:
         assert r["remat"][0] == r["remat"][1] and r["remat"][0], r["remat"]
+
+
+def _checkpoint_per_stage(rank, world, folder, layers, pp_again):
+    """Train Llama at tp2 × pp2 for two steps, save_checkpoint (each rank its stages'
+    blocks) with the AdamW state; then: the folder exported for transformers holds the
+    dense run's weights; a fresh module at ``pp_again`` filled from it (weights and AdamW
+    state) takes a third step equal to dense; at pp = 1 (1d on every rank)
+    load_checkpoint's forward equals dense."""
+    import transformers
+
+    import autoshard
+    from autoshard.io.export import export_checkpoint
+    from autoshard.checkpoint import save_checkpoint
+    from autoshard.io.pipeline_checkpoint import load_pipeline_checkpoint
+    from autoshard.training.train import train_step
+
+    torch.set_num_threads(1)
+    dense = _build("llama", layers)
+    mbs = [batch("llama", b=2, s=8, seed=10 + i) for i in range(4)]
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", pp=2, example_inputs=mbs[0])
+    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=1e-6)
+    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(2):
+        train_step(sharded, mbs, opt_s)
+        train_step(dense, mbs, opt_d)
+    save_checkpoint(sharded, folder, optimizer=opt_s)
+    files = sorted(p.name for p in __import__("pathlib").Path(folder).glob("rank-*.safetensors"))
+    state = None
+    if rank == 0:
+        export_checkpoint(folder, f"{folder}-hf")
+        got = transformers.AutoModelForCausalLM.from_pretrained(f"{folder}-hf").state_dict()
+        ref = dense.state_dict()
+        state = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+    torch.distributed.barrier()
+    again = autoshard.shard(_build("llama", layers, seed=3), mode="1d", pp=pp_again, example_inputs=mbs[0])
+    opt_a = torch.optim.AdamW(again.parameters(), lr=1e-3, eps=1e-6)
+    load_pipeline_checkpoint(again, folder, optimizer=opt_a)
+    with torch.no_grad():
+        want = float(dense(**mbs[0]).loss)
+    fwd_pp = abs(float(again(**mbs[0]).loss) - want)
+    step = abs(train_step(again, mbs, opt_a)[0] - train_step(dense, mbs, opt_d)[0])
+    one = autoshard.load_checkpoint(folder, _build("llama", layers, seed=4), mode="1d", example_inputs=mbs[0])
+    with torch.no_grad():
+        fwd_one = abs(float(one(**mbs[0]).loss) - want)
+    return dict(files=files, state=state, fwd_pp=fwd_pp, step=step, fwd_one=fwd_one)
+
+
+def _check_checkpoint(res):
+    assert res[0]["files"] == [f"rank-{r:05d}-of-00004.safetensors" for r in range(4)], res[0]["files"]
+    assert res[0]["state"] < 1e-4, res[0]["state"]
+    for r in res:
+        assert r["fwd_pp"] < 1e-5 and r["step"] < 1e-5 and r["fwd_one"] < 2e-5, r
+
+
+def test_save_checkpoint_per_stage_loads_dense_and_sharded(tmp_path):
+    """save_checkpoint under pp: one file per rank; loads in dense transformers (export),
+    into a fresh pp2 module with the AdamW state (the next step is dense's) and at pp 1."""
+    _check_checkpoint(get_pool(4, timeout=600).run(_checkpoint_per_stage, str(tmp_path / "ckpt"), None, 2))
+
+
+@pytest.mark.slow
+def test_save_checkpoint_at_pp2_resumes_at_pp4(tmp_path):
+    """The same with 4 layers: saved at tp2 × pp2, resumed at pp4 (tp 1)."""
+    _check_checkpoint(get_pool(4, timeout=600).run(_checkpoint_per_stage, str(tmp_path / "ckpt"), 4, 4))
