@@ -37,7 +37,7 @@ from .ir.errors import ConfigError
 from .ir.mesh import Mesh
 from .ir.plan import ShardingPlan
 from .ir.signature import batch_of, seq_of
-from .passes.stages import Stage, balance, blocks_in_order, cut
+from .passes.stages import Stage, balance, blocks_in_order, checkpoint_stages, cut
 from .pipeline_plan import (SCHEDULES, PipelinePlan, StageInfo, block_costs, block_memory, bubble, check_pipeline,
                             describe_stages, estimate_stages, plan_pipeline, stage_infos, stage_ranks)
 from .planning.validate import Problem, check_dims, check_example_inputs, check_model, raise_problems
@@ -133,6 +133,8 @@ def _cut(state, mesh: Mesh, schedule: str, device) -> "PipelinedModule":
     starts = balance(costs, len(owners), head, tail, **block_memory(p, keys, pp, cluster))
     stages = cut(gm, [keys[i] for i in starts[1:]])
     infos = stage_infos(p, stages, owners, keys, starts, costs, head, tail)
+    if state.config.activation_checkpointing:       # after the infos: they read the stages' carried placeholders
+        checkpoint_stages(stages)
     return PipelinedModule(stages, infos, p, mesh=mesh, rank=state.rank, groups=state.groups, schedule=schedule,
                            captured=state.captured, model=state.model, device=device)
 
@@ -356,12 +358,12 @@ class PipelinedModule(nn.Module):
         for s in range(n):
             here = self.owners[s] == self.pp_rank
             if here and s and self.owners[s - 1] != self.pp_rank:
-                carried = _recv_tensors(self.peer_rank(s - 1), pg, self.device)
+                carried = _recv_tensors(self.peer_rank(s - 1), self.group_name(("pp",)), self.device)
             if here:
                 out = self._runners[s](*carried, **batch)
                 carried = out
                 if s + 1 < n and self.owners[s + 1] != self.pp_rank:
-                    _send_tensors(carried, self.peer_rank(s + 1), pg)
+                    _send_tensors(carried, self.peer_rank(s + 1), self.group_name(("pp",)))
         last = self.peer_rank(n - 1)
         obj = [tuple(t.cpu() for t in out) if self.rank == last else None]
         dist.broadcast_object_list(obj, src=last, group=pg)
@@ -540,21 +542,20 @@ def _spec_axes(spec, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axes if a in spec.axes)
 
 
-def _send_tensors(ts: tuple, dst: int, pg) -> None:
-    """Point-to-point: the tensors' shapes and dtypes, then the tensors."""
+def _send_tensors(ts: tuple, dst: int, group: str) -> None:
+    """Point-to-point: the tensors' shapes and dtypes, then the tensors (counted by the ledger)."""
     meta = [(tuple(t.shape), t.dtype) for t in ts]
-    dist.send_object_list([meta], dst=dst, group=pg)
+    dist.send_object_list([meta], dst=dst, group=C._pg(group))
     for t in ts:
-        dist.send(t.contiguous(), dst=dst, group=pg)
+        C.send(t, dst, group)
 
 
-def _recv_tensors(src: int, pg, device) -> tuple:
+def _recv_tensors(src: int, group: str, device) -> tuple:
     obj = [None]
-    dist.recv_object_list(obj, src=src, group=pg)
+    dist.recv_object_list(obj, src=src, group=C._pg(group))
     out = []
     for shape, dtype in obj[0]:
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=src, group=pg)
+        C.recv(t, src, group)
         out.append(t)
     return tuple(out)
-

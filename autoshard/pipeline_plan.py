@@ -40,7 +40,8 @@ class StageInfo:
     seconds: float              # forward + backward compute and collectives, at the planned batch
     carried_in: int             # tensors received from the stage before
     carried_bytes: int = 0      # their bytes per rank and micro-batch (at the planned batch)
-    grad_bytes: int = 0         # the bytes of their gradients sent back (the floating ones)
+    grad_bytes: int = 0         # the bytes of their gradients sent back (those that need one)
+    grad_in: int = 0            # how many of them have a gradient sent back
 
 
 def stage_ranks(schedule: str, pp: int) -> list[int]:
@@ -81,8 +82,7 @@ def check_pipeline(*, pp, schedule, world: int, mode: str, config=None, fsdp: bo
     if mode == "auto" and not auto:
         out.append(Problem("mode", "mode='auto' with pp > 1 is searched by shard() only; here name the mode: "
                                    "'1d', '1d-sp', '2d', '2.5d' or '3d'"))
-    for flag, name in ((fsdp, "fsdp=True"), (activation_checkpointing, "activation_checkpointing=True"),
-                       (weights is not None, "weights= (or a folder path)")):
+    for flag, name in ((fsdp, "fsdp=True"), (weights is not None, "weights= (or a folder path)")):
         if flag:
             out.append(Problem("pp", f"{name} is not built with pp > 1 yet; valid: pp=1, or leave it out"))
     n = _layers(config)
@@ -260,10 +260,10 @@ def stage_infos(p: ShardingPlan, stages: list[Stage], owners, keys, starts, cost
         for name, val in zip(st.carried_in, _carried_values(st)):
             nbytes = _local_bytes(p, name, val)
             fwd += nbytes
-            grad += nbytes if val is None or val.is_floating_point() else 0
+            grad += nbytes if name in st.grad_in else 0
         out.append(StageInfo(index=st.index, pp_rank=owners[st.index], blocks=tuple(keys[lo:hi]), param_bytes=pbytes,
                              activation_bytes=int(acts), seconds=secs, carried_in=len(st.carried_in),
-                             carried_bytes=fwd, grad_bytes=grad))
+                             carried_bytes=fwd, grad_bytes=grad, grad_in=len(st.grad_in)))
     return tuple(out)
 
 

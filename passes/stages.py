@@ -39,9 +39,9 @@ from torch import fx
 
 from autoshard.ir.errors import ConfigError, ShardingError
 
-from .remat import block_key, block_segments
+from .remat import block_key, block_segments, checkpoint_blocks
 
-__all__ = ["Stage", "blocks_in_order", "balance", "cut"]
+__all__ = ["Stage", "blocks_in_order", "balance", "checkpoint_stages", "cut", "needs_grad"]
 
 _MISSING = object()
 
@@ -59,6 +59,7 @@ class Stage:
     carried_in: tuple[str, ...]         # names (in the cut graph) of the tensors received, in order
     carried_out: tuple[str, ...]        # names of the tensors sent on (empty on the last stage)
     tensors: tuple[str, ...]            # the get_attr targets (parameters, buffers) the stage reads
+    grad_in: tuple[str, ...] = ()       # the carried_in whose value needs a gradient (it is sent back)
 
 
 def blocks_in_order(graph: fx.Graph, min_nodes: int = 4) -> list[str]:
@@ -133,6 +134,44 @@ def _is_tensor(n: fx.Node) -> bool:
     return v is _MISSING or isinstance(v, torch.Tensor)
 
 
+# ops whose floating output never carries a gradient (autograd gives it none)
+_NO_GRAD = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_zeros",
+                      "new_ones", "new_empty", "new_full", "detach", "alias_copy", "lift_fresh_copy"})
+
+
+def _floating(v) -> bool:
+    if v is _MISSING:
+        return True         # a node the rewrite inserted: it passes its operand's value on
+    if isinstance(v, torch.Tensor):
+        return v.is_floating_point() or v.is_complex()
+    return isinstance(v, (tuple, list)) and any(_floating(x) for x in v)
+
+
+def needs_grad(gm: fx.GraphModule) -> set:
+    """The nodes of ``gm`` whose value needs a gradient: downstream of a parameter that
+    requires one, through ops with a floating output (autograd's rule; an index, a mask or
+    rotary tables made from buffers need none). What crosses a cut and is in this set is
+    what torch's engine sends a gradient back for.
+
+        >>> import torch
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+        >>> sorted(n.name for n in needs_grad(gm))
+        ['bias', 'linear', 'weight']
+    """
+    params = {n for n, t in gm.named_parameters(remove_duplicate=False) if t.requires_grad}
+    out: set = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            if n.target in params:
+                out.add(n)
+        elif n.op not in ("placeholder", "output"):
+            name = getattr(getattr(n.target, "_overloadpacket", n.target), "__name__", str(n.target))
+            if name not in _NO_GRAD and _floating(n.meta.get("val", _MISSING)) and \
+                    any(a in out for a in n.all_input_nodes):
+                out.add(n)
+    return out
+
+
 def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
     """Split ``gm`` into ``len(openers) + 1`` stages, stage ``i + 1`` opening at the first
     node of block ``openers[i]`` (see the module doc). ``gm`` is not changed; every stage
@@ -151,8 +190,9 @@ def cut(gm: fx.GraphModule, openers: list[str]) -> list[Stage]:
         later = set().union(*needs[s + 1:])
         carried.append(sorted((v for v in later if owner[v] <= s), key=pos.__getitem__))
     inputs = [n for n in nodes if n.op == "placeholder"]
+    grad = needs_grad(gm)
     return [_stage(gm, s, inputs, compute, owner, carried[s - 1] if s else [],
-                   carried[s] if s < last else None, out_node) for s in range(n_stages)]
+                   carried[s] if s < last else None, out_node, grad) for s in range(n_stages)]
 
 
 def _cut_points(nodes: list, openers: list[str]) -> list[int]:
@@ -196,9 +236,10 @@ def _needs(compute: list, owner: dict, s: int, out_node) -> set:
 
 
 def _stage(gm, s: int, inputs: list, compute: list, owner: dict, received: list, sends: list | None,
-           out_node) -> Stage:
+           out_node, grad: set) -> Stage:
     """Stage ``s``'s graph: the inputs, the tensors it ``received``, its own nodes, and as
-    output the tensors it ``sends`` on (None: the last stage, the graph's output)."""
+    output the tensors it ``sends`` on (None: the last stage, the graph's output); ``grad``:
+    the nodes whose value needs a gradient (:func:`needs_grad`)."""
     g = fx.Graph()
     env: dict = {}
     for p in inputs:
@@ -235,4 +276,14 @@ def _stage(gm, s: int, inputs: list, compute: list, owner: dict, received: list,
                                  and block_key(n) is not None))
     return Stage(index=s, gm=sgm, blocks=blocks, carried_in=tuple(v.name for v in received),
                  carried_out=tuple(v.name for v in sends) if sends is not None else (),
-                 tensors=tuple(attrs))
+                 tensors=tuple(attrs), grad_in=tuple(v.name for v in received if v in grad))
+
+
+def checkpoint_stages(stages: list[Stage]) -> int:
+    """Activation checkpointing inside every stage: each block of a stage's graph runs
+    under non-reentrant checkpointing (:func:`autoshard.passes.remat.checkpoint_blocks`),
+    so a stage keeps only its blocks' inputs per micro-batch in flight and recomputes
+    the rest in its backward (its collectives too, in the same order on every rank of the
+    stage). A stage's inputs, outputs and parameters do not change. Returns the blocks
+    wrapped, over all stages."""
+    return sum(checkpoint_blocks(st.gm) for st in stages)

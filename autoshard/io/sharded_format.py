@@ -146,6 +146,10 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     :func:`load_checkpoint` can rebuild the model from the folder alone."""
     import torch.distributed as dist
 
+    if getattr(sharded, "pipelined", False):        # pp > 1: written per stage
+        from .pipeline_checkpoint import save_pipeline_checkpoint
+
+        return save_pipeline_checkpoint(sharded, path, optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     plan, mesh = sharded.plan, sharded.mesh
     if mesh.world_size != world:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..ir.mesh import Mesh
 from .cost import Cluster, link_of
 
-__all__ = ["PipelineEstimate", "estimate_pipeline"]
+__all__ = ["PipelineEstimate", "estimate_pipeline", "p2p_per_step"]
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,46 @@ def estimate_pipeline(stage_seconds: list[float], stage_ranks: list[int], carrie
     link, load = link_of(mesh, ("pp",), cl.ranks_per_node) if pp > 1 else ("intra", 0)
     bw = cl.intra_bw if link == "intra" else min(cl.intra_bw, cl.inter_bw / max(load, 1))
     lat = cl.intra_latency if link == "intra" else cl.inter_latency
-    hops = [int(b) for b in carried_bytes[1:]]
+    # a cut between two stages of one rank (ZBV's V) passes its tensors by reference: no hop
+    hops = [int(b) if stage_ranks[s] != stage_ranks[s - 1] else 0 for s, b in enumerate(carried_bytes) if s]
     hop = max((lat + b / bw for b in hops if b), default=0.0)
     step = m * max(ranks) + (pp - 1) * max(stage_seconds) + (m * v + pp - 1) * 2 * hop if pp > 1 else m * ranks[0]
     sent = [0] * pp
     for s, b in enumerate(carried_bytes):
-        if s:
+        if s and stage_ranks[s] != stage_ranks[s - 1]:
             sent[stage_ranks[s - 1]] += b * m          # activations forward
             sent[stage_ranks[s]] += grad_bytes[s] * m  # their gradients back
     est = PipelineEstimate(micro_batches=m, stages_per_rank=v, rank_seconds=tuple(ranks), hop_bytes=tuple(hops),
                            hop_seconds=hop, p2p_bytes=max(sent), step_s=step, bubble=0.0)
     share = sum(est.idle_share(r) for r in range(pp)) / pp
     return PipelineEstimate(**{**est.__dict__, "bubble": share})
+
+
+def p2p_per_step(stages, micro_batches: int) -> dict[int, dict[str, tuple[int, int]]]:
+    """The point-to-point calls and bytes each pipeline rank makes in one training step of
+    ``micro_batches``, from the plan's stages (``StageInfo``: ``pp_rank``, ``carried_in``
+    tensors of ``carried_bytes`` received per micro-batch, ``grad_in`` of them with
+    ``grad_bytes`` of gradients sent back): ``{pp_rank: {"send": (calls, bytes), "recv":
+    (calls, bytes)}}``, one call per tensor and micro-batch, as torch's schedules send
+    them and the ledger counts them (``kind`` ``send`` / ``recv`` on the ``pp`` group). A
+    cut between two stages of one rank sends nothing.
+
+        >>> from types import SimpleNamespace as S
+        >>> st = [S(pp_rank=0, carried_in=0, carried_bytes=0, grad_in=0, grad_bytes=0),
+        ...       S(pp_rank=1, carried_in=3, carried_bytes=4096 + 1024, grad_in=1, grad_bytes=4096)]
+        >>> p2p_per_step(st, 4)[0]        # rank 0 sends 3 tensors per micro-batch, gets 1 gradient back
+        {'send': (12, 20480), 'recv': (4, 16384)}
+    """
+    m = int(micro_batches)
+    ranks = {s.pp_rank for s in stages}
+    out = {r: {"send": [0, 0], "recv": [0, 0]} for r in ranks}
+    for prev, st in zip(stages, stages[1:]):
+        a, b = prev.pp_rank, st.pp_rank
+        if a == b:
+            continue
+        for r, fwd, bwd in ((a, "send", "recv"), (b, "recv", "send")):
+            out[r][fwd][0] += st.carried_in * m
+            out[r][fwd][1] += st.carried_bytes * m
+            out[r][bwd][0] += st.grad_in * m
+            out[r][bwd][1] += st.grad_bytes * m
+    return {r: {k: tuple(v) for k, v in d.items()} for r, d in out.items()}

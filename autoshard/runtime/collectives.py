@@ -50,7 +50,7 @@ __all__ = [
     "reduce_scatter_to", "gather_partial", "all_reduce_nograd", "all_reduce_max",
     "sim_group", "group_rank_size", "group_rank", "rank_in", "all_reduce", "all_gather", "reduce_scatter", "entry_barrier", "ring_shift",
     "all_gather_two", "reduce_scatter_two", "reduce_scatter_start", "all_gather_start",
-    "all_to_all_rows",
+    "all_to_all_rows", "count_p2p", "send", "recv",
     "mark_balanced", "is_balanced", "balanced_chunks", "held_chunks", "to_rank_blocks", "from_rank_blocks", "ring_shift_start",
 ]
 
@@ -70,14 +70,16 @@ def ring_bytes(kind: str, buffer_bytes: int, p: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2 * (p - 1) / p * buffer_bytes
-    if kind in ("send_recv", "all_to_all"):     # a ring step; an all-to-all's bytes to the other ranks
+    if kind in ("send_recv", "all_to_all", "send"):     # a ring step; an all-to-all's bytes to the other ranks
         return float(buffer_bytes)
+    if kind == "recv":          # a receive sends nothing: its bytes are counted by the sender
+        return 0.0
     return (p - 1) / p * buffer_bytes
 
 
 @dataclass(frozen=True)
 class CallRecord:
-    kind: str            # all_reduce | all_gather | reduce_scatter | send_recv | all_to_all
+    kind: str            # all_reduce | all_gather | reduce_scatter | send_recv | all_to_all | send | recv
     group: str           # label of the group (mesh axes, e.g. "dep,row")
     group_size: int
     buffer_bytes: int    # full buffer (see ring_bytes)
@@ -273,6 +275,33 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: st
     out = src.new_empty((sum(recv), *src.shape[1:]))
     dist.all_to_all_single(out, src, output_split_sizes=list(recv), input_split_sizes=list(send), group=pg)
     return out
+
+
+def count_p2p(ops: list, group: str) -> list:
+    """Record point-to-point operations (``torch.distributed.P2POp``: ``isend`` / ``irecv``)
+    that another engine runs: one ``send`` or ``recv`` call per op, of its tensor's bytes,
+    on ``group`` (the name of the process group they run on). Returns ``ops`` unchanged.
+    Pipeline parallelism's stages hand torch's schedules their ops through it
+    (:mod:`autoshard.training.pipeline`), so the ledger holds what crosses each cut."""
+    for op in ops:
+        t = op.tensor
+        _record("send" if op.op in (dist.isend, dist.send) else "recv", group, t.numel() * t.element_size(), t)
+    return ops
+
+
+def send(x: torch.Tensor, dst: int, group: str) -> None:
+    """Send ``x`` to global rank ``dst`` over ``group`` (blocking; counted as a ``send``)."""
+    src = x.contiguous()
+    _record("send", group, src.numel() * src.element_size(), src)
+    dist.send(src, dst=dst, group=_pg(group))
+
+
+def recv(x: torch.Tensor, src: int, group: str) -> torch.Tensor:
+    """Receive into ``x`` from global rank ``src`` over ``group`` (blocking; counted as a
+    ``recv``, which sends no bytes). Returns ``x``."""
+    _record("recv", group, x.numel() * x.element_size(), x)
+    dist.recv(x, src=src, group=_pg(group))
+    return x
 
 
 def all_reduce_async(x: torch.Tensor, group: str):

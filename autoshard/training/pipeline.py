@@ -26,6 +26,7 @@ from ..ir.errors import ConfigError
 from ..ir.signature import main_input
 from ..sharded.grads import replicas
 from ..pipeline_parallel import SCHEDULES
+from ..runtime import collectives as C
 
 __all__ = ["pipeline_train_step", "pipeline_grad_norm", "pipeline_schedule"]
 
@@ -44,7 +45,9 @@ def pipeline_schedule(module, n_micro: int, key=()):
                           f"got {n_micro}; valid: pass >= {module.pp} micro-batches, or schedule='gpipe'")
     pg = module.pp_group()
     n_stages = len(module.owners)
-    stages = [pipelining.PipelineStage(module.runner(i), i, n_stages, module.device, group=pg)
+    stage_cls = counted_stage_class()
+    label = module.group_name(("pp",))
+    stages = [stage_cls(module.runner(i), i, n_stages, module.device, group=pg, ledger_group=label)
               for i in module.stage_indices]
     idx = module.loss_index()
 
@@ -55,6 +58,44 @@ def pipeline_schedule(module, n_micro: int, key=()):
     cache.clear()           # one shape at a time: a stage keeps its buffers for the last one
     cache[(n_micro, key)] = sched
     return sched
+
+
+_COUNTED: list = []
+
+
+def counted_stage_class():
+    """``torch.distributed.pipelining.PipelineStage`` whose point-to-point operations are
+    recorded in the ledger (:func:`autoshard.runtime.collectives.count_p2p`) as torch's
+    schedules take them: the four methods a schedule asks for each micro-batch's sends and
+    receives (activations forward, their gradients back) return the ops it then runs, so
+    counting there counts exactly what crosses each cut, with the tensors' real sizes. A
+    cut between two stages of one rank (ZBV's V) has no op, and none is counted. What
+    torch sends once per micro-batch shape to set a schedule up (its shape inference and
+    warm-up vote: pickled objects and one-element tensors, through its private protocol)
+    is not counted."""
+    if _COUNTED:
+        return _COUNTED[0]
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountedStage(PipelineStage):
+        def __init__(self, *args, ledger_group: str, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.ledger_group = ledger_group
+
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            return C.count_p2p(super().get_fwd_send_ops(fwd_chunk_id), self.ledger_group)
+
+        def get_fwd_recv_ops(self, fwd_chunk_id):
+            return C.count_p2p(super().get_fwd_recv_ops(fwd_chunk_id), self.ledger_group)
+
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            return C.count_p2p(super().get_bwd_send_ops(bwd_chunk_id), self.ledger_group)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id):
+            return C.count_p2p(super().get_bwd_recv_ops(bwd_chunk_id), self.ledger_group)
+
+    _COUNTED.append(CountedStage)
+    return CountedStage
 
 
 def _unique(module):
@@ -80,8 +121,7 @@ def pipeline_grad_norm(module) -> torch.Tensor:
 
             copies *= group_rank_size(ties[id(p)])[1]
         total += p.grad.detach().double().pow(2).sum() / copies
-    dist.all_reduce(total)
-    return total.sqrt()
+    return C.all_reduce(total, dist.group.WORLD.group_name, "sum").sqrt()
 
 
 def pipeline_train_step(module, micro_batches: list[dict], optimizer, scheduler=None, *, clip: float | None = None,
@@ -116,7 +156,8 @@ def pipeline_train_step(module, micro_batches: list[dict], optimizer, scheduler=
     if last in module.stage_indices:
         for part in losses:
             loss += part.detach().float() / n
-    dist.broadcast(loss, src=module.peer_rank(last), group=module.pp_group())
+    # from the last stage's rank to its pipeline: a sum with the others' zeros (exact), counted
+    loss = C.all_reduce(loss, module.group_name(("pp",)), "sum")
     norm = None
     if clip is not None:
         total = pipeline_grad_norm(module)
