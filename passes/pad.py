@@ -745,11 +745,11 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
                 p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
             else:                   # each kv head's query group: r blocks of ⌈g/r⌉ query heads
                 p = _Dim(nd, g, r * -(-g // r), unit, kv_heads)
-        elif n % multiple == 0:
-            continue
         else:
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
+            if n % multiple == 0:       # (query heads that divide while their kv heads do not: padded by group)
+                continue
             p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
