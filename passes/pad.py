@@ -325,86 +325,103 @@ class _Padder:
             return None
         if t in LINEAR_OPS:
             return self._linear(node)
-        out = _val(node)
         if t in _SDPA:
-            q, k, v = a[:3]
-            ps = [pd.get(q), pd.get(k), pd.get(v)]
-            if any(p is None or p.dim != 1 or p.fanned for p in ps) or \
-                    any(isinstance(m, fx.Node) and m in pd for m in list(a[3:]) + list(node.kwargs.values())):
-                raise _Trim
-            pq, pk, pv = ps
-            alike = len({(p.family, p.segs, p.unit, p.pu) for p in ps}) == 1 and not pq.copies
-            # kv heads held by r ranks: in each kv group's block, every query slot reads a copy of its kv head
-            copied = not pq.copies and pq.pu == 1 and all(
-                p.copies and p.n == 1 and p.segs == pq.segs and p.np * p.pu == pq.np and p.unit == pq.n
-                for p in (pk, pv))
-            if not (alike or copied):
-                raise _Trim
-            return pq.at(1, zero=pv.zero and not pv.copies)
-        if not isinstance(out, torch.Tensor):
+            return self._sdpa(node)
+        if not isinstance(_val(node), torch.Tensor):
             raise _Trim
-        r = out.dim()
         if _is_pointwise(t):
-            where = None
-            for n in node.all_input_nodes:
-                v = _val(n)
-                if not isinstance(v, torch.Tensor):
-                    continue
-                if n in pd:
-                    p = pd[n].at(pd[n].dim + r - v.dim())
-                    if where is not None and dataclasses.replace(where, zero=True) != dataclasses.replace(p, zero=True):
-                        raise _Trim
-                    where = p
-            for n in node.all_input_nodes:
-                v = _val(n)
-                if n in pd or not isinstance(v, torch.Tensor):
-                    continue
-                q = where.dim - (r - v.dim())
-                if q >= 0 and not _same(v.shape[q], 1):
-                    raise _Trim
-            if where.fanned:
-                raise _Trim
-            zero = {n for n in node.all_input_nodes if n in pd and pd[n].zero and not pd[n].copies}
-            return where.at(where.dim, zero=bool(zero) and _keeps_zero(node, zero))
+            return self._pointwise(node)
         x = a[0]
         p = pd.get(x)
         if p is None or any(n in pd for n in node.all_input_nodes if n is not x):
             if t == aten.cat.default:
                 return self._cat(node)
             raise _Trim
-        d = p.dim
-        nx = _val(x).dim()
         if t in _VIEWS:
             return self._view(node, p)
         if p.fanned:
             raise _Trim
         if t == aten.expand.default:
-            shape = list(a[1])
-            k = d + len(shape) - nx
-            j = d + 1                           # the input dim after the padded one
-            if p.copies and p.fan and j < nx and _same(_val(x).shape[j], 1) and isinstance(shape[k + 1], int) \
-                    and shape[k + 1] > 1:
-                # repeat_kv: each copy of a kv head serves ``fan`` query slots, not the dense group
-                fanned = (k + 1, shape[k + 1])
-                shape[k + 1] = p.fan
-                if shape[k] == p.segs * p.n * p.unit:
-                    shape[k] = p.size
-                node.args = (x, shape) + tuple(a[2:])
-                return p.at(k, fanned=fanned)
-            if shape[k] not in (-1, _val(x).shape[d]) and not _same(shape[k], _val(x).shape[d]):
-                if shape[k] != p.segs * p.n * p.unit:
+            return self._expand(node, p)
+        return self._moved(node, p)
+
+    def _sdpa(self, node: fx.Node) -> _Dim:
+        """Attention over q, k, v padded alike on their heads (dim 1), or k/v holding copies
+        of their kv head that each kv group's query slots read."""
+        a, pd = node.args, self.padded
+        ps = [pd.get(q) for q in a[:3]]
+        if any(p is None or p.dim != 1 or p.fanned for p in ps) or \
+                any(isinstance(m, fx.Node) and m in pd for m in list(a[3:]) + list(node.kwargs.values())):
+            raise _Trim
+        pq, pk, pv = ps
+        alike = len({(p.family, p.segs, p.unit, p.pu) for p in ps}) == 1 and not pq.copies
+        # kv heads held by r ranks: in each kv group's block, every query slot reads a copy of its kv head
+        copied = not pq.copies and pq.pu == 1 and all(
+            p.copies and p.n == 1 and p.segs == pq.segs and p.np * p.pu == pq.np and p.unit == pq.n
+            for p in (pk, pv))
+        if not (alike or copied):
+            raise _Trim
+        return pq.at(1, zero=pv.zero and not pv.copies)
+
+    def _pointwise(self, node: fx.Node) -> _Dim:
+        """A pointwise op: its padded operands padded alike (broadcast to the output's
+        rank), the others of size 1 on the padded dim; zero where it keeps zeros zero."""
+        pd, r = self.padded, _val(node).dim()
+        where = None
+        for n in node.all_input_nodes:
+            v = _val(n)
+            if n in pd and isinstance(v, torch.Tensor):
+                p = pd[n].at(pd[n].dim + r - v.dim())
+                if where is not None and dataclasses.replace(where, zero=True) != dataclasses.replace(p, zero=True):
                     raise _Trim
-                shape[k] = p.segs * p.np * p.unit
-                node.args = (x, shape) + tuple(a[2:])
-            elif shape[k] == p.segs * p.n * p.unit and p.n != p.np:
-                shape[k] = p.segs * p.np * p.unit
-                node.args = (x, shape) + tuple(a[2:])
-            return p.at(k)
+                where = p
+        for n in node.all_input_nodes:
+            v = _val(n)
+            if n in pd or not isinstance(v, torch.Tensor):
+                continue
+            q = where.dim - (r - v.dim())
+            if q >= 0 and not _same(v.shape[q], 1):
+                raise _Trim
+        if where.fanned:
+            raise _Trim
+        zero = {n for n in node.all_input_nodes if n in pd and pd[n].zero and not pd[n].copies}
+        return where.at(where.dim, zero=bool(zero) and _keeps_zero(node, zero))
+
+    def _expand(self, node: fx.Node, p: _Dim) -> _Dim:
+        """An expand of a padded value; its literal size on the padded dim patched."""
+        x, a = node.args[0], node.args
+        d, nx = p.dim, _val(x).dim()
+        shape = list(a[1])
+        k = d + len(shape) - nx
+        j = d + 1                           # the input dim after the padded one
+        if p.copies and p.fan and j < nx and _same(_val(x).shape[j], 1) and isinstance(shape[k + 1], int) \
+                and shape[k + 1] > 1:
+            # repeat_kv: each copy of a kv head serves ``fan`` query slots, not the dense group
+            fanned = (k + 1, shape[k + 1])
+            shape[k + 1] = p.fan
+            if shape[k] == p.segs * p.n * p.unit:
+                shape[k] = p.size
+            node.args = (x, shape) + tuple(a[2:])
+            return p.at(k, fanned=fanned)
+        if shape[k] not in (-1, _val(x).shape[d]) and not _same(shape[k], _val(x).shape[d]):
+            if shape[k] != p.segs * p.n * p.unit:
+                raise _Trim
+            shape[k] = p.segs * p.np * p.unit
+            node.args = (x, shape) + tuple(a[2:])
+        elif shape[k] == p.segs * p.n * p.unit and p.n != p.np:
+            shape[k] = p.segs * p.np * p.unit
+            node.args = (x, shape) + tuple(a[2:])
+        return p.at(k)
+
+    def _moved(self, node: fx.Node, p: _Dim) -> _Dim:
+        """Ops that keep the padded dim whole and only move it (dropout, slices and selects
+        on other dims, transposes, permutes, unsqueezes)."""
+        t, a = node.target, node.args
+        d, nx = p.dim, _val(a[0]).dim()
         if t in (aten.dropout.default,):
             return p
         if t == aten.slice.Tensor:
-            dim = (a[1] if len(a) > 1 else 0) % nx
-            if dim == d:
+            if (a[1] if len(a) > 1 else 0) % nx == d:
                 raise _Trim
             return p
         if t == aten.select.int:
@@ -728,11 +745,11 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
                 p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
             else:                   # each kv head's query group: r blocks of ⌈g/r⌉ query heads
                 p = _Dim(nd, g, r * -(-g // r), unit, kv_heads)
-        elif n % multiple == 0:
-            continue
         else:
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
+            if n % multiple == 0:       # (query heads that divide while their kv heads do not: padded by group)
+                continue
             p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p

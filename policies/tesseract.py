@@ -100,6 +100,11 @@ class Tesseract(Policy):
         return dict.fromkeys(("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
                               "vocab_size"), self.q), f"q={self.q}"
 
+    def width_multiple(self) -> int:
+        """``q``: heads and Linear widths split over ``col`` are padded to it (docs/design.md,
+        "Uneven widths"); the hidden size, which the activations between the Linears split, is not."""
+        return self.q
+
     @classmethod
     def label(cls, mesh: Mesh) -> str:
         """Tesseract's own notation ``[q,q,d]`` (``[q,q]`` for 2d)."""

@@ -75,6 +75,9 @@ TINY["gpt2-h12"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd
 # 2 kv heads at 4 ranks: each kv head held by the 2 ranks whose query heads read it
 TINY["llama-kv2"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 8,
                                                         "num_key_value_heads": 2, "hidden_size": 96})
+# 2d at 9 ranks (q=3): 8 heads padded to 9, an intermediate size of 160 to 162; 4 layers, so the embedding
+# table, which 2d holds whole over row, is not most of the parameter bytes per rank as it is in 2 layers
+TINY["llama-h8-l4"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama-h8-i160"][2], "num_hidden_layers": 4})
 # 6 heads, 3 kv heads and an intermediate size of 150 at 4 ranks (1d-sp: the sequence of 8 splits)
 TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 6,
                                                        "num_key_value_heads": 3, "hidden_size": 96,

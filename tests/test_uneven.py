@@ -23,13 +23,14 @@ from autoshard.passes.capture import capture
 from autoshard.passes.pad import pad_widths
 
 
-def _sgd_check(rank: int, world: int, name: str, mode: str, steps: int = 3) -> dict:
+def _sgd_check(rank: int, world: int, name: str, mode: str, steps: int = 3, rows: int = 4) -> dict:
     """On every rank: models.check's comparisons, then ``steps`` SGD steps of the sharded
-    and the dense model (losses and every local parameter compared after them)."""
-    res = models.check(rank, world, name, mode, share_capture=True)     # one export per worker for both shards
+    and the dense model (losses and every local parameter compared after them) on a
+    batch of ``rows`` rows."""
+    res = models.check(rank, world, name, mode, share_capture=True, rows_per_replica=rows)     # one export per worker
     torch.set_num_threads(1)
     dense = models.build(name)
-    inputs = models.batch(name)
+    inputs = models.batch(name, b=rows)
     model = copy.deepcopy(dense)
     sharded = autoshard.shard(model, mode=mode, example_inputs=inputs,
                               captured=models.shared_capture(name, model, inputs))
@@ -115,6 +116,21 @@ def test_llama_8_heads_at_3_ranks():
 
 
 @pytest.mark.slow
+def test_2d_6_heads_3_kv_heads_at_4_ranks():
+    """2d (q=2) with 6 heads in 3 kv groups: q divides the heads but not the kv heads, so
+    both are padded by group (4 groups of 2 query heads), exact."""
+    _assert_exact(get_pool(4, timeout=900).run(_sgd_check, "llama-h6", "2d"), 4)
+
+
+# 9 rank processes on the 2-core machine: make test-extended
+@pytest.mark.extended
+def test_2d_8_heads_at_9_ranks():
+    """2d SUMMA on a 3 x 3 grid (q=3) of Llama with 8 heads and an intermediate size of 160:
+    heads padded to 9 and features to 162 (a multiple of q), the cols holding 3, 3, 2 heads."""
+    _assert_exact(get_pool(9, timeout=1500).run(_sgd_check, "llama-h8-l4", "2d", 3, 3), 9)
+
+
+@pytest.mark.slow
 def test_llama_2_kv_heads_at_4_ranks():
     """Llama with 8 heads and 2 kv heads at 1d@4: each kv head held by the two ranks whose
     query heads read it (its gradient summed over them), so k/v bytes per rank are half of dense."""
@@ -173,21 +189,28 @@ def test_checkpoint_keeps_the_dense_shapes(tmp_path):
         torch.testing.assert_close(r["loaded"], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, world, param, shares", [
-    ("llama-h8-i160", 3, "model.layers.0.self_attn.q_proj.weight", [3, 3, 2]),
-    ("llama-h8-i160", 3, "model.layers.0.mlp.up_proj.weight", [54, 54, 52]),
-    pytest.param("gpt2-h12", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0], marks=pytest.mark.slow),
-    pytest.param("llama-kv2", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1], marks=pytest.mark.slow)])
-def test_plan_shows_each_ranks_share(name, world, param, shares):
+@pytest.mark.parametrize("name, mode, world, param, shares", [
+    ("llama-h8-i160", "1d", 3, "model.layers.0.self_attn.q_proj.weight", [3, 3, 2]),
+    ("llama-h8-i160", "1d", 3, "model.layers.0.mlp.up_proj.weight", [54, 54, 52]),
+    # 2d (q=2) of 6 heads in 3 kv groups: the groups padded to 4, two per col (the query heads divide, the
+    # kv heads do not: both padded by group); ranks in row-major order, the heads split over col
+    ("llama-h6", "2d", 4, "model.layers.0.self_attn.q_proj.weight", [4, 2, 4, 2]),
+    pytest.param("llama-h6", "2d", 4, "model.layers.0.self_attn.k_proj.weight", [2, 1, 2, 1], marks=pytest.mark.slow),
+    pytest.param("gpt2-h12", "1d", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0],
+                 marks=pytest.mark.slow),
+    pytest.param("llama-kv2", "1d", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1], marks=pytest.mark.slow)])
+def test_plan_shows_each_ranks_share(name, mode, world, param, shares):
     """The plan lists each rank's share of an uneven width (torch.chunk's shares), and its
     bytes per rank are those of the largest share (what the cost model and mode='auto' price)."""
-    plan = autoshard.plan(models.build(name), world_size=world, mode="1d", example_inputs=models.batch(name))
+    plan = autoshard.plan(models.build(name), world_size=world, mode=mode, example_inputs=models.batch(name))
     row = next(p for p in plan.padding() if p["param"] == param)
     assert row["kind"] == "width" and row["shares"] == shares, row
     pp = next(p for p in plan.params if p.name == param)
     d = pp.pad_dim
-    assert pp.local_shape(plan.mesh)[d] * world == pp.global_shape[d]       # every rank holds the largest share
+    ways = plan.mesh.size(pp.spec.dims[d])
+    assert ways > 1 and pp.local_shape(plan.mesh)[d] * ways == pp.global_shape[d]   # each holds the largest share
     assert plan.summary()["param_bytes_per_rank"] == plan.param_bytes_per_rank
+    assert not plan.fallbacks, [n.name for n in plan.fallbacks]
 
 
 @pytest.mark.slow
