@@ -465,6 +465,13 @@ class PipelinedModule(nn.Module):
                 out.setdefault(k, v)
         return out
 
+    def save_checkpoint(self, path, optimizer=None, *, config=None) -> None:
+        """Each rank writes its stages' blocks (and ``optimizer``'s state) to ``path``: a
+        checkpoint that loads at another pp (:mod:`autoshard.io.pipeline_checkpoint`). Collective."""
+        from .io.pipeline_checkpoint import save_pipeline_checkpoint
+
+        save_pipeline_checkpoint(self, path, optimizer, config=config)
+
     def save_pretrained(self, path, *, config=None, max_shard_size="5GB") -> None:
         """A Hugging Face folder (``config.json`` + safetensors) of the dense model, gathered
         stage by stage; rank 0 writes it (collective). Loads with transformers'
@@ -545,14 +552,14 @@ def _spec_axes(spec, mesh: Mesh) -> tuple[str, ...]:
 def _send_tensors(ts: tuple, dst: int, group: str) -> None:
     """Point-to-point: the tensors' shapes and dtypes, then the tensors (counted by the ledger)."""
     meta = [(tuple(t.shape), t.dtype) for t in ts]
-    dist.send_object_list([meta], dst=dst, group=C._pg(group))
+    dist.send_object_list([meta], dst=dst, group=C.process_group(group))
     for t in ts:
         C.send(t, dst, group)
 
 
 def _recv_tensors(src: int, group: str, device) -> tuple:
     obj = [None]
-    dist.recv_object_list(obj, src=src, group=C._pg(group))
+    dist.recv_object_list(obj, src=src, group=C.process_group(group))
     out = []
     for shape, dtype in obj[0]:
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -152,6 +152,11 @@ def _label(group: str, pg) -> str:
     return getattr(pg, "group_desc", group) or group
 
 
+def process_group(group: str):
+    """The torch process group of the named ``group`` (see :func:`_pg`)."""
+    return _pg(group)
+
+
 def _pg(group: str):
     return c10d._resolve_process_group(group)
 
