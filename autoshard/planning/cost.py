@@ -614,6 +614,25 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         t, link = collective_time(c, mesh, cluster)
         timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
     pbytes = plan.param_bytes_per_rank
+    gbytes, obytes = _state_bytes(plan, optimizer, zero, notes)
+    if plan.fallbacks:
+        notes.append(f"{len(plan.fallbacks)} fallback node(s)")
+    return CostEstimate(
+        cluster=cluster.name, flops_fwd=flops, compute_s=compute_s,
+        comm_s_fwd=sum(t.seconds for t in timed if t.comm.phase == "fwd"),
+        comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
+        comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
+        inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
+        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=gbytes, optimizer_bytes=obytes,
+        activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
+        memory_limit=cluster.memory_bytes,
+        notes=tuple(notes), comms=tuple(timed))
+
+
+def _state_bytes(plan: ShardingPlan, optimizer: str | None, zero: int, notes: list) -> tuple[int, int]:
+    """``(gradient bytes, optimizer bytes)`` per rank of :func:`estimate` (what it says of
+    them goes into ``notes``): frozen parameters have neither, ZeRO splits them over dp."""
+    mesh = plan.mesh
     # frozen parameters (requires_grad=False) have neither gradient nor optimizer state
     trainable = sum(p.local_bytes(mesh) // p.dtype_bytes for p in plan.params if not p.is_buffer and p.trainable)
     if optimizer in (None, "none", "sgd"):
@@ -633,18 +652,7 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         if zero == 2:
             gbytes = -(-gbytes // plan.dp)
         notes.append(f"ZeRO-{zero}: optimizer state{' and gradients' if zero == 2 else ''} split over dp={plan.dp}")
-    if plan.fallbacks:
-        notes.append(f"{len(plan.fallbacks)} fallback node(s)")
-    return CostEstimate(
-        cluster=cluster.name, flops_fwd=flops, compute_s=compute_s,
-        comm_s_fwd=sum(t.seconds for t in timed if t.comm.phase == "fwd"),
-        comm_s_bwd=sum(t.seconds for t in timed if t.comm.phase != "fwd"),
-        comm_bytes=sum(t.comm.bytes_per_rank for t in timed),
-        inter_node_bytes=sum(t.comm.bytes_per_rank for t in timed if t.link == "inter"),
-        collective_calls=len(timed), param_bytes=pbytes, grad_bytes=gbytes, optimizer_bytes=obytes,
-        activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
-        memory_limit=cluster.memory_bytes,
-        notes=tuple(notes), comms=tuple(timed))
+    return gbytes, obytes
 
 
 def forward_latency(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100") -> float:
