@@ -97,7 +97,7 @@ def redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
     when ``req`` splits a dim over exactly those axes), then gather, then slice.
 
         >>> from autoshard.ir.spec import replicated
-        >>> [st.op for st in redistribute(replicated(2).with_dim(1, ("tp",)), replicated(2), Mesh(("tp",), (2,)))]
+        >>> [st.op for st in redistribute(replicated(2).with_dim(1, ("tp",)), replicated(2), Mesh(axes=("tp",), sizes=(2,)))]
         ['gather']
     """
     if cur is None or req is None:

@@ -162,9 +162,9 @@ def fake_rank(rank: int, world: int, backend: str = "fake", meta: bool = True):
     heartbeat = os.environ.get("AUTOSHARD_HEARTBEAT")
     os.environ["AUTOSHARD_HEARTBEAT"] = "0"
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
-    from autoshard import api
+    from autoshard.launch import pipeline
 
-    holders = (D, G, api)           # comm_device as each module holds it
+    holders = (D, G, pipeline)      # comm_device as each module holds it
     saved_comm = [h.comm_device for h in holders]
     if meta:
         for h in holders:

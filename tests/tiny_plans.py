@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import autoshard
-import autoshard.api as _api
+import autoshard.launch.pipeline as _pipeline
 import models
 
 ANNOTATED_KINDS = ("linear", "norm", "attention", "embedding", "loss")
@@ -65,12 +65,12 @@ def cached_capture(model, **kw):
 
 @contextlib.contextmanager
 def memo_capture():
-    orig = _api.capture_for_plan
-    _api.capture_for_plan = cached_capture
+    orig = _pipeline.capture_for_plan       # what plan()'s capture stage calls
+    _pipeline.capture_for_plan = cached_capture
     try:
         yield
     finally:
-        _api.capture_for_plan = orig
+        _pipeline.capture_for_plan = orig
 
 
 def meta_model(name: str):

@@ -236,7 +236,8 @@ class Pipeline:
         (:meth:`key`; None: not cached): where every rank has an entry that fits the model,
         its rewritten graph is rebuilt from it (no capture, search, plan or rewrite), else
         the stages run and their result is stored."""
-        entry = _entry(key, state.model)
+        # a capture given: every rank passes one alike, and nothing is cached (no flag to agree on)
+        entry = _entry(key, state.model) if state.captured is None else None
         if entry is not None:
             return self._relaunch(entry, state)
         state = self.run(state)
