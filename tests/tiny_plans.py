@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import autoshard
-import autoshard.api as _api
+import autoshard.launch.pipeline as _api      # its capture stage calls capture_for_plan
 import models
 
 ANNOTATED_KINDS = ("linear", "norm", "attention", "embedding", "loss")
