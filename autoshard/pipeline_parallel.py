@@ -754,6 +754,13 @@ class PipelinedModule(nn.Module):
                          max_shard_size=max_shard_size)
         dist.barrier()
 
+    def save_checkpoint(self, path, optimizer=None, *, config=None) -> None:
+        """The sharded checkpoint, each rank its stages' blocks (collective; see
+        :mod:`autoshard.io.pipeline_checkpoint`, which also loads it at any pp)."""
+        from .io.pipeline_checkpoint import save_pipeline_checkpoint
+
+        save_pipeline_checkpoint(self, path, optimizer, config=config)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a dense (full) state dict: each rank keeps its stages' tensors, sliced to
         its block through the plan (no collective). Tensors of other stages are skipped."""
@@ -847,14 +854,18 @@ def _spec_axes(spec, mesh: Mesh) -> tuple[str, ...]:
 def _send_tensors(ts: tuple, dst: int, group: str) -> None:
     """Point-to-point: the tensors' shapes and dtypes, then the tensors (counted by the ledger)."""
     meta = [(tuple(t.shape), t.dtype) for t in ts]
-    dist.send_object_list([meta], dst=dst, group=C._pg(group))
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.send_object_list([meta], dst=dst, group=c10d._resolve_process_group(group))
     for t in ts:
         C.send(t, dst, group)
 
 
 def _recv_tensors(src: int, group: str, device) -> tuple:
+    from torch.distributed import distributed_c10d as c10d
+
     obj = [None]
-    dist.recv_object_list(obj, src=src, group=C._pg(group))
+    dist.recv_object_list(obj, src=src, group=c10d._resolve_process_group(group))
     out = []
     for shape, dtype in obj[0]:
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -29,7 +29,7 @@ from ..ir.spec import replicated
 from ..runtime.collectives import entry_barrier
 from .builder import with_architecture
 from .safetensors_io import StreamWriter, write_atomic
-from .sharded_format import (FORMAT, MANIFEST, VERSION, Saved, _decode, _encode, _rank_file, read_manifest,
+from .sharded_format import (FORMAT, MANIFEST, VERSION, Saved, decode_value, encode_value, rank_file, read_manifest,
                              verify_checkpoint)
 
 __all__ = ["save_pipeline_checkpoint", "load_pipeline_checkpoint"]
@@ -63,7 +63,7 @@ def _rows(module, optimizer) -> tuple[list, dict]:
         items = [(q.name, "param", None, p.detach(), q.spec, tuple(q.global_shape))]
         for k, v in state.get(id(p), {}).items():
             if not isinstance(v, torch.Tensor):
-                extra.setdefault(q.name, {})[k] = _encode(v)
+                extra.setdefault(q.name, {})[k] = encode_value(v)
             elif v.dim() and tuple(v.shape) == tuple(p.shape):
                 items.append((f"{_OPT}{q.name}/{k}", "optim", k, v.detach(), q.spec, tuple(q.global_shape)))
             else:
@@ -82,7 +82,7 @@ def _rows(module, optimizer) -> tuple[list, dict]:
     if optimizer is not None:
         name_of = {id(params[q.name]): q.name for q in module.plan.params if q.name in params}
         for group in optimizer.param_groups:
-            groups.append({**{k: _encode(v) for k, v in group.items() if k != "params"},
+            groups.append({**{k: encode_value(v) for k, v in group.items() if k != "params"},
                            "params": [name_of[id(p)] for p in group["params"] if id(p) in name_of]})
     return rows, {"class": type(optimizer).__name__, "param_groups": groups, "extra_state": extra}
 
@@ -131,7 +131,7 @@ def save_pipeline_checkpoint(module, path, optimizer=None, *, config=None) -> No
         (path / MANIFEST).unlink(missing_ok=True)       # an old manifest must not bless new files
     dist.barrier()
     rows, opt_json = _rows(module, optimizer)
-    fname = _rank_file(rank, world)
+    fname = rank_file(rank, world)
     writer = StreamWriter(path / fname, [(k, tuple(t.shape), t.dtype) for k, _, t in rows],
                           metadata={"autoshard": f"rank {rank} of {world}, pipeline rank {module.pp_rank}"})
     try:
@@ -194,6 +194,6 @@ def _load_state(optimizer, p, q, man: dict, saved: Saved, module) -> None:
                                 getattr(torch, ent["dtype"]))
             entry[k] = v.to(p.device)
     for k, v in ((man.get("optimizer") or {}).get("extra_state") or {}).get(q.name, {}).items():
-        entry[k] = _decode(v)
+        entry[k] = decode_value(v)
     if entry:
         optimizer.state[p] = entry

@@ -63,7 +63,8 @@ from .safetensors_io import LazyFiles, StreamWriter, read_local, write_atomic
 from ..ir.spec import ShardSpec, replicated
 
 __all__ = ["checkpoint_class", "save_checkpoint", "read_manifest", "verify_checkpoint", "check_matches", "Saved",
-           "fill_from_checkpoint", "load_optimizer", "MANIFEST", "FORMAT", "VERSION"]
+           "fill_from_checkpoint", "load_optimizer", "rank_file", "encode_value", "decode_value", "MANIFEST", "FORMAT",
+           "VERSION"]
 
 MANIFEST = "manifest.json"
 FORMAT = "autoshard-checkpoint"
@@ -71,17 +72,19 @@ VERSION = 1
 _OPT_PREFIX = "optim/"
 
 
-def _rank_file(rank: int, world: int) -> str:
+def rank_file(rank: int, world: int) -> str:
+    """The file ``rank`` of ``world`` writes: ``rank-00001-of-00004.safetensors``."""
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def _encode(v):
+def encode_value(v):
+    """An optimizer value as JSON (tuples and tensors tagged; :func:`decode_value` reverses it)."""
     if isinstance(v, tuple):
-        return {"__tuple__": [_encode(x) for x in v]}
+        return {"__tuple__": [encode_value(x) for x in v]}
     if isinstance(v, list):
-        return [_encode(x) for x in v]
+        return [encode_value(x) for x in v]
     if isinstance(v, dict):
-        return {k: _encode(x) for k, x in v.items()}
+        return {k: encode_value(x) for k, x in v.items()}
     if isinstance(v, torch.Tensor):
         return {"__tensor__": v.detach().cpu().tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -89,15 +92,16 @@ def _encode(v):
     raise CheckpointError(f"cannot store optimizer value {v!r} of type {type(v).__name__} in the manifest")
 
 
-def _decode(v):
+def decode_value(v):
+    """The value :func:`encode_value` stored."""
     if isinstance(v, list):
-        return [_decode(x) for x in v]
+        return [decode_value(x) for x in v]
     if isinstance(v, dict):
         if "__tuple__" in v:
-            return tuple(_decode(x) for x in v["__tuple__"])
+            return tuple(decode_value(x) for x in v["__tuple__"])
         if "__tensor__" in v:
             return torch.tensor(v["__tensor__"], dtype=getattr(torch, v["dtype"]), device="cpu")
-        return {k: _decode(x) for k, x in v.items()}
+        return {k: decode_value(x) for k, x in v.items()}
     return v
 
 
@@ -130,8 +134,8 @@ def _optimizer_items(sharded, optimizer):
                                               f"scalar: cannot reshard it")
                     items.append((f"{_OPT_PREFIX}{name}/{k}", name, k, v.detach(), spec, gshape))
                 else:
-                    extra.setdefault(name, {})[k] = _encode(v)
-        groups.append({**{k: _encode(v) for k, v in group.items() if k != "params"}, "params": names})
+                    extra.setdefault(name, {})[k] = encode_value(v)
+        groups.append({**{k: encode_value(v) for k, v in group.items() if k != "params"}, "params": names})
     return items, {"class": type(optimizer).__name__, "param_groups": groups, "extra_state": extra}
 
 
@@ -146,10 +150,8 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
     :func:`load_checkpoint` can rebuild the model from the folder alone."""
     import torch.distributed as dist
 
-    if getattr(sharded, "pipelined", False):        # pp > 1: written per stage
-        from .pipeline_checkpoint import save_pipeline_checkpoint
-
-        return save_pipeline_checkpoint(sharded, path, optimizer, config=config)
+    if getattr(sharded, "pipelined", False):        # pp > 1: written per stage (io/pipeline_checkpoint.py)
+        return sharded.save_checkpoint(path, optimizer, config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     plan, mesh = sharded.plan, sharded.mesh
     if mesh.world_size != world:
@@ -180,7 +182,7 @@ def save_checkpoint(sharded, path, optimizer=None, *, config=None) -> None:
         for key, name, k, v, spec, gshape in items:
             rows.append((key, "optim", name, k, spec, gshape, v.dtype, (), v))
     mine = [r for r in rows if r[4].owner(mesh, rank) == rank]
-    fname = _rank_file(rank, world)
+    fname = rank_file(rank, world)
     writer = StreamWriter(path / fname, [(r[0], tuple(r[8].shape), r[6]) for r in mine],
                            metadata={"autoshard": f"rank {rank} of {world}"})
     try:
@@ -477,11 +479,11 @@ def load_optimizer(optimizer, sharded, saved: Saved) -> None:
                     spec, shape = replicated(len(ent["global_shape"])), None
                 st[ent["state_key"]] = saved.local(key, spec, sharded.mesh, sharded.rank,
                                                    getattr(torch, ent["dtype"]), shape=shape)
-            st.update({k: _decode(v) for k, v in oj["extra_state"].get(name, {}).items()})
+            st.update({k: decode_value(v) for k, v in oj["extra_state"].get(name, {}).items()})
             if st:
                 state[idx] = st
             ids.append(idx)
             idx += 1
-        groups.append({**{k: _decode(v) for k, v in sg.items() if k != "params"}, "params": ids})
+        groups.append({**{k: decode_value(v) for k, v in sg.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     saved.files.close()
