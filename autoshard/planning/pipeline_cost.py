@@ -7,8 +7,9 @@ interleaved and ZBV schedules) keeps busy ``m · T_r`` of a step of ``m`` micro-
 step is as long as the slowest rank's work plus the fill and drain, ``p − 1`` of the
 slowest stage's turns, plus the hops: every micro-batch's activations go forward and its
 gradients back across each cut, ``bytes / bandwidth + latency`` on the link the ``pp`` axis
-takes (across nodes where the mesh puts it there), and torch's schedules wait for each
-receive before they compute, so the hops are not hidden::
+takes (across nodes where the mesh puts it there; a cut between two stages of one rank,
+ZBV's V, hands its tensors over in memory and costs nothing), and torch's schedules wait
+for each receive before they compute, so the hops are not hidden::
 
     step = m · max_r T_r + (p − 1) · max_s t_s + (m · v + p − 1) · 2 · t_hop
 
