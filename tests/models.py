@@ -286,7 +286,8 @@ def shared_capture(name: str, model, inputs: dict):
     from autoshard.launch.capture_share import capture_shared
     from dist_pool import worker_cache
 
-    key = ("captured", name, tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
+    key = ("captured", name, str(next(model.parameters()).dtype),
+           tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items())))
     cache = worker_cache()
     if key not in cache:            # every rank misses together: rank 0 exports, the others load
         cache[key] = capture_shared(model, example_inputs=inputs)
