@@ -406,6 +406,43 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
     return Evaluated(candidate=cand, plan=plan, cost=cost, async_tp=chunks, fallbacks=fallbacks)
 
 
+def _padded_heads(cfg, pol) -> tuple[int, int]:
+    """``(heads, padded)``: the query heads of ``cfg`` and how many :func:`~autoshard.passes.pad.pad_widths`
+    pads them to for ``pol``'s split (grouped-query attention: each kv head's group, or its
+    ``r`` copies where the split exceeds the kv heads); ``(0, 0)`` without heads."""
+    h, m = getattr(cfg, "num_attention_heads", None) or 0, pol.width_multiple()
+    kv = getattr(cfg, "num_key_value_heads", None) or h
+    if not h or m <= 1:
+        return h, h
+    if kv < h and h % kv == 0:
+        g = h // kv
+        if kv < m and m % kv == 0:
+            r = m // kv
+            return h, kv * r * -(-g // r)
+        return h, -(-kv // m) * m * g
+    return h, -(-h // m) * m
+
+
+def _evaluate_all(cap, cands: list[Candidate], kw: dict) -> list[Evaluated]:
+    """Every candidate evaluated, except one whose split pads the query heads to at least
+    twice their number (``1d [64]`` on 32 heads: every other rank holds a zero head) while
+    another candidate fits. Its attention runs no faster than on the split half its size,
+    and padding it is the dearest preparation of the search, so it is not priced
+    (docs/design.md, "Pricing the search"); where nothing else fits it is."""
+    wide = {}
+    for c in cands:
+        try:
+            h, padded = _padded_heads(cap.config, c.policy())
+        except AutoshardError:
+            continue
+        if h and padded >= 2 * h:
+            wide[c] = f"pads {h} heads to {padded}: at least half of them zeros, not priced"
+    out = [_evaluate(cap, c, **kw) for c in cands if c not in wide]
+    if any(not e.reason for e in out):
+        return out + [Evaluated(candidate=c, reason=why) for c, why in wide.items()]
+    return out + [_evaluate(cap, c, **kw) for c in wide]
+
+
 def _plan_chosen(cap, results: list[Evaluated], *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
                  zero: int) -> list[Evaluated]:
     """``results`` (ranked) with the first candidate planned on the full graph: its plan and
@@ -494,7 +531,7 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     from ..passes.propagate import remember_row_facts
 
     with remember_row_facts():          # one graph (or two, priced) planned per candidate
-        results = _rank([_evaluate(cap, c, **kw) for c in cands])
+        results = _rank(_evaluate_all(cap, cands, kw))
         if rungs is not None:
             results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
                                    optimizer=optimizer, zero=zero)
