@@ -85,3 +85,17 @@ def test_ring_attention_on_meta_walks_no_block(llama6):
     saved = [s.shape for s in ring[0].saved]
     q = saved[0]
     assert q[:-1] + (1,) in saved and saved.count(q) >= 2      # out beside q; the log-sum-exp
+
+
+@pytest.mark.slow
+def test_a_split_that_pads_the_heads_twice_over_is_not_priced_while_another_fits(llama6):
+    """4 query heads (2 kv heads) on 1d [8]: each kv head copied to 4 ranks, its 2 query heads
+    padded to 4 (docs/design.md, "Pricing the search"). Beside narrower splits that fit it
+    is left out unpriced, named; alone (dp pinned to 1) it is priced and chosen."""
+    res = search(llama6, world_size=8, modes=("1d",), batch_size=8, seq_len=32)
+    wide = [e for e in res.results if e.candidate.label == "1d [8]"]
+    assert len(wide) == 1 and wide[0].cost is None and not wide[0].ok
+    assert wide[0].reason == "pads 4 heads to 8: at least half of them zeros, not priced"
+    assert all(e.candidate.q < 8 for e in res.ranked) and res.ranked
+    alone = search(llama6, world_size=8, modes=("1d",), dp=1, batch_size=8, seq_len=32)
+    assert alone.best.candidate.label == "1d [8]" and alone.best.cost is not None
