@@ -49,6 +49,15 @@ TINY["jamba"] = ("JambaForCausalLM", "JambaConfig",
                       num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
                       expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
                       mamba_d_conv=4, mamba_expand=2, use_cache=False))
+# Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (chunked scan over heads)
+TINY["falconh1"] = ("FalconH1ForCausalLM", "FalconH1Config",
+                    dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                         mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                         mamba_chunk_size=4, max_position_embeddings=64, use_cache=False))
+# per-head q/k LayerNorms with a [heads, head_dim] weight cast to float (tests/test_whole.py)
+TINY["cohere"] = ("CohereForCausalLM", "CohereConfig", {**TINY["llama"][2], "num_key_value_heads": 4,
+                                                       "use_qk_norm": True})
 # a short causal convolution over the tokens (LFM2's conv layers: padded both sides, the first S kept)
 # beside attention layers
 TINY["lfm2"] = ("Lfm2ForCausalLM", "Lfm2Config",

@@ -159,10 +159,37 @@ def is_pointwise_write(t) -> bool:
 @register(aten.alias.default, aten.contiguous.default, aten.clone.default, aten.detach.default, aten.to.dtype,
           aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
 def identity_like(ctx: RuleContext) -> Choice:
-    """Casts, copies and aliases: the output has the input's layout."""
+    """Casts, copies and aliases: the output has the input's layout. A free parameter cast
+    for one elementwise op (Cohere's per-head q/k norm: ``weight.to(float32) * x``, the
+    weight ``[heads, head_dim]``) takes the split of that op's other input where the two
+    line up, as the elementwise rule would give the parameter itself, not held whole."""
     a = ctx.node.args[0]
     s = ctx.spec(a)
+    if ctx.is_free_param(a):
+        s = _split_for_user(ctx, s)
     return Choice(out=s, inputs={(0,): s})
+
+
+def _split_for_user(ctx: RuleContext, s: ShardSpec) -> ShardSpec:
+    """``s`` with each whole dim given the split of the sole user's other input at the
+    same (right-aligned) position and size; ``s`` when that user is not elementwise or its
+    other inputs are not laid out yet."""
+    users = list(ctx.node.users)
+    if len(users) != 1 or users[0].target not in (aten.mul.Tensor, aten.add.Tensor):
+        return s
+    mine = ctx.pshape(ctx.node)
+    dims = list(s.dims)
+    rows = set(ctx.batch_axes) | {"cp", "dp"}          # a weight splits over the model's axes only
+    for b in users[0].args:
+        if not isinstance(b, fx.Node) or b is ctx.node or not ctx.is_tensor(b) or ctx.spec(b) is None:
+            continue
+        sb, shb = ctx.spec(b), ctx.pshape(b)
+        for d in range(1, min(len(mine), len(shb)) + 1):
+            axes = sb.dims[-d]
+            taken = {x for dd in dims for x in dd}
+            if axes and not dims[-d] and shb[-d] == mine[-d] and not set(axes) & (taken | rows):
+                dims[-d] = axes
+    return ShardSpec(dims=tuple(dims), segments=s.segments, partial=s.partial)
 
 
 @register(aten.type_as.default)
