@@ -32,6 +32,34 @@ __all__ = ["grad_syncs", "needs_grad"]
 aten = torch.ops.aten
 
 
+# ops whose floating output is a fresh tensor of another's shape: autograd gives it no
+# gradient unless an in-place op writes a value that needs one into it
+# (``zeros_like(scores).scatter_(1, idx, 1.0)`` never needs one: a router's one-hot mask)
+_FRESH = frozenset({aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like,
+                    aten.randn_like, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full})
+
+
+def _writes_into(n: fx.Node) -> bool:
+    """Whether ``n`` is an in-place ATen op (``index_add_``, ``scatter_``, ``copy_``) on a graph value."""
+    name = getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+    return name.endswith("_") and not name.endswith("__") and bool(n.args) and isinstance(n.args[0], fx.Node)
+
+
+_VIEWS = frozenset({aten.slice, aten.select, aten.view, aten._unsafe_view, aten.as_strided, aten.narrow,
+                    aten.unsqueeze, aten.squeeze, aten.transpose, aten.permute, aten.expand, aten.alias,
+                    aten.t, aten.diagonal, aten.unflatten, aten.split, aten.chunk})
+
+
+def _aliased(a: fx.Node) -> list[str]:
+    """``a`` and the values it is a view of, up to the base tensor (an in-place write into a
+    view writes its base)."""
+    names = [a.name]
+    while getattr(a.target, "_overloadpacket", None) in _VIEWS and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+        names.append(a.name)
+    return names
+
+
 def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
     """Names of the values whose gradient backward computes: floating values that
     depend on a trainable floating parameter (``params`` less ``frozen``) through ops
@@ -49,10 +77,14 @@ def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
             continue
         if n.target in (aten.detach.default, aten.sym_size.int):
             continue
+        if getattr(n.target, "_overloadpacket", None) in _FRESH:
+            continue        # a fresh tensor: a gradient reaches it only through an in-place write (below)
         floating = any(is_tensor_val(t) and t.is_floating_point()
                        for t in (v if isinstance(v, (list, tuple)) else [v]))
         if floating and any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
+            if _writes_into(n):     # later users may read the written tensor (or its base) by name
+                out.update(_aliased(n.args[0]))
     return frozenset(out & _live(gm))
 
 
