@@ -187,6 +187,25 @@ def test_qwen2_2d_pp2_8_ranks():
     _check(res)
 
 
+def trained_pp2(layers: int):
+    """A Llama of ``layers`` sharded at 1d × pp2 and its dense twin, each after two AdamW steps
+    of :func:`~autoshard.training.train.train_step` over the same 4 micro-batches (call on
+    every rank): ``(dense, sharded, micro_batches, sharded's optimizer, dense's optimizer)``."""
+    import autoshard
+    from autoshard.training.train import train_step
+
+    torch.set_num_threads(1)
+    dense = _build("llama", layers)
+    mbs = [batch("llama", b=2, s=8, seed=10 + i) for i in range(4)]
+    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", pp=2, example_inputs=mbs[0])
+    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=1e-6)
+    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(2):
+        train_step(sharded, mbs, opt_s)
+        train_step(dense, mbs, opt_d)
+    return dense, sharded, mbs, opt_s, opt_d
+
+
 def _checkpoint_across_pp(rank, world, folder):
     """Train at pp2 (tp2), save a Hugging Face folder and the AdamW state; the folder loads
     in dense transformers and at pp4 (tp1), where the forward matches and, with the saved
@@ -196,15 +215,7 @@ def _checkpoint_across_pp(rank, world, folder):
     import autoshard
     from autoshard.training.train import train_step
 
-    torch.set_num_threads(1)
-    dense = _build("llama", 4)
-    mbs = [batch("llama", b=2, s=8, seed=10 + i) for i in range(4)]
-    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", pp=2, example_inputs=mbs[0])
-    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=1e-6)
-    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=1e-6)
-    for _ in range(2):
-        train_step(sharded, mbs, opt_s)
-        train_step(dense, mbs, opt_d)
+    dense, sharded, mbs, opt_s, opt_d = trained_pp2(4)
     sharded.save_pretrained(folder)
     optim = sharded.full_optimizer_state(opt_s)
     if rank == 0:

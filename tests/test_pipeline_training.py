@@ -4,14 +4,13 @@ stages, sharded checkpoints written per stage. Cheap: 4 ranks, the tiny 2-layer 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from dist_pool import get_pool
 from models import batch
-from test_pipeline_parallel import _build
+from test_pipeline_parallel import _build, trained_pp2
 
 
 def _p2p_ledger(rank, world):
@@ -114,15 +113,7 @@ def _checkpoint_per_stage(rank, world, folder, layers, pp_again):
     from autoshard.io.pipeline_checkpoint import load_pipeline_checkpoint
     from autoshard.training.train import train_step
 
-    torch.set_num_threads(1)
-    dense = _build("llama", layers)
-    mbs = [batch("llama", b=2, s=8, seed=10 + i) for i in range(4)]
-    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", pp=2, example_inputs=mbs[0])
-    opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-3, eps=1e-6)
-    opt_d = torch.optim.AdamW(dense.parameters(), lr=1e-3, eps=1e-6)
-    for _ in range(2):
-        train_step(sharded, mbs, opt_s)
-        train_step(dense, mbs, opt_d)
+    dense, sharded, mbs, opt_s, opt_d = trained_pp2(layers)
     save_checkpoint(sharded, folder, optimizer=opt_s)
     files = sorted(p.name for p in __import__("pathlib").Path(folder).glob("rank-*.safetensors"))
     state = None
