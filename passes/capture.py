@@ -158,7 +158,8 @@ def log_mel_shape(config) -> tuple[int, int]:
 def _image_placeholders(model, params) -> tuple[int | None, int]:
     """A model that merges image features into its token sequence (LLaVA-like: it takes
     ``input_ids`` and ``pixel_values`` and names an image token): that token and the
-    number of features one image becomes (``image_seq_length``, else one per patch)."""
+    number of features one image becomes (``image_seq_length`` or ``mm_tokens_per_image``,
+    else one per patch)."""
     config = model.config
     token = getattr(config, "image_token_id", None)
     if token is None:
@@ -166,6 +167,8 @@ def _image_placeholders(model, params) -> tuple[int | None, int]:
     if token is None or "input_ids" not in params or "pixel_values" not in params:
         return None, 0
     n = getattr(config, "image_seq_length", None)
+    if n is None:
+        n = getattr(config, "mm_tokens_per_image", None)      # Gemma-3: the pooled features per image
     if n is None:
         vis = _sub(config, "vision")
         size, patch = getattr(vis, "image_size", 224), getattr(vis, "patch_size", 14)

@@ -204,13 +204,12 @@ def collect_modality() -> dict:
     (tests/modality.py), planned as ``shard(model)`` plans them: captured from the
     model's own inputs (a batch of 4), no example inputs."""
     import modality
-    from autoshard.passes.capture import capture, default_example_inputs
+    from autoshard.passes.capture import capture
 
     out = {}
     for name in modality.FAMILIES:
         model = modality.build_meta(name)
-        out.update(_cells_of(name, capture(model, example_inputs=default_example_inputs(model, batch_size=4,
-                                                                                         seq_len=8))))
+        out.update(_cells_of(name, capture(model, example_inputs=modality.inputs(name, model, b=4))))
     return out
 
 

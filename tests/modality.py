@@ -34,6 +34,20 @@ FAMILIES = {
                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                     max_position_embeddings=64),
                    image_token_index=127, image_seq_length=16, vision_feature_layer=-2)),
+    "gemma3mm": ("Gemma3ForConditionalGeneration", "Gemma3Config",
+                 dict(vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4),
+                      text_config=dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, vocab_size=128, max_position_embeddings=64, sliding_window=4),
+                      mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126)),
+    "idefics3": ("Idefics3ForConditionalGeneration", "Idefics3Config",
+                 dict(vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, image_size=16, patch_size=4),
+                      text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64),
+                      image_token_id=127, scale_factor=2)),
 }
 
 
@@ -42,11 +56,19 @@ PATTERNS = {
     "vit": "pixel_values, conv patch embedding, CLS token, classifier head ([batch] labels)",
     "whisper": "log-mel input_features, conv1d front end, encoder-decoder, frozen sinusoidal positions",
     "clip": "image-text dual encoder, contrastive loss over every image × text pair (a static batch)",
+    "gemma3mm": "vision-language: SigLIP tower, average-pooled to mm_tokens_per_image features, "
+                "bidirectional attention over each image's tokens inside a causal Gemma-3 (sliding and global layers)",
+    "idefics3": "vision-language: images as [batch, images, 3, H, W], a pixel-shuffle connector "
+                "(scale_factor² patches folded into one feature) before a Llama",
     "llava": "vision-language: CLIP vision tower, projector, image features scattered into a Llama's token "
              "sequence (a static batch: the features are listed per image)",
 }
-# the cells a mode refuses (none: a static batch is kept whole on every rank)
-REFUSED: set = set()
+# the cells a mode refuses (a static batch is kept whole on every rank, so none for that):
+# Gemma-3's image tokens reshape heads by sizes read from a tensor split on another axis
+REFUSED: set = {("gemma3mm", "2d"), ("gemma3mm", "2.5d")}
+# cells that plan with a node run whole on gathered inputs (exact): Idefics3's pixel shuffle
+# folds a split hidden dim into patches; Gemma-3's 3d vision projection
+WITH_FALLBACKS: set = {("idefics3", m) for m in ("2d", "2.5d", "3d")} | {("gemma3mm", "3d")}
 
 
 def build_meta(name: str):
@@ -63,7 +85,17 @@ def build(name: str, seed: int = 0):
     cls, cfg_cls, kw = FAMILIES[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_cls)(**kw)
-    return getattr(transformers, cls)(cfg).train()
+    model = getattr(transformers, cls)(cfg).train()
+    with torch.no_grad():
+        # Gemma-3 starts its image projection at zero, which makes the image tokens' norm
+        # divide a zero vector (gradients of 1e9 in fp32); a trained checkpoint's is not zero
+        for p in model.parameters():
+            if p.dim() == 2 and not p.any():
+                p.normal_(0.0, 0.02)
+    return model
+
+
+OWN_INPUTS = {"idefics3"}
 
 
 def inputs(name: str, model, b: int = 4, seed: int = 1) -> dict:
@@ -71,6 +103,13 @@ def inputs(name: str, model, b: int = 4, seed: int = 1) -> dict:
     from autoshard.passes.capture import default_example_inputs
 
     torch.manual_seed(seed)
+    if name == "idefics3":          # its processor's layout: images per sample, (16/4)² / 2² = 4 tokens each
+        ids = torch.randint(0, 120, (b, 8))
+        ids = torch.cat([torch.full((b, 4), 127), ids], 1)
+        labels = ids.clone()
+        labels[:, :4] = -100
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
+                    pixel_values=torch.randn(b, 1, 3, 16, 16))
     return default_example_inputs(model, batch_size=b, seq_len=8)
 
 
@@ -84,7 +123,9 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
     torch.set_num_threads(1)
     dense = build(name)
     model = copy.deepcopy(dense)
-    sharded = autoshard.shard(model, mode=mode, depth=depth)
+    # a model whose inputs its config cannot describe (Idefics3's images per sample) is given a batch
+    example = inputs(name, dense, b=2) if name in OWN_INPUTS else None
+    sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=example)
     batch = inputs(name, dense, b=sharded.plan.batch_size)     # the batch the plan counts bytes for
     out_d = dense(**batch)
     out_d.loss.backward()

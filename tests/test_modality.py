@@ -28,7 +28,14 @@ from dist_pool import get_pool
 
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
 FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d"), ("clip", "2d"), ("llava", "1d")}
-CELLS = [(n, m) for n in ("vit", "whisper", "clip", "llava") for m in MODES]
+CELLS = [(n, m) for n in ("vit", "whisper", "clip", "llava") for m in MODES] + [
+    ("gemma3mm", "1d"), ("idefics3", "1d"), ("idefics3", "2d")]
+# sizes that depend on the data (Idefics3 keeps the images that are not all padding: an
+# unbacked size) are priced at 8 rows in the plan's bytes, so only the call count is compared
+DATA_DEPENDENT_SIZES = {"idefics3"}
+# Idefics3's pixel-shuffle connector reshapes a [images, patches, hidden] block by sizes read
+# from that data-dependent count: at 2d it runs whole on its gathered input (exact)
+FALLBACKS = {("idefics3", "2d"): ["view_11"]}
 
 
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, id=f"{n}-{m}",
@@ -39,8 +46,9 @@ def test_family_equals_dense(name, mode):
     res = get_pool(world, timeout=600).run(modality.check, name, mode, depth)
     for rank, r in enumerate(res):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
-        assert r["fallbacks"] == [], r["fallbacks"]
-        assert r["ledger"] == r["plan"], f"rank {rank}: ledger {r['ledger']} vs plan {r['plan']}"
+        assert r["fallbacks"] == FALLBACKS.get((name, mode), []), r["fallbacks"]
+        n = 1 if name in DATA_DEPENDENT_SIZES else 2
+        assert r["ledger"][:n] == r["plan"][:n], f"rank {rank}: ledger {r['ledger']} vs plan {r['plan']}"
         assert r["param_bytes"] == r["plan_param_bytes"], f"rank {rank}"
     # split, not replicated: per rank well under the dense bytes (the conv front end stays whole)
     assert res[0]["param_bytes"] < 0.6 * res[0]["dense_param_bytes"], res[0]
@@ -255,7 +263,8 @@ def test_the_support_report_lists_every_family():
 
     for name in modality.FAMILIES:
         for mode in MODES:
-            want = "refused" if (name, mode) in modality.REFUSED else "pass"
+            want = ("refused" if (name, mode) in modality.REFUSED
+                    else "fallbacks" if (name, mode) in modality.WITH_FALLBACKS else "pass")
             assert M.reported(name, mode).status == want, (name, mode)
     # the recent decoders and state-space models plan in every mode (Mamba's and Jamba's scans
     # chunk and split their projections on whole tensors: fallbacks, exact)
