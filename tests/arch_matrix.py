@@ -221,6 +221,8 @@ RECENT = {
     "gptoss": "attention sinks, experts with biases and an interleaved, clamped gate/up",
     "mamba": "selective scan (a Python loop over the sequence: a static sequence), W @ x projections",
     "jamba": "hybrid: scan layers, attention layers and experts",
+    "falconh1": "hybrid: attention and a Mamba-2 mixer side by side in every layer (chunked scan, einsums, "
+                "the batch read from the mask)",
 }
 
 
