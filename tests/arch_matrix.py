@@ -220,6 +220,9 @@ RECENT = {
     "gptoss": "attention sinks, experts with biases and an interleaved, clamped gate/up",
     "mamba": "selective scan (a Python loop over the sequence: a static sequence), W @ x projections",
     "jamba": "hybrid: scan layers, attention layers and experts",
+    "falconh1": "hybrid: attention and a Mamba-2 mixer side by side in every layer (chunked scan, einsums, "
+                "the batch read from the mask)",
+    "bamba": "hybrid: Mamba-2 mixer layers (chunked scan, gated RMSNorm) with attention layers among them",
 }
 
 
@@ -371,8 +374,8 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
                         "Decoders whose layers needed rules of their own to split (configs in `tests/models.py`), "
                         "planned from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo "
                         "ranks: OLMo-2 and Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 "
-                        "(`tests/passes/test_propagate.py`), Mamba and Jamba at 1d@2 and 2d@4 "
-                        "(`tests/test_modality.py`).",
+                        "(`tests/passes/test_propagate.py`), Mamba, Jamba, Falcon-H1 and Bamba at 1d@2 and 2d@4, "
+                        "Falcon-H1 at 2.5d@8 too (`tests/test_modality.py`).",
                         recent_cells, modes, lambda n: (models.TINY[n][0], RECENT[n]))
         cells = {**cells, **recent_cells}
     if plain_cells:

@@ -55,6 +55,12 @@ TINY["falconh1"] = ("FalconH1ForCausalLM", "FalconH1Config",
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
                          mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                          mamba_chunk_size=4, max_position_embeddings=64, use_cache=False))
+# Bamba (IBM): Mamba-2 mixer layers with an attention layer among them (one of two here)
+TINY["bamba"] = ("BambaForCausalLM", "BambaConfig",
+                 dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
+                      mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                      mamba_chunk_size=4, max_position_embeddings=64, use_cache=False))
 # per-head q/k LayerNorms with a [heads, head_dim] weight cast to float (tests/test_whole.py)
 TINY["cohere"] = ("CohereForCausalLM", "CohereConfig", {**TINY["llama"][2], "num_key_value_heads": 4,
                                                        "use_qk_norm": True})

@@ -57,11 +57,14 @@ def apply_patches(node, patches) -> None:
             sizes = list(get_arg(node, path))
             for j, v in value.get("at", ()):
                 sizes[j] = v
-            for j, n in value.get("div", ()):         # a whole symbolic size: its local part at run time
-                if hasattr(sizes[j], "graph"):          # an fx node: divide it in the graph
-                    with node.graph.inserting_before(node):
-                        sizes[j] = node.graph.call_function(operator.floordiv, (sizes[j], n))
-                else:
-                    sizes[j] = sizes[j] // n
+            for key, op in (("div", operator.floordiv), ("mul", operator.mul)):
+                # a symbolic size read from a tensor split otherwise than this dim: divided to its
+                # local part ("div": read whole) or multiplied back ("mul": read from a split tensor)
+                for j, n in value.get(key, ()):
+                    if hasattr(sizes[j], "graph"):      # an fx node: the arithmetic in the graph
+                        with node.graph.inserting_before(node):
+                            sizes[j] = node.graph.call_function(op, (sizes[j], n))
+                    else:
+                        sizes[j] = op(sizes[j], n)
             value = sizes
         set_arg(node, path, value)

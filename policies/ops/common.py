@@ -128,7 +128,13 @@ def all_replicated_or_fallback(ctx: RuleContext, reason: str = "") -> Choice:
     targs = tensor_args(ctx)
     specs = [ctx.spec(a) for _, a in targs]
     if all(s.is_replicated for s in specs):
-        return Choice(out=ctx.default_out_spec(ctx.node))
+        out = ctx.default_out_spec(ctx.node)
+        if any(s.ndim and SymbolicSizes.is_rows(ctx.pshape(a)[0]) for s, (_, a) in zip(specs, targs)):
+            # an input holds the whole batch (gathered): the op computes every row on every
+            # rank (Falcon-H1's Mamba-2 einsums in 2d), not this rank's rows
+            out = tuple(replicated(o.ndim) if isinstance(o, ShardSpec) else o for o in out) \
+                if isinstance(out, tuple) else (replicated(out.ndim) if isinstance(out, ShardSpec) else out)
+        return Choice(out=out)
     return fallback(ctx, reason or f"no rule for {ctx.node.target}")
 
 

@@ -116,24 +116,46 @@ def _is_seq_size(size: int) -> bool:
     return size % SymbolicSizes.SEQ == 0 and size % SymbolicSizes.BATCH != 0
 
 
-def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path) -> dict:
+def _read_split(ctx, size) -> tuple:
+    """The mesh axes a symbolic size is read split over: ``sym_size(x, d)`` reads ``x``'s
+    local dim ``d``, split as ``x``'s spec splits it; ``()`` for a size read from a whole
+    dim or computed otherwise (a placeholder's spec may still be provisional, whole, when
+    the walk reaches the reshape: the generate cache, pinned by a later layer)."""
+    if not (isinstance(size, fx.Node) and size.target is aten.sym_size.int):
+        return ()
+    spec = ctx.spec(size.args[0])
+    return spec.dims[size.args[1] % spec.ndim] if spec is not None and spec.ndim else ()
+
+
+def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
     """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
     (positions, never values: a -1 entry is left alone). A symbolic entry is read at run
-    time from an input: local already where the split is the batch split (the batch
-    input is split), else the whole size, divided at run time: ``"div": [[pos, n], ...]``
-    (1d-sp's sequence split)."""
+    time from a tensor: ``sym_size(x, d)`` of a dim split over other axes than this one
+    reads a local size that is not this dim's, so it is divided (``"div": [[pos, n], ...]``)
+    or multiplied (``"mul"``: the batch read from the split attention mask for a reshape
+    whose batch is whole, Falcon-H1's Mamba-2 chunks in 2d) to this dim's local size
+    (docs/design.md, "Shared ops"). Another symbolic entry (read from a whole
+    dim): local already where the split is the batch split (the batch input is split),
+    else the whole size, divided at run time (1d-sp's sequence split). ``literal_spec``:
+    the dims whose other entries are patched (default ``out_spec``'s)."""
     if not isinstance(sizes, (list, tuple)):
         return {}
-    at, div = [], []
-    for j, axes in enumerate(out_spec.dims):
-        if not axes or j >= len(sizes):
+    at, div, mul = [], [], []
+    for j, axes in enumerate((literal_spec or out_spec).dims):
+        if j >= len(sizes):
             continue
-        if isinstance(sizes[j], int) and sizes[j] != -1:
+        if read := _read_split(ctx, sizes[j]):
+            have, want = ctx.mesh.size(read), ctx.mesh.size(out_spec.dims[j])
+            if tuple(read) != tuple(out_spec.dims[j]) and have != want:
+                (div if want > have else mul).append([j, max(have, want) // min(have, want)])
+        elif not axes:
+            continue
+        elif isinstance(sizes[j], int) and sizes[j] != -1:
             at.append([j, sizes[j] // ctx.mesh.size(axes)])
         elif isinstance(sizes[j], fx.Node) and not set(axes) <= set(ctx.batch_axes) and \
                 _is_seq_size(ctx.pshape(ctx.node)[j]):
             div.append([j, ctx.mesh.size(axes)])
-    patch = ({"at": at} if at else {}) | ({"div": div} if div else {})
+    patch = ({"at": at} if at else {}) | ({"div": div} if div else {}) | ({"mul": mul} if mul else {})
     return {path: patch} if patch else {}
 
 
@@ -176,7 +198,7 @@ def expand(ctx: RuleContext) -> Choice:
     # only the dims that were split in the input need their literal patched
     keep = ShardSpec(dims=tuple(dims[j] if (j - off >= 0 and ins[j - off] == outs[j]) else ()
                                 for j in range(len(outs))))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, keep, ctx.node.args[1], (1,)))
+    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,), keep))
 
 
 def _permuted(s: ShardSpec, perm) -> ShardSpec:
