@@ -393,3 +393,53 @@ def test_generate_with_ep():
     ranks; greedy tokens equal dense generate()'s."""
     for same, a2a in get_pool(4, timeout=600).run(_generate):
         assert same and a2a > 0
+
+
+def _lora_on_experts(model):
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+
+@pytest.mark.slow      # two plans: ~10 s of CPU
+def test_lora_on_the_experts_refused_naming_the_choices():
+    """LoRA on the expert weights themselves (peft's ``target_parameters``) with the batch
+    split (dp=2, ep=2 and ep=1): each expert's weight is ``W + B @ A`` computed in the graph, so
+    the grouped matmul is not folded to a parameter-operand ``grouped_linear`` and meets the
+    rank-locally sorted rows. A ShardingError names the grouped matmul, its computed weight and
+    the parameters it is computed from, and the valid choices."""
+    from autoshard.ir.errors import ShardingError
+
+    base = _lora_on_experts(models.build("mixtral")).get_base_model()
+    for ep in (2, 1):
+        with pytest.raises(ShardingError) as e:
+            autoshard.plan(base, world_size=4, mode="1d", dp=2, ep=ep, batch_size=8, seq_len=8,
+                           example_inputs=models.batch("mixtral"))
+        msg = str(e.value)
+        assert "grouped_mm" in msg and "layers.0.mlp.experts.base_layer.lora_A.default.weight" in msg, msg
+        assert "Valid choices: LoRA on the attention and dense layers (peft target_modules)" in msg, msg
+        assert "no batch split (dp=1, cp=1, ep=1)" in msg, msg
+
+
+def _lora_experts_dp1(rank, world):
+    torch.set_num_threads(1)
+    dense = _lora_on_experts(models.build("mixtral"))
+    with torch.no_grad():       # non-zero B: the adapters change the experts' weights
+        torch.manual_seed(1)
+        for n, p in dense.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    dense.train()
+    res, _, _ = models.check_trainable(
+        rank, world, dense, copy.deepcopy(dense), models.batch("mixtral", b=4), mode="1d", dp=1,
+        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)))
+    return res
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_without_a_batch_split():
+    """The refusal's last valid choice holds: LoRA on the expert weights at dp=1 (2 ranks, tp2,
+    expert-TP) equals dense peft (loss, logits, every adapter's local gradient)."""
+    for rank, r in enumerate(get_pool(2, timeout=600).run(_lora_experts_dp1)):
+        assert r["failures"] == [], (rank, r["failures"][:6])
