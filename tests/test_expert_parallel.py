@@ -315,21 +315,28 @@ def test_ep_with_activation_checkpointing(dp, ep):
         assert r["a2a"] == r["plan_a2a"] + r["plan_a2a_fwd"], r
 
 
-def _ep_lora(rank, world):
-    import peft
-
+def _lora_check(rank, world, dense, *, dp, **kw):
+    """:func:`models.check_trainable` of the peft model ``dense`` (its LoRA B set non-zero, so
+    the adapters change the output) sharded in 1d with ``dp`` replicas of 4 rows each."""
     torch.set_num_threads(1)
-    dense = peft.get_peft_model(models.build("mixtral"), peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
-                                                                        target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():       # non-zero B: the adapters change the output (and the experts' inputs)
+    with torch.no_grad():
         torch.manual_seed(1)
         for n, p in dense.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.2)
     dense.train()
     res, sharded, _ = models.check_trainable(
-        rank, world, dense, copy.deepcopy(dense), models.batch("mixtral", b=8), mode="1d", dp=2, ep=2,
-        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)))
+        rank, world, dense, copy.deepcopy(dense), models.batch("mixtral", b=4 * dp), mode="1d", dp=dp,
+        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)), **kw)
+    return res, sharded
+
+
+def _ep_lora(rank, world):
+    import peft
+
+    dense = peft.get_peft_model(models.build("mixtral"), peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                                                        target_modules=["q_proj", "v_proj"]))
+    res, sharded = _lora_check(rank, world, dense, dp=2, ep=2)
     res["experts"] = [(pp.spec.dims[0], pp.trainable) for pp in sharded.plan.params if ".experts." in pp.name]
     res["a2a"] = len([c for c in sharded.plan.comms() if c.kind == "all_to_all"])
     return res
@@ -423,18 +430,7 @@ def test_lora_on_the_experts_refused_naming_the_choices():
 
 
 def _lora_experts_dp1(rank, world):
-    torch.set_num_threads(1)
-    dense = _lora_on_experts(models.build("mixtral"))
-    with torch.no_grad():       # non-zero B: the adapters change the experts' weights
-        torch.manual_seed(1)
-        for n, p in dense.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
-    dense.train()
-    res, _, _ = models.check_trainable(
-        rank, world, dense, copy.deepcopy(dense), models.batch("mixtral", b=4), mode="1d", dp=1,
-        dense_params=dict(dense.get_base_model().named_parameters(remove_duplicate=False)))
-    return res
+    return _lora_check(rank, world, _lora_on_experts(models.build("mixtral")), dp=1)[0]
 
 
 @pytest.mark.slow
