@@ -212,8 +212,8 @@ def _launch_state(model, cfg: ShardConfig, *, example_inputs, captured, weights)
                              example_inputs=example_inputs, weights_given=weights is not None, environ=os.environ,
                              cp=cfg.cp, cp_attention=cfg.cp_attention, cp_order=cfg.cp_order)
     raise_problems(problems, f"autoshard.shard(mode={cfg.mode!r}) on {world} ranks")
-    if cfg.ep > 1:          # the experts over the dp (× cp) ranks: planned by passes.experts.plan_expert_parallel
-        pol.ep = cfg.ep
+    if cfg.ep > 1 and pol is not None:      # the experts over the dp (× cp) ranks (passes.experts.plan_expert_parallel;
+        pol.ep = cfg.ep                     # "auto": the search's candidates carry it)
     return LaunchState(config=cfg, model=model, example_inputs=example_inputs, world_size=world, rank=rank,
                        captured=captured, policy=pol, frozen=_frozen(model), checks="launch", device=device)
 

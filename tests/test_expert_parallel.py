@@ -61,7 +61,7 @@ def _dense_counts(cap, inputs: dict) -> list[torch.Tensor]:
     return [torch.diff(got[o], prepend=got[o].new_zeros(1)) for o in offs]
 
 
-def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=None):
+def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=None, mode="1d"):
     from autoshard.passes.capture import capture
     from autoshard.passes.experts import count_on_floats, expert_segments, fold_grouped_weights
     from autoshard.runtime.collectives import CommLedger
@@ -76,7 +76,7 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
     local = {k: v[rows] for k, v in inputs.items()}
     out_d = dense(**inputs)
     out_d.loss.backward()
-    sharded = autoshard.shard(model, mode="1d", dp=dp, ep=ep, example_inputs=local)
+    sharded = autoshard.shard(model, mode=mode, dp=dp, ep=ep, example_inputs=local)
     with CommLedger() as led:
         out = sharded(**local)
         out.loss.backward()
@@ -229,6 +229,15 @@ def test_mixtral_ep2_of_dp4(tmp_path):
     routing within each group, half the experts' bytes per rank; the experts save under their
     Hugging Face names (and load in transformers) and load back at ep=2."""
     _assert_exact(get_pool(4, timeout=600).run(_ep_check, "mixtral", 2, 3, str(tmp_path / "saved"), 1e-5, 4), 2)
+
+
+@pytest.mark.extended
+def test_auto_with_a_pinned_ep():
+    """shard(mode="auto", dp=2, ep=2) on 4 ranks: the search keeps the 1d layouts with ep=2
+    (check_ep no longer refuses "auto") and the module is the ep one: exact against dense, the
+    all-to-all bytes those of the dense routing."""
+    results = get_pool(4, timeout=600).run(_ep_check, "mixtral", 2, 0, None, 1e-5, 2, "auto")
+    _assert_exact(results, 2)
 
 
 @pytest.mark.parametrize("kw,needle", [
