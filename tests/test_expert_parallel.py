@@ -63,7 +63,7 @@ def _dense_counts(cap, inputs: dict) -> list[torch.Tensor]:
 
 def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=None, mode="1d"):
     from autoshard.passes.capture import capture
-    from autoshard.passes.experts import count_on_floats, expert_segments, fold_grouped_weights
+    from autoshard.passes.experts import count_on_floats, expert_param_rows, expert_segments, fold_grouped_weights
     from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
@@ -106,10 +106,10 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
         sent = int(counts[me][layer].sum() - counts[me][layer][mine].sum())
         came = sum(int(counts[d][layer][mine].sum()) for d in peers)
         # a row's bytes: the hidden state out (and back) -- plus, where the model gathers a per-row
-        # value from outside the experts (gpt-oss: each row's gate_up bias), its tp block (the
-        # expert's output features are split over tp)
+        # value from outside the experts other than a per-expert parameter's row (which the owner
+        # gathers from its block: gpt-oss's gate_up bias), its tp block
         hidden = dense.config.hidden_size * 4
-        extra = sum(v.meta["val"].shape[-1] * 4 // tp for v in seg.rows[1:])
+        extra = sum(v.meta["val"].shape[-1] * 4 // tp for v in seg.rows[1:] if expert_param_rows(seg, v) is None)
         # counts; rows out (sent) and results back (came) in forward, the reverse for their gradients
         expect += (ep - 1) * (e // ep) * 8 + (sent + came) * (2 * hidden + extra)
     a2a = [c for c in led.calls if c.kind == "all_to_all"]
@@ -121,6 +121,10 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
                                if ".experts." in n and p.dim() == 3),
            "dense_expert_bytes": sum(p.numel() * p.element_size() for n, p in dense.named_parameters()
                                      if ".experts." in n and p.dim() == 3),
+           # per-expert biases (gpt-oss): the gate_up bias, gathered by expert id, split over ep
+           # (whole over tp); the down bias, added after the combine, whole
+           "bias_bytes": {n: (p.numel() * p.element_size(), dict(dense.named_parameters())[n].numel() * p.element_size())
+                          for n, p in sharded.named_parameters() if ".experts." in n and p.dim() == 2},
            "tp": tp, "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()),
            "plan_param_bytes": plan.param_bytes_per_rank}
     # the experts reassemble whole under their Hugging Face names (rank 0 gathers), and a saved
@@ -188,6 +192,8 @@ def _assert_exact(results, ep):
         assert r["param_bytes"] == r["plan_param_bytes"]
         # each rank: E/ep experts, each split over tp
         assert r["expert_bytes"] * ep * r["tp"] == r["dense_expert_bytes"], (r["expert_bytes"], r["dense_expert_bytes"])
+        for name, (mine, whole) in r["bias_bytes"].items():
+            assert mine * (ep if "gate_up" in name else 1) == whole, (name, mine, whole)
         if "losses" in r:
             for a, b in zip(r["losses"]["sharded"], r["losses"]["dense"]):
                 assert abs(a - b) <= 1e-5, r["losses"]
@@ -229,6 +235,14 @@ def test_mixtral_ep2_of_dp4(tmp_path):
     routing within each group, half the experts' bytes per rank; the experts save under their
     Hugging Face names (and load in transformers) and load back at ep=2."""
     _assert_exact(get_pool(4, timeout=600).run(_ep_check, "mixtral", 2, 3, str(tmp_path / "saved"), 1e-5, 4), 2)
+
+
+@pytest.mark.extended
+def test_gptoss_ep2_of_dp4():
+    """gpt-oss at ep=2 below dp=4 (4 ranks, tp1): its gate_up bias, split over ep like the experts,
+    is held in the copies layout too (each block of 2 experts' biases on 2 ranks, their gradients
+    summed by the copies' all-reduce): exact against dense, 3 AdamW steps exact."""
+    _assert_exact(get_pool(4, timeout=600).run(_ep_check, "gptoss", 2, 3, None, 2e-5, 4), 2)
 
 
 @pytest.mark.extended
