@@ -402,12 +402,12 @@ def test_plan_ep_below_dp():
         [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
-def _generate(rank, world):
+def _generate(rank, world, name):
     from autoshard.runtime.collectives import CommLedger
 
     torch.set_num_threads(1)
-    dense = models.build("mixtral").eval()
-    ids = models.batch("mixtral", b=4)["input_ids"]
+    dense = models.build(name).eval()
+    ids = models.batch(name, b=4)["input_ids"]
     mine = ids[2 * (rank // 2): 2 * (rank // 2) + 2]         # this replica's prompts
     sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", dp=2, ep=2, example_inputs={"input_ids": mine})
     with CommLedger() as led:
@@ -417,11 +417,12 @@ def _generate(rank, world):
 
 
 @pytest.mark.slow
-def test_generate_with_ep():
+@pytest.mark.parametrize("name", ["mixtral", "gptoss"])
+def test_generate_with_ep(name):
     """generate() on a module sharded with ep=2: the prefill and decode steps are planned with
-    the module's layouts (experts split over dp) and dispatch their tokens to the experts'
-    ranks; greedy tokens equal dense generate()'s."""
-    for same, a2a in get_pool(4, timeout=600).run(_generate):
+    the module's layouts (experts split over dp; gpt-oss's gate_up bias too) and dispatch their
+    tokens to the experts' ranks; greedy tokens equal dense generate()'s."""
+    for same, a2a in get_pool(4, timeout=600).run(_generate, name):
         assert same and a2a > 0
 
 
