@@ -212,8 +212,8 @@ def _launch_state(model, cfg: ShardConfig, *, example_inputs, captured, weights)
                              example_inputs=example_inputs, weights_given=weights is not None, environ=os.environ,
                              cp=cfg.cp, cp_attention=cfg.cp_attention, cp_order=cfg.cp_order)
     raise_problems(problems, f"autoshard.shard(mode={cfg.mode!r}) on {world} ranks")
-    if cfg.ep > 1:          # the experts over the dp (× cp) ranks: planned by passes.experts.plan_expert_parallel
-        pol.ep = cfg.ep
+    if cfg.ep > 1 and pol is not None:      # the experts over the dp (× cp) ranks (passes.experts.plan_expert_parallel;
+        pol.ep = cfg.ep                     # "auto": the search's candidates carry it)
     return LaunchState(config=cfg, model=model, example_inputs=example_inputs, world_size=world, rank=rank,
                        captured=captured, policy=pol, frozen=_frozen(model), checks="launch", device=device)
 
@@ -311,7 +311,9 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
     ``mode="auto"`` returns the best plan of :func:`autoshard.search` on ``cluster``
     (default ``"dgx-a100"``); there ``batch_size`` is the global batch, and depth and
     dp are searched unless given (dp > 1 pins dp), and so is the context-parallel size
-    (cp > 1 pins it). ``sequence_parallel=True`` with ``mode="1d"`` is ``mode="1d-sp"``
+    (cp > 1 pins it), and so is expert parallelism for a model with experts (ep > 1 pins it:
+    the plan's first grouped matmul notes why ep or expert-TP was chosen).
+    ``sequence_parallel=True`` with ``mode="1d"`` is ``mode="1d-sp"``
     (see :func:`shard`). ``cp=C`` adds a context-parallel axis (see :func:`shard`);
     ``ep=E`` spreads the experts (see :func:`shard`): the plan's all-to-alls are priced at
     their bytes under uniform routing.
@@ -342,7 +344,7 @@ def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int
         return search(model_or_config, world_size=world_size, cluster=cfg.search_cluster(), depth=depth,
                       dp=dp if dp != 1 else None, batch_size=batch_size, seq_len=seq_len,
                       example_inputs=example_inputs, cp=cp if cp != 1 else None, cp_attention=cp_attention,
-                      cp_order=cp_order).plan
+                      cp_order=cp_order, ep=ep if ep != 1 else None).plan
     return _plan_layout(model_or_config, cfg, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
                         example_inputs=example_inputs)
 

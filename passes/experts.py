@@ -244,13 +244,41 @@ def ep_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in ("dp", "cp") if a in mesh.axes and mesh.size(a) > 1)
 
 
+def _strip(n):
+    """``n`` under the re-layout steps and dtype casts on it (the value they re-lay out)."""
+    while isinstance(n, fx.Node) and (_is_step(n) or n.target in (aten.to.dtype, aten._to_copy.default)):
+        n = n.args[0]
+    return n
+
+
+def expert_param_rows(seg: ExpertSegment, v: fx.Node) -> fx.Node | None:
+    """The per-expert parameter (``[E, ...]``, a ``get_attr``) whose rows the row input ``v``
+    gathers by each row's expert id (``P[ids]``, ``ids`` the sorted expert ids that ``seg``'s
+    offsets count: gpt-oss's gate_up bias), through re-layout steps; else None. Such a row
+    is not moved: the experts' owner gathers it from its own block of ``P`` (the rows it
+    receives are expert-major: :func:`~autoshard.runtime.experts.ep_expert_rows`), so ``P``
+    is split over ep like the experts' weights."""
+    n = _strip(v)
+    if not (isinstance(n, fx.Node) and n.target is aten.index.Tensor and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "get_attr" and len(n.args[1]) == 1 and isinstance(n.args[1][0], fx.Node)):
+        return None
+    w = n.args[0].meta.get("val")
+    if not isinstance(w, torch.Tensor) or w.dim() < 1 or int(w.shape[0]) != seg.num_experts:
+        return None
+    counts = seg.offs.args[0] if seg.offs.target is aten.cumsum.default else None
+    if counts is None or counts.target is not aten.histc.default or _strip(counts.args[0]) is not n.args[1][0]:
+        return None
+    return n.args[0]
+
+
 def mode_layout(spec, mesh, ep: int):
     """A parameter's layout under the mode's own rules, from its layout in a plan with
     ``ep`` (:func:`plan_expert_parallel`): an expert weight's expert dim unsplit again. A
-    graph planned with a module's layouts pinned (``generate()``'s step) pins these, and
+    graph planned with a module's layouts pinned (``generate()``'s step) pins these (an expert
+    weight ``[E, ...]``, 3-D, or a per-expert bias gathered by expert id, 2-D), and
     its expert-parallel pass splits them as the module's were."""
     axes = ep_axes(mesh)
-    if ep > 1 and axes and spec.ndim == 3 and tuple(spec.dims[0]) == axes:
+    if ep > 1 and axes and spec.ndim >= 2 and tuple(spec.dims[0]) == axes:
         return spec.with_dim(0, ())
     return spec
 
@@ -362,8 +390,10 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
             return [a2a("fwd", v)] + ([a2a("bwd", v)] if _needs_grad(v, trainable, memo) else [])
 
         counts = Comm(phase="fwd", kind="all_to_all", axes=axes, group_size=ep, buffer_bytes=(ep - 1) * (e // ep) * 8)
-        out = [counts] + [a2a("fwd", v) for v in seg.rows] + [a2a("bwd", v) for v in seg.rows
-                                                             if _needs_grad(v, trainable, memo)]
+        gathered = {v: expert_param_rows(seg, v) for v in seg.rows[1:]}
+        moved = [v for v in seg.rows if gathered.get(v) is None]
+        out = [counts] + [a2a("fwd", v) for v in moved] + [a2a("bwd", v) for v in moved
+                                                          if _needs_grad(v, trainable, memo)]
         nodes[first.name] = dataclasses.replace(first, comms=first.comms + tuple(out), notes=first.notes + (
             f"expert parallelism: {e // ep} of {e} experts per rank; token rows dispatched to them by all-to-all "
             f"over {','.join(axes)}" + (f" (groups of {ep})" if ep < size else ""),))
@@ -372,7 +402,7 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
         for g in seg.grouped:
             nodes[g.name] = dataclasses.replace(nodes[g.name], weight=f"{nodes[g.name].weight} · experts / {ep}",
                                                 param_bytes=nodes[g.name].param_bytes // ep)
-        for name in seg.weights:
+        for name in seg.weights + tuple(w.target for w in gathered.values() if w is not None):
             params[name] = _split_experts(orig[name], axes, ep, size)
     return dataclasses.replace(plan, nodes=tuple(nodes[n.name] for n in plan.nodes),
                                params=tuple(params[p.name] for p in plan.params))
@@ -415,9 +445,11 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
         for v in seg.rows:
             users = [n for n in seg.nodes if v in n.all_input_nodes]
             with g.inserting_before(users[0]):
-                moved = g.call_function(X.ep_dispatch, (v, route))
+                w = expert_param_rows(seg, v)
+                moved = g.call_function(X.ep_dispatch, (v, route)) if w is None else _local_rows(g, v, w, route)
             for n in users:
                 n.replace_input_with(v, moved)
+            _erase_unused(g, v)
         for n in seg.grouped:
             n.replace_input_with(seg.offs, local_offs)
         for n in seg.nodes:      # their rows are the received ones now: no promise of the planned count
@@ -433,3 +465,30 @@ def dispatch_experts(gm: fx.GraphModule, plan, groups: dict[str, str]) -> None:
     if changed:
         g.lint()
         gm.recompile()
+
+
+def _local_rows(g: fx.Graph, v: fx.Node, w: fx.Node, route: fx.Node) -> fx.Node:
+    """In place of the row input ``v`` (``w[ids]`` and the re-layout steps on it): the rows of
+    this rank's block of ``w`` for the rows it received (:func:`~autoshard.runtime.experts.ep_expert_rows`),
+    the same steps applied (they act on the feature dims: the rows are not re-laid out in a
+    segment, :func:`expert_segments`)."""
+    from autoshard.runtime import experts as X
+
+    chain = []
+    n = v
+    while n.op != "call_function" or n.target is not aten.index.Tensor:
+        chain.append(n)
+        n = n.args[0]
+    out = g.call_function(X.ep_expert_rows, (w, route))
+    for st in reversed(chain):
+        out = g.call_function(st.target, (out, *st.args[1:]), dict(st.kwargs))
+    return out
+
+
+def _erase_unused(g: fx.Graph, v: fx.Node) -> None:
+    """Erase ``v`` and what only it used, up to the parameter, once nothing reads it (a gather
+    by global expert ids would index past the rank's block)."""
+    while isinstance(v, fx.Node) and v.op == "call_function" and not v.users:
+        args = v.all_input_nodes
+        g.erase_node(v)
+        v = args[0] if args and args[0].op == "call_function" else None

@@ -62,6 +62,33 @@ def state_inputs(gm: fx.GraphModule) -> tuple[str, ...]:
             out.append(n.name)
     return tuple(out)
 
+def _computed_expert_weight(node: fx.Node) -> str:
+    """Why a grouped matmul meets the sorted rows unrecognised, and the valid choices, when
+    its weight is computed in the graph rather than read from a parameter (a LoRA adapter on
+    the expert weights: peft's ``target_parameters`` adds ``B @ A`` to each expert's weight);
+    '' for any other node. Only a grouped matmul whose weight is a parameter (or its
+    transpose) is folded into ``grouped_linear`` and runs on the sorted rows (docs/design.md,
+    "Expert parallelism")."""
+    from autoshard.ir.grouped import grouped_ops
+
+    if node.target not in set(grouped_ops().values()) or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+        return ""
+    seen, todo, params = set(), [node.args[1]], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
+            params.append(n.target)
+        todo.extend(n.all_input_nodes)
+    return (f"; it is a grouped matmul (the experts' per-expert matmul) whose weight {node.args[1].name} is computed "
+            f"in the graph from {', '.join(sorted(params)) or 'other values'} (an adapter on the expert weights, "
+            f"e.g. peft's target_parameters), and only a grouped matmul whose weight is a parameter is split with "
+            f"its rows. Valid choices: LoRA on the attention and dense layers (peft target_modules) with the "
+            f"experts frozen or trained whole, or no batch split (dp=1, cp=1, ep=1)")
+
+
 @dataclass
 class _State:
     """What the walk has decided so far (the rules read it through :class:`NodeContext`)."""
@@ -284,7 +311,7 @@ class _Engine:
             raise ShardingError(f"rows sorted on each rank's own tokens (a rank-local order) reach an op that "
                                 f"does not treat rows one by one or meets rows of another order ({', '.join(split)}); "
                                 f"with the batch split over {','.join(self.batch_axes)} its local result would not "
-                                f"be a block of the dense one", node=node)
+                                f"be a block of the dense one{_computed_expert_weight(node)}", node=node)
 
     def _placeholder(self, node, ann) -> NodePlan | None:
         v = node.meta.get("val")

@@ -341,7 +341,7 @@ def _search_layout(state: LaunchState):
     cfg, ex = state.config, state.captured.example_inputs
     return search(state.captured, world_size=state.world_size, batch_size=batch_of(ex) * cfg.dp,
                   seq_len=seq_of(ex) or 1, cluster=cfg.search_cluster(), depth=cfg.depth, dp=cfg.dp, cp=cfg.cp,
-                  cp_attention=cfg.cp_attention, cp_order=cfg.cp_order).best.candidate.policy()
+                  cp_attention=cfg.cp_attention, cp_order=cfg.cp_order, ep=cfg.ep).best.candidate.policy()
 
 
 def _report_auto(model, pol, example_inputs, world: int) -> None:

@@ -62,13 +62,15 @@ class Candidate:
     cp: int = 1
     cp_attention: str = "ring"
     cp_order: str = "balanced"
+    ep: int = 1                 # expert parallelism over the dp (× cp) ranks (1: expert-TP)
 
     @property
     def label(self) -> str:
         from ..policies import POLICIES
 
         return POLICIES[self.mode].label(self.mesh) + (" · gathered kv" if self.cp > 1 and
-                                                        self.cp_attention == "gather" else "")
+                                                        self.cp_attention == "gather" else "") + \
+            (f" · ep{self.ep}" if self.ep > 1 else "")
 
     def policy(self):
         from ..policies import POLICIES
@@ -76,6 +78,8 @@ class Candidate:
         pol = POLICIES[self.mode](self.mesh)
         if self.cp > 1:
             pol.cp_attention, pol.cp_order = self.cp_attention, self.cp_order
+        if self.ep > 1:
+            pol.ep = self.ep
         return pol
 
 
@@ -115,15 +119,20 @@ def _describe(mode: str, mesh: Mesh) -> tuple[int, int, int]:
 
 
 def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int | None = None,
-               cp: int | None = 1, cp_attention: str = "ring", cp_order: str = "balanced") -> list[Candidate]:
+               cp: int | None = 1, cp_attention: str = "ring", cp_order: str = "balanced",
+               ep: int | None = 1) -> list[Candidate]:
     """Every ``(mode, q, d, dp, cp)`` the registered modes accept for ``world_size``.
 
     ``depth`` / ``dp`` / ``cp`` pin those values (``cp=None``: every cp dividing the world,
     for the modes that take a cp axis); ``modes`` restricts the modes. A mesh with a
     size-1 axis (2.5d with d = 1 is 2d; a 1-rank TP axis) is kept only where it is
     the one way to express the layout: pure data parallelism is ``1d [1] × dp``, pure
-    context parallelism ``1d [1] × cp``.
+    context parallelism ``1d [1] × cp``. ``ep`` pins expert parallelism (above 1: the ``1d``
+    candidates whose dp × cp it divides, with that ep); ``ep=None`` adds, beside every ``1d``
+    candidate, one per divisor ``E > 1`` of its dp × cp (for a model with experts).
 
+    >>> [c.label for c in candidates(4, dp=2, modes=["1d"], ep=None)]
+    ['1d [2] × dp2', '1d [2] × dp2 · ep2']
     >>> [c.label for c in candidates(4)]
     ['1d [4]', '1d [2] × dp2', '1d [1] × dp4', '1d-sp [4]', '1d-sp [2] × dp2', '2d [2,2]']
     >>> [c.label for c in candidates(4, cp=None) if c.cp > 1]
@@ -150,8 +159,25 @@ def candidates(world_size: int, *, modes=None, depth: int | None = None, dp: int
             for att in attentions if c > 1 else ("ring",):
                 out.append(Candidate(mode=mode, q=q, d=d, dp=rr, depth=dd, mesh=mesh, cp=c, cp_attention=att,
                                      cp_order=cp_order))
+    out = _with_ep(out, ep)
     order = {m: i for i, m in enumerate(POLICIES)}
-    out.sort(key=lambda c: (c.cp, order[c.mode], c.dp, c.d, c.q, c.cp_attention != "ring"))
+    out.sort(key=lambda c: (c.cp, order[c.mode], c.dp, c.d, c.q, c.cp_attention != "ring", c.ep))
+    return out
+
+
+def _with_ep(cands: list[Candidate], ep: int | None) -> list[Candidate]:
+    """``cands`` with expert parallelism (:func:`candidates`' ``ep``): only ``1d`` composes
+    with it (docs/design.md, "Expert parallelism"), over its dp × cp ranks."""
+    if ep == 1:
+        return cands
+    out = []
+    for c in cands:
+        n = c.dp * c.cp
+        if ep is None:
+            out.append(c)
+            out.extend(dataclasses.replace(c, ep=e) for e in _divisors(n)[1:] if c.mode == "1d")
+        elif c.mode == "1d" and n % ep == 0:
+            out.append(dataclasses.replace(c, ep=ep))
     return out
 
 
@@ -286,13 +312,16 @@ class SearchResult:
                           f"{b.cost.step_s * 1e3:,.1f} ms · {human_bytes(b.cost.memory_bytes)}/rank of "
                           f"{human_bytes(self.cluster.memory_bytes)}"
                           + (f" · with sharded.async_tp({b.async_tp})" if b.async_tp > 1 else ""))
+            why = ep_verdict(self.results)
+            if why:
+                console.print(why)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "world_size": self.world_size, "batch_size": self.batch_size,
                 "seq_len": self.seq_len, "cluster": self.cluster.name,
                 "candidates": [{"rank": e.rank, "label": e.candidate.label, "mode": e.candidate.mode,
                                 "q": e.candidate.q, "d": e.candidate.d, "dp": e.candidate.dp,
-                                "cp": e.candidate.cp, "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
+                                "cp": e.candidate.cp, "ep": e.candidate.ep, "depth": e.candidate.depth, "mesh": str(e.candidate.mesh), "reason": e.reason,
                                 "async_tp": e.async_tp,
                                 "cost": e.cost.to_dict() if e.cost else None} for e in self.results]}
 
@@ -497,8 +526,8 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
            seq_len: int = 128, modes=None, depth: int | None = None, dp: int | None = None,
            optimizer: str | None = "adamw", example_inputs: dict | None = None,
            raise_if_none: bool = True, zero: int = 0, cp: int | None = 1, cp_attention: str = "ring",
-           cp_order: str = "balanced") -> SearchResult:
-    """Rank every valid ``(mode, q, d, dp, cp)`` for ``world_size`` on ``cluster``.
+           cp_order: str = "balanced", ep: int | None = None) -> SearchResult:
+    """Rank every valid ``(mode, q, d, dp, cp, ep)`` for ``world_size`` on ``cluster``.
 
     ``model_or_config`` is a model, a config, a local path, or a
     :class:`~autoshard.passes.capture.Captured` graph (captured once, reused by
@@ -512,6 +541,11 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     is False). ``zero=1|2`` prices the optimizer state (and with 2 the gradients)
     split over each candidate's dp replicas (:class:`autoshard.training.zero.ZeroAdamW`);
     ``mode="1d-sp"`` candidates carry sequence parallelism's smaller activations.
+    ``ep`` pins expert parallelism; ``ep=None`` (the default) weighs it, for a model with
+    grouped expert matmuls, against expert-TP: each ``1d`` candidate also priced with every
+    ep dividing its dp × cp (the all-to-alls at their bytes under uniform routing, no dp
+    all-reduce for the experts, ``1/ep`` of their bytes), the cheapest kept, and
+    :func:`ep_verdict` noted on the chosen plan's first grouped matmul.
     """
     cluster = Cluster.preset(cluster)
     cap = _captured(model_or_config, example_inputs)
@@ -521,13 +555,16 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     rungs = _Rungs(cap.shallow.rungs()) if priced and getattr(cap, "shallow", None) is not None else None
     kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero,
               rungs=rungs)
+    if ep is None and not _has_experts(cap):
+        ep = 1
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp, cp=cp, cp_attention=cp_attention,
-                       cp_order=cp_order)
+                       cp_order=cp_order, ep=ep)
     if not cands:
         raise ConfigError(f"no mode accepts {world_size} ranks"
                           + (f" with depth={depth}" if depth is not None else "")
                           + (f" and dp={dp}" if dp is not None else "")
-                          + (f" and cp={cp}" if cp not in (None, 1) else ""))
+                          + (f" and cp={cp}" if cp not in (None, 1) else "")
+                          + (f" and ep={ep} (1d only, dividing dp × cp)" if ep not in (None, 1) else ""))
     from ..passes.propagate import remember_row_facts
 
     with remember_row_facts():          # one graph (or two, priced) planned per candidate
@@ -535,6 +572,7 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
         if rungs is not None:
             results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
                                    optimizer=optimizer, zero=zero)
+    results = _note_ep_verdict(results)
     res = SearchResult(model=cap.model_name, world_size=world_size, batch_size=batch_size, seq_len=seq_len,
                        cluster=cluster, results=tuple(results))
     if res.ranked or not raise_if_none:
@@ -564,3 +602,62 @@ def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw, cp: d
                 return (f"{head}. The smallest world size that fits is {w} "
                         f"({c.label}, {human_bytes(e.cost.memory_bytes)} per rank).")
     return f"{head}. No world size up to {_MAX_UPWARD} fits either."
+
+
+# --------------------------------------------------------------------------- expert parallelism
+def _has_experts(cap) -> bool:
+    """Whether ``cap``'s graph runs a grouped matmul (a mixture-of-experts layer's experts):
+    the ops expert parallelism is planned from (docs/design.md, "Expert parallelism")."""
+    from ..ir.grouped import grouped_linear, grouped_ops
+
+    ops = set(grouped_ops().values()) | {grouped_linear}
+    return any(n.op == "call_function" and n.target in ops for n in cap.module.graph.nodes)
+
+
+def _a2a_mb(e: Evaluated) -> str:
+    if e.plan is None:
+        return ""
+    b = sum(c.bytes_per_rank for c in e.plan.comms() if c.kind == "all_to_all")
+    return f", {b / 1e6:,.2f} MB of it all-to-all at uniform routing" if b else ""
+
+
+def ep_verdict(results) -> str:
+    """Why the search chose expert parallelism or expert-TP: the chosen candidate against
+    the best of the other kind on the same mesh (else on any), by predicted step time,
+    bytes sent per rank and memory per rank; ``""`` when no ep candidate was weighed.
+
+    >>> ep_verdict([])
+    ''
+    """
+    ok = [e for e in results if e.ok]
+    if not ok or not any(e.candidate.ep > 1 for e in results):
+        return ""
+    best = ok[0]
+    other = [e for e in ok if (e.candidate.ep > 1) != (best.candidate.ep > 1)]
+    same = [e for e in other if e.candidate.mesh == best.candidate.mesh]
+    if not (same or other):
+        dropped = next((e for e in results if e.candidate.ep > 1 and not e.ok), None)
+        return (f"expert parallelism: not chosen ({dropped.candidate.label}: {dropped.reason})" if dropped and
+                best.candidate.ep == 1 else "")
+    alt = (same or other)[0]
+
+    def side(e):
+        k = e.cost
+        return (f"{e.candidate.label}: step {k.step_s * 1e3:,.3f} ms, {k.comm_bytes / 1e6:,.2f} MB sent per "
+                f"rank{_a2a_mb(e)}, {human_bytes(k.memory_bytes)} per rank")
+
+    what = f"ep={best.candidate.ep}" if best.candidate.ep > 1 else "expert-TP (ep=1)"
+    return f"experts: {what} chosen by the cost model ({side(best)}) over {side(alt)}"
+
+
+def _note_ep_verdict(results: list[Evaluated]) -> list[Evaluated]:
+    """``results`` with :func:`ep_verdict` a note of the chosen plan's first grouped matmul."""
+    why = ep_verdict(results)
+    if not why or not results or not results[0].ok or results[0].plan is None:
+        return results
+    plan = results[0].plan
+    first = next((n for n in plan.nodes if "grouped" in n.op), None)
+    if first is None:
+        return results
+    nodes = tuple(dataclasses.replace(n, notes=n.notes + (why,)) if n is first else n for n in plan.nodes)
+    return [dataclasses.replace(results[0], plan=dataclasses.replace(plan, nodes=nodes))] + list(results[1:])

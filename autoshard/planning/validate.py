@@ -366,7 +366,8 @@ def check_min_seq(seq: int, plan, *, source: str) -> list[Problem]:
 
 def check_ep(ep, *, mode: str, dp: int, cp: int, fsdp: bool = False) -> list[Problem]:
     """Expert parallelism's size against the layout, before any collective: an integer
-    ``>= 1``; above 1, ``mode="1d"`` (the one mode it composes with today), a divisor of
+    ``>= 1``; above 1, ``mode="1d"`` (the one mode it composes with today; ``"auto"`` searches
+    the 1d layouts whose dp × cp ``ep`` divides), a divisor of
     the data-parallel × context-parallel ranks it borrows (below their number, each block
     of experts is held by ``dp·cp / ep`` of them), without FSDP (docs/design.md, "Expert
     parallelism").
@@ -382,12 +383,13 @@ def check_ep(ep, *, mode: str, dp: int, cp: int, fsdp: bool = False) -> list[Pro
         return []
     n = dp * cp
     out = []
-    if n % ep:
+    if n % ep and not (mode == "auto" and n == 1):      # "auto" with dp = cp = 1 searches dp (and cp)
         valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         out.append(Problem("ep", f"ep={ep} must divide dp × cp = {n} (the ranks expert parallelism borrows); "
                                  f"valid ep: {valid}"))
-    if mode != "1d":
-        out.append(Problem("ep", f"ep={ep} composes with mode='1d' only today, got mode={mode!r}; valid: mode='1d' or ep=1"))
+    if mode not in ("1d", "auto"):         # "auto": the search keeps its 1d candidates
+        out.append(Problem("ep", f"ep={ep} composes with mode='1d' only today, got mode={mode!r}; valid: mode='1d' "
+                                 f"(or 'auto', which searches the 1d layouts with ep) or ep=1"))
     if fsdp:
         out.append(Problem("ep", f"ep={ep} with fsdp=True is not implemented yet; valid: fsdp=False or ep=1"))
     return out

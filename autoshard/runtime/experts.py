@@ -35,7 +35,7 @@ import torch
 
 from . import collectives as C
 
-__all__ = ["Route", "ep_route", "ep_dispatch", "ep_combine", "ep_local_offs"]
+__all__ = ["Route", "ep_route", "ep_dispatch", "ep_combine", "ep_local_offs", "ep_expert_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,3 +124,18 @@ def ep_combine(y: torch.Tensor, route: Route) -> torch.Tensor:
     back = torch.empty_like(route.perm).index_copy_(0, route.perm, torch.arange(route.perm.numel(),
                                                                                 device=route.perm.device))
     return _Exchange.apply(y.index_select(0, back), route.recv, route.send, route.group)
+
+
+def ep_expert_rows(w: torch.Tensor, route: Route) -> torch.Tensor:
+    """Each received row's row of ``w`` (this rank's block of a per-expert parameter, ``[L, ...]``):
+    the rows :func:`ep_dispatch` gives are expert-major, local expert ``l`` holding
+    ``local_offs[l] - local_offs[l-1]`` of them, so ``w[l]`` repeated that many times. What
+    ``w_whole[ids]`` gathered on the sender, without moving it. Differentiable in ``w``.
+
+    >>> r = Route(group="", send=(), recv=(), perm=torch.arange(3), local_offs=torch.tensor([1, 3]))
+    >>> ep_expert_rows(torch.tensor([[1.], [2.]]), r).flatten().tolist()
+    [1.0, 2.0, 2.0]
+    """
+    o = route.local_offs.detach().to(torch.float64).round().to(torch.int64)
+    counts = torch.diff(o, prepend=o.new_zeros(1)).to(w.device)
+    return w.index_select(0, torch.repeat_interleave(torch.arange(counts.numel(), device=w.device), counts))
