@@ -219,7 +219,7 @@ class _Engine:
         def one(t, sp):
             if not is_tensor_val(t):
                 return None
-            g = self.shapes.concrete(t.shape)
+            g = self.shapes.concrete_val(t)
             return sp.local_shape(g, self.mesh) if isinstance(sp, ShardSpec) else g
 
         if isinstance(v, (list, tuple)):
@@ -293,7 +293,7 @@ class _Engine:
         if not is_tensor_val(v):
             self.st.specs[node.name] = None
             return None
-        sh = self.shapes.probe(v.shape)
+        sh = self.shapes.probe_val(v)
         b = self.policy.batch_axes
         if self.batch_axes and sh and sh[0] == _PRIME_BATCH:
             spec = replicated(len(sh)).with_dim(0, self.batch_axes)
@@ -301,8 +301,8 @@ class _Engine:
             if not b:
                 return None
             return NodePlan(name=node.name, op="placeholder", kind="input", module="", out_spec=spec,
-                            post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete(v.shape),
-                            local_shape=spec.local_shape(self.shapes.concrete(v.shape), self.mesh),
+                            post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete_val(v),
+                            local_shape=spec.local_shape(self.shapes.concrete_val(v), self.mesh),
                             notes=(f"batch split over {','.join(b)}",))
         self.st.specs[node.name] = replicated(len(sh))
         return None

@@ -24,6 +24,8 @@ from autoshard.runtime.collectives import sim_group
 from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import NodePlan, SavedTensor, ShardingPlan
 
+from .walked import evolve
+
 __all__ = ["trace"]
 
 aten = torch.ops.aten
@@ -414,7 +416,7 @@ def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
     for i, n in enumerate(nodes):
         note = (f"activation trace: did not run on meta ({t.failed[n.name]}); its saved tensors are not counted",) \
             if n.name in t.failed else ()
-        nodes[i] = dataclasses.replace(n, saved=tuple(saved.get(i, ())), notes=n.notes + note)
+        nodes[i] = evolve(n, saved=tuple(saved.get(i, ())), notes=n.notes + note)
     return dataclasses.replace(plan, nodes=tuple(nodes))
 
 
