@@ -44,6 +44,7 @@ from autoshard.policies.linear_ops import linear_operands
 
 from .annotate import LINEAR_OPS
 from .capture import Captured, copy_sharing
+from .fake_replay import run_fake
 
 aten = torch.ops.aten
 
@@ -190,8 +191,7 @@ class _Padder:
             node.meta["val"] = self.fake.from_tensor(t, static_shapes=True)
             return
         args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-        with self.fake:
-            node.meta["val"] = node.target(*args, **kwargs)
+        node.meta["val"] = run_fake(self.fake, node.target, args, kwargs)      # remembered across candidates
         node.meta.pop("tensor_meta", None)
 
     def _insert(self, before: fx.Node, target, args, kwargs=None) -> fx.Node:

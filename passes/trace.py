@@ -24,6 +24,7 @@ from autoshard.runtime.collectives import sim_group
 from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import NodePlan, SavedTensor, ShardingPlan
 
+from .fake_replay import makes_new_tensors
 from .walked import evolve
 
 __all__ = ["trace"]
@@ -63,17 +64,8 @@ _NO_REPLAY = object()
 _REPLAY_ON = os.environ.get("AUTOSHARD_TRACE_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _replayable(target) -> bool:
-    """An op that makes new tensors only: no view or in-place output (whose storage is an operand's)."""
-    ok = _REPLAYABLE.get(target)
-    if ok is None:
-        schema = getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
-        ok = _REPLAYABLE[target] = schema is not None and not schema.is_mutable and \
-            all(r.alias_info is None for r in schema.returns)
-    return ok
-
-
-_REPLAYABLE: dict = {}
+#: an op that makes new tensors only: no view or in-place output (whose storage is an operand's)
+_replayable = makes_new_tensors
 
 
 def _key_of(v, tensors: list, sids: dict):
