@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -531,21 +532,11 @@ class _Unsupported(Exception):
         self.family = family
 
 
-def _len_users(gm: fx.GraphModule, target: str, memo: dict | None = None) -> int:
-    """How many get_attr nodes read the parameter ``target`` (or a tied name of it);
-    ``memo`` (one per graph, unchanged meanwhile) counts them for every parameter once."""
-    if memo is None:
-        params = dict(gm.named_parameters(remove_duplicate=False))
-        p = params.get(target)
-        return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
-    if not memo:
-        params = dict(gm.named_parameters(remove_duplicate=False))
-        counts: dict = {}
-        for n in gm.graph.find_nodes(op="get_attr"):
-            k = id(params.get(n.target))
-            counts[k] = counts.get(k, 0) + 1
-        memo.update(params=params, counts=counts)
-    return memo["counts"].get(id(memo["params"].get(target)), 0)
+def _len_users(gm: fx.GraphModule, target: str) -> int:
+    """How many get_attr nodes read the parameter ``target`` (or a tied name of it)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    p = params.get(target)
+    return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
 
 
 def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
@@ -736,14 +727,15 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
     ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
     head's query group is padded to ``r`` blocks of ``⌈g/r⌉`` query heads."""
     seeds: dict[str, _Dim] = {}
-    users: dict = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))      # _len_users of every parameter, at once
+    readers = Counter(id(params.get(n.target)) for n in gm.graph.find_nodes(op="get_attr"))
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in LINEAR_OPS:
             continue
         xp, wp, bp, nd, _ = linear_operands(node)
         w = node.args[wp[0]]
         if not (isinstance(w, fx.Node) and w.op == "get_attr") or _val(w).dim() != 2 or w.target in done or \
-                w.target in seeds or _len_users(gm, w.target, users) != 1:
+                w.target in seeds or readers[id(params.get(w.target))] != 1:
             continue
         N = int(_val(w).shape[nd])
         segs, unit = _layout(node)
@@ -765,8 +757,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
         b = node.args[bp[0]] if bp else None
-        if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and \
-                _len_users(gm, b.target, users) == 1:
+        if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and readers[id(params.get(b.target))] == 1:
             seeds[b.target] = p.at(0)
     return seeds
 
