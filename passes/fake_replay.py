@@ -20,6 +20,11 @@ __all__ = ["makes_new_tensors", "run_fake"]
 #: (target, id(fake mode), operand key) -> (fake mode, record) or (fake mode, None): not replayable
 _MEMO: dict = {}
 _MEMO_MAX = 50_000
+#: the fake modes ``_MEMO`` holds (a mode keeps its graph's fake values alive: a few at most)
+_MODES: dict = {}
+_MODES_MAX = 4
+#: how many runs were replayed and how many ran (what tests/passes/test_fake_replay.py reads)
+STATS = {"replayed": 0, "ran": 0}
 _NEW_ONLY: dict = {}
 
 
@@ -98,14 +103,18 @@ def run_fake(fake, target, args, kwargs):
     hit = _MEMO.get(key)
     if hit is not None and hit[0] is fake and hit[1] is not None:
         structure, geo = hit[1]
+        STATS["replayed"] += 1
         with fake:
             made = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                     for shape, stride, dtype, device, grad in geo]
         return made[0] if structure is None else structure(made)
+    STATS["ran"] += 1
     with fake:
         out = target(*args, **kwargs)
     if hit is None:
-        if len(_MEMO) >= _MEMO_MAX:
+        if len(_MEMO) >= _MEMO_MAX or (id(fake) not in _MODES and len(_MODES) >= _MODES_MAX):
             _MEMO.clear()
+            _MODES.clear()
+        _MODES[id(fake)] = fake
         _MEMO[key] = (fake, _record(out, syms))      # the mode kept alive: its id stays its own
     return out
