@@ -28,7 +28,7 @@ from autoshard.policies.linear_ops import linear_operands
 from .layouts import before_cuts
 from .row_order import LOCAL_ROWS_NOTE, RowFact
 from .rule_context import aten_name, is_tensor_val
-from .walked import Visit, Walked
+from .walked import Visit, Walked, evolve
 
 __all__ = ["count_comms", "plan_rows", "state_rows", "step_comms"]
 
@@ -36,7 +36,7 @@ __all__ = ["count_comms", "plan_rows", "state_rows", "step_comms"]
 def count_comms(walked: Walked) -> Walked:
     """``walked`` with every visit's ``comms`` and the outputs' (``output_comms``)."""
     made: set = set()       # (value name, steps): re-layouts already made (the rewrite shares them)
-    walked = walked.with_visits(lambda v: dataclasses.replace(v, comms=tuple(_visit_comms(walked, v, made))))
+    walked = walked.with_visits(lambda v: evolve(v, comms=tuple(_visit_comms(walked, v, made))))
     comms: list[Comm] = []
     items = _output_items(walked.output)
     for (_, i), steps in walked.output_steps:
@@ -74,7 +74,7 @@ def _visit_comms(walked: Walked, v: Visit, made: set) -> list[Comm]:
 
 def step_comms(walked: Walked, a: fx.Node, cur: ShardSpec, steps, needs_grad: bool) -> list[Comm]:
     """The collectives of ``steps`` applied to value ``a`` laid out as ``cur``."""
-    shape = walked.shapes.concrete(a.meta["val"].shape)
+    shape = walked.shapes.concrete_val(a.meta["val"])
     eb = a.meta["val"].element_size()
     out: list[Comm] = []
     s = cur
@@ -110,10 +110,10 @@ def _kernel_comms(walked: Walked, v: Visit):
     for path, req in v.in_specs.items():
         a = get_arg(node, path)
         if isinstance(a, fx.Node) and is_tensor_val(a.meta.get("val")):
-            shapes[path] = req.local_shape(walked.shapes.concrete(a.meta["val"].shape), mesh)
+            shapes[path] = req.local_shape(walked.shapes.concrete_val(a.meta["val"]), mesh)
     val = node.meta.get("val")
     out = before_cuts(choice)       # the kernel's own output, before a cut after it
-    oshape = out.local_shape(walked.shapes.concrete(val.shape), mesh) \
+    oshape = out.local_shape(walked.shapes.concrete_val(val), mesh) \
         if isinstance(out, ShardSpec) and is_tensor_val(val) else ()
     return choice.kernel.comms(KernelIO(in_shapes=shapes, out_shape=oshape, mesh=mesh))
 
@@ -139,7 +139,7 @@ def _node_plan(walked: Walked, v: Visit) -> NodePlan:
     node, ann, choice = v.node, v.ann, v.choice
     out = choice.out
     val = node.meta.get("val")
-    gshape = walked.shapes.concrete(val.shape) if is_tensor_val(val) else ()
+    gshape = walked.shapes.concrete_val(val) if is_tensor_val(val) else ()
     lshape = out.local_shape(gshape, walked.mesh) if isinstance(out, ShardSpec) and gshape else ()
     notes = tuple(n for n in choice.notes if n) + _whole_note(walked, v) + _row_order_note(walked, node)
     return NodePlan(name=node.name, op=_op_name(node), flops=_linear_flops(walked, node, ann, gshape),
@@ -160,7 +160,7 @@ def state_rows(walked: Walked) -> list[NodePlan]:
         if n.name not in walked.state:
             continue
         spec = walked.specs.setdefault(n.name, replicated(n.meta["val"].dim()))
-        g = walked.shapes.concrete(n.meta["val"].shape)
+        g = walked.shapes.concrete_val(n.meta["val"])
         local = spec.local_shape(g, walked.mesh)
         out.append(NodePlan(name=n.name, op="placeholder", kind="state", module="", out_spec=spec,
                             global_shape=g, local_shape=local,
@@ -177,7 +177,7 @@ def _param_bytes(walked: Walked, v: Visit) -> int:
     for path, req in v.in_specs.items():
         a = get_arg(v.node, path)
         if a.op == "get_attr" and a.target in walked.params:
-            pbytes += math.prod(req.local_shape(walked.shapes.concrete(a.meta["val"].shape), walked.mesh)) * \
+            pbytes += math.prod(req.local_shape(walked.shapes.concrete_val(a.meta["val"]), walked.mesh)) * \
                 a.meta["val"].element_size()
     return pbytes
 
@@ -189,7 +189,7 @@ def _linear_flops(walked: Walked, node, ann, gshape) -> int:
     _, wp, _, nd, kd = linear_operands(node)
     w = get_arg(node, wp)
     if isinstance(w, fx.Node) and is_tensor_val(w.meta.get("val")):
-        ws = walked.shapes.concrete(w.meta["val"].shape)
+        ws = walked.shapes.concrete_val(w.meta["val"])
         if len(ws) > max(nd, kd):
             return 2 * math.prod(gshape[:-1]) * ws[nd] * ws[kd]
     return 0

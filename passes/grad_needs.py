@@ -25,7 +25,7 @@ from autoshard.ir.spec import ShardSpec
 
 from .layouts import before_cuts
 from .rule_context import is_tensor_val
-from .walked import Visit, Walked
+from .walked import Visit, Walked, evolve
 
 __all__ = ["grad_syncs", "needs_grad"]
 
@@ -120,7 +120,7 @@ def grad_syncs(walked: Walked) -> Walked:
                 sums.setdefault(name, []).append((path, Step(op="copy_to", axes=extra),
                                                   f"{target} grad summed over {','.join(extra)} here", target))
     return walked.with_visits(
-        lambda v: dataclasses.replace(v, grad_sums=tuple(sums.get(v.node.name, ()))), param_sync=sync)
+        lambda v: evolve(v, grad_sums=tuple(sums.get(v.node.name, ()))), param_sync=sync)
 
 
 def _grad_steps(walked: Walked, v: Visit, uses: dict) -> Visit:
@@ -154,7 +154,7 @@ def _grad_steps(walked: Walked, v: Visit, uses: dict) -> Visit:
         else:
             steps = steps + (Step(op="copy_to", axes=rep),)
         arg_steps = [(p, s) for p, s in arg_steps if p != path] + [(path, steps)]
-    return dataclasses.replace(v, arg_steps=tuple(arg_steps))
+    return evolve(v, arg_steps=tuple(arg_steps))
 
 
 def _spec_axes(out) -> set:

@@ -22,7 +22,7 @@ from autoshard.ir.plan import Step
 from autoshard.ir.spec import ShardSpec
 from autoshard.policies.base import Choice
 
-from .walked import Visit, Walked
+from .walked import Visit, Walked, evolve
 
 __all__ = ["before_cuts", "redistribute", "relayouts"]
 
@@ -39,7 +39,7 @@ def _visit_steps(walked: Walked, v: Visit) -> Visit:
         steps = _relayout(walked, v.node, get_arg(v.node, path), v.in_specs[path])
         if steps:
             arg_steps.append((path, tuple(steps)))
-    return dataclasses.replace(v, arg_steps=tuple(arg_steps))
+    return evolve(v, arg_steps=tuple(arg_steps))
 
 
 def _relayout(walked: Walked, node, a: fx.Node, req: ShardSpec) -> list[Step]:

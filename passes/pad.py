@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from autoshard.policies.linear_ops import linear_operands
 
 from .annotate import LINEAR_OPS
 from .capture import Captured, copy_sharing
+from .fake_replay import run_fake
 
 aten = torch.ops.aten
 
@@ -190,8 +192,7 @@ class _Padder:
             node.meta["val"] = self.fake.from_tensor(t, static_shapes=True)
             return
         args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-        with self.fake:
-            node.meta["val"] = node.target(*args, **kwargs)
+        node.meta["val"] = run_fake(self.fake, node.target, args, kwargs)      # remembered across candidates
         node.meta.pop("tensor_meta", None)
 
     def _insert(self, before: fx.Node, target, args, kwargs=None) -> fx.Node:
@@ -726,13 +727,15 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
     ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
     head's query group is padded to ``r`` blocks of ``⌈g/r⌉`` query heads."""
     seeds: dict[str, _Dim] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))      # _len_users of every parameter, at once
+    readers = Counter(id(params.get(n.target)) for n in gm.graph.find_nodes(op="get_attr"))
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in LINEAR_OPS:
             continue
         xp, wp, bp, nd, _ = linear_operands(node)
         w = node.args[wp[0]]
         if not (isinstance(w, fx.Node) and w.op == "get_attr") or _val(w).dim() != 2 or w.target in done or \
-                w.target in seeds or _len_users(gm, w.target) != 1:
+                w.target in seeds or readers[id(params.get(w.target))] != 1:
             continue
         N = int(_val(w).shape[nd])
         segs, unit = _layout(node)
@@ -754,7 +757,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
         b = node.args[bp[0]] if bp else None
-        if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and _len_users(gm, b.target) == 1:
+        if isinstance(b, fx.Node) and b.op == "get_attr" and _val(b).dim() == 1 and readers[id(params.get(b.target))] == 1:
             seeds[b.target] = p.at(0)
     return seeds
 

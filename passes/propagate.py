@@ -100,6 +100,28 @@ class _State:
     cp_pending: set = field(default_factory=set)    # partial lookups the cp split waits behind
 
 
+def _graph_facts(gm: fx.GraphModule, frozen) -> tuple:
+    """What the walk reads of the graph alone, whatever the policy: parameter names, the
+    frozen ones (docs/design.md, frozen parameters: by every name of the tensor), state
+    inputs, annotations, the values needing a gradient, the largest embedding table.
+    Inside :func:`remember_row_facts` (a search planning one graph per candidate) read once
+    per graph."""
+    key = ("graph", id(gm), None if frozen is None else frozenset(frozen))
+    if _ROW_MEMO is not None and key in _ROW_MEMO:
+        return _ROW_MEMO[key][1]
+    params = param_names(gm)
+    frozen_names = frozenset(frozen) if frozen is not None else frozenset(
+        n for n, p in gm.named_parameters(remove_duplicate=False) if not p.requires_grad)
+    embs = [(n.args[0].meta["val"].numel(), n.args[0].target) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target == aten.embedding.default
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+    facts = (params, frozen_names, frozenset(state_inputs(gm)), annotate(gm), needs_grad(gm, params, frozen_names),
+             max(embs)[1] if embs else None)
+    if _ROW_MEMO is not None:
+        _ROW_MEMO[key] = (gm, facts)       # the graph kept alive: its id stays its own
+    return facts
+
+
 class _Engine:
     """The walk over one captured graph under one policy (re-walked while a Linear must be held whole)."""
 
@@ -114,11 +136,8 @@ class _Engine:
         self.gather_outputs = gather_outputs
         self.dropout = dropout
         self.batch_size, self.seq_len = batch_size, seq_len
-        self.params = param_names(self.gm)
-        # constants for the backward (docs/design.md, frozen parameters): by every name of the tensor
-        self.frozen = frozenset(frozen) if frozen is not None else frozenset(
-            n for n, p in self.gm.named_parameters(remove_duplicate=False) if not p.requires_grad)
-        self.state = frozenset(state_inputs(self.gm))
+        self.params, self.frozen, self.state, self.ann, self.needs_grad, self.largest_embedding = \
+            _graph_facts(self.gm, frozen)
         # data parallelism: each dp replica is handed its own batch, so the batch dim
         # is split over dp before the graph starts; the policy's batch axes split it further
         self.dp_axes = ("dp",) if "dp" in self.mesh.axes else ()
@@ -131,15 +150,9 @@ class _Engine:
         # context parallelism: the sequence is split over cp from the token lookups on
         # (docs/design.md, "Context parallelism")
         self.cp_axes = ("cp",) if self.mesh.cp > 1 else ()
-        self.ann = annotate(self.gm)
         self.forced: set[str] = set()
         # Linear -> why a re-plan holds it whole (the op that refused its split), for its note
         self.forced_why: dict[str, str] = {}
-        self.needs_grad = needs_grad(self.gm, self.params, self.frozen)
-        embs = [(n.args[0].meta["val"].numel(), n.args[0].target) for n in self.gm.graph.nodes
-                if n.op == "call_function" and n.target == aten.embedding.default
-                and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
-        self.largest_embedding = max(embs)[1] if embs else None
 
     # ------------------------------------------------------------------- run
     def run(self) -> ShardingPlan:
@@ -246,7 +259,7 @@ class _Engine:
         def one(t, sp):
             if not is_tensor_val(t):
                 return None
-            g = self.shapes.concrete(t.shape)
+            g = self.shapes.concrete_val(t)
             return sp.local_shape(g, self.mesh) if isinstance(sp, ShardSpec) else g
 
         if isinstance(v, (list, tuple)):
@@ -320,7 +333,7 @@ class _Engine:
         if not is_tensor_val(v):
             self.st.specs[node.name] = None
             return None
-        sh = self.shapes.probe(v.shape)
+        sh = self.shapes.probe_val(v)
         b = self.policy.batch_axes
         if self.batch_axes and sh and sh[0] == _PRIME_BATCH:
             spec = replicated(len(sh)).with_dim(0, self.batch_axes)
@@ -328,8 +341,8 @@ class _Engine:
             if not b:
                 return None
             return NodePlan(name=node.name, op="placeholder", kind="input", module="", out_spec=spec,
-                            post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete(v.shape),
-                            local_shape=spec.local_shape(self.shapes.concrete(v.shape), self.mesh),
+                            post=(Step(op="scatter", axes=b, dim=0),), global_shape=self.shapes.concrete_val(v),
+                            local_shape=spec.local_shape(self.shapes.concrete_val(v), self.mesh),
                             notes=(f"batch split over {','.join(b)}",))
         self.st.specs[node.name] = replicated(len(sh))
         return None
@@ -460,14 +473,16 @@ class _Retry(Exception):
         self.linears = set(linears)
 
 
-#: graph -> its row facts, while :func:`remember_row_facts` is open (None: not remembered)
+#: graph -> its row facts and its graph facts (:func:`_graph_facts`), while
+#: :func:`remember_row_facts` is open (None: not remembered)
 _ROW_MEMO: dict | None = None
 
 
 @contextlib.contextmanager
 def remember_row_facts():
-    """Within: a graph planned again (another candidate of a search) reuses its row facts.
-    Only where no graph is changed in place meanwhile.
+    """Within: a graph planned again (another candidate of a search) reuses its row facts
+    and what the walk reads of the graph alone (annotations, gradient needs). Only where no
+    graph is changed in place meanwhile.
 
         >>> with remember_row_facts():
         ...     pass

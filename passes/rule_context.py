@@ -49,6 +49,7 @@ class Shapes:
             self.conc_map[ssym] = seq_len
         self.extra = SymbolicSizes.others()
         self._seen: dict = {}      # id(SymNode) -> (node, probe, concrete): a size is evaluated once
+        self._vals: dict = {}      # id(value) -> (value, probe shape, concrete shape)
 
     def _ev(self, s, mp, probe: bool):
         if isinstance(s, int):
@@ -72,6 +73,23 @@ class Shapes:
 
     def concrete(self, shape) -> tuple[int, ...]:
         return tuple(self._ev(s, None, False) for s in shape)
+
+    def _of(self, v) -> tuple:
+        # a value's shape read once per walk: rules and the counting pass ask for the same
+        # node's shape again and again (a search plans hundreds of graphs)
+        hit = self._vals.get(id(v))
+        if hit is None or hit[0] is not v:
+            shape = v.shape
+            hit = self._vals[id(v)] = (v, self.probe(shape), self.concrete(shape))
+        return hit
+
+    def probe_val(self, v) -> tuple[int, ...]:
+        """:meth:`probe` of tensor ``v``'s shape (a node's ``meta["val"]``), remembered."""
+        return self._of(v)[1]
+
+    def concrete_val(self, v) -> tuple[int, ...]:
+        """:meth:`concrete` of tensor ``v``'s shape, remembered."""
+        return self._of(v)[2]
 
 
 
@@ -113,17 +131,17 @@ class NodeContext:
         return self.e.st.param_spec.get(a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else None
 
     def pshape(self, a) -> tuple[int, ...]:
-        return self.e.shapes.probe(a.meta["val"].shape)
+        return self.e.shapes.probe_val(a.meta["val"])
 
     def pshape_of_val(self, v) -> tuple[int, ...]:
-        return self.e.shapes.probe(v.shape)
+        return self.e.shapes.probe_val(v)
 
     def local_numel(self, a, spec: ShardSpec) -> int:
-        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        shape = self.e.shapes.concrete_val(a.meta["val"])
         return math.prod(spec.local_shape(shape, self.mesh))
 
     def local_size(self, a, spec: ShardSpec, d: int) -> int:
-        shape = self.e.shapes.concrete(a.meta["val"].shape)
+        shape = self.e.shapes.concrete_val(a.meta["val"])
         return spec.local_shape(shape, self.mesh)[d]
 
     def is_batch_index(self, a) -> bool:
@@ -149,7 +167,7 @@ class NodeContext:
         def one(t):
             if not is_tensor_val(t):
                 return None
-            sh = self.e.shapes.probe(t.shape)
+            sh = self.e.shapes.probe_val(t)
             rows = sh and SymbolicSizes.is_rows(sh[0])
             return ShardSpec(dims=tuple(self.batch_axes if (rows and self.batch_axes and i == 0) else ()
                                         for i, s in enumerate(sh)))
@@ -161,7 +179,7 @@ class NodeContext:
     # ----- look-ahead helpers for the Linear policies
     def output_segments(self, node) -> int:
         """Number of equal blocks a later ``split`` cuts this Linear's output into (fused QKV)."""
-        n = self.e.shapes.probe(node.meta["val"].shape)[-1]
+        n = self.e.shapes.probe_val(node.meta["val"])[-1]
         cur = node
         for _ in range(8):
             users = list(cur.users)
@@ -173,14 +191,14 @@ class NodeContext:
             if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
                 outs = u.meta["val"]
                 d = (u.args[2] if len(u.args) > 2 else 0)
-                sizes = {self.e.shapes.probe(o.shape)[d] for o in outs}
+                sizes = {self.e.shapes.probe_val(o)[d] for o in outs}
                 last = len(cur.meta["val"].shape) - 1
                 return len(outs) if len(sizes) == 1 and d % (last + 1) == last else 1
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-                            aten.contiguous.default) and self.e.shapes.probe(u.meta["val"].shape)[-1] == n:
+                            aten.contiguous.default) and self.e.shapes.probe_val(u.meta["val"])[-1] == n:
                 cur = u
                 continue
-            if u.target == aten.add.Tensor and self.e.shapes.probe(u.meta["val"].shape)[-1] == n and \
+            if u.target == aten.add.Tensor and self.e.shapes.probe_val(u.meta["val"])[-1] == n and \
                     any(isinstance(a, fx.Node) and a.op == "get_attr" for a in u.args):
                 cur = u             # its bias, added apart (passes/token_fold.py)
                 continue
@@ -190,7 +208,7 @@ class NodeContext:
     def _slice_segments(self, value, users) -> int:
         """Number of equal pieces when every user slices ``value``'s last dim into
         equal, adjacent, step-1 pieces that cover it (Phi-3's sliced ``qkv_proj``)."""
-        shape = self.e.shapes.probe(value.meta["val"].shape)
+        shape = self.e.shapes.probe_val(value.meta["val"])
         last, n = len(shape) - 1, shape[-1]
         pieces = set()
         for u in users:

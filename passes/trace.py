@@ -24,6 +24,9 @@ from autoshard.runtime.collectives import sim_group
 from autoshard.ir.errors import ShardingError
 from autoshard.ir.plan import NodePlan, SavedTensor, ShardingPlan
 
+from .fake_replay import makes_new_tensors
+from .walked import evolve
+
 __all__ = ["trace"]
 
 aten = torch.ops.aten
@@ -61,17 +64,8 @@ _NO_REPLAY = object()
 _REPLAY_ON = os.environ.get("AUTOSHARD_TRACE_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _replayable(target) -> bool:
-    """An op that makes new tensors only: no view or in-place output (whose storage is an operand's)."""
-    ok = _REPLAYABLE.get(target)
-    if ok is None:
-        schema = getattr(target, "_schema", None) if isinstance(target, torch._ops.OpOverload) else None
-        ok = _REPLAYABLE[target] = schema is not None and not schema.is_mutable and \
-            all(r.alias_info is None for r in schema.returns)
-    return ok
-
-
-_REPLAYABLE: dict = {}
+#: an op that makes new tensors only: no view or in-place output (whose storage is an operand's)
+_replayable = makes_new_tensors
 
 
 def _key_of(v, tensors: list, sids: dict):
@@ -414,7 +408,7 @@ def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
     for i, n in enumerate(nodes):
         note = (f"activation trace: did not run on meta ({t.failed[n.name]}); its saved tensors are not counted",) \
             if n.name in t.failed else ()
-        nodes[i] = dataclasses.replace(n, saved=tuple(saved.get(i, ())), notes=n.notes + note)
+        nodes[i] = evolve(n, saved=tuple(saved.get(i, ())), notes=n.notes + note)
     return dataclasses.replace(plan, nodes=tuple(nodes))
 
 

@@ -27,7 +27,36 @@ from .annotate import Annotation
 from .row_order import RowFact
 from .rule_context import Shapes
 
-__all__ = ["Visit", "Walked"]
+__all__ = ["Visit", "Walked", "evolve"]
+
+
+_FIELDS: dict = {}      # dataclass -> its field names (for evolve)
+
+
+def evolve(obj, **changes):
+    """``dataclasses.replace(obj, **changes)`` for a frozen dataclass that validates nothing
+    on construction (no ``__post_init__``: :class:`Visit`, :class:`~autoshard.ir.plan.NodePlan`):
+    the fields copied, ``changes`` set, no ``__init__`` run. The passes after the walk replace
+    every visit, the trace every row, and a search plans hundreds of graphs: replace()'s
+    generic ``__init__`` call was a tenth of its time (docs/design.md, "Pricing the search").
+
+        >>> from autoshard.ir.plan import Step
+        >>> evolve(Step(op="gather", axes=("tp",), dim=0), dim=1) == Step(op="gather", axes=("tp",), dim=1)
+        True
+    """
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None:
+        if not dataclasses.is_dataclass(cls) or hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+            raise TypeError(f"evolve() copies plain frozen dataclasses; {cls.__name__} validates or has slots: "
+                            f"use dataclasses.replace")
+        names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+    if not changes.keys() <= names:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(changes.keys() - names)}")
+    new = object.__new__(cls)
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 @dataclass(frozen=True)

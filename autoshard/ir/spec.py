@@ -243,6 +243,13 @@ class ShardSpec:
                    segments=tuple(d["segments"]))
 
 
+_REPLICATED: dict[int, ShardSpec] = {}
+
+
 def replicated(ndim: int) -> ShardSpec:
-    """The spec of a tensor held whole on every rank."""
-    return ShardSpec(dims=((),) * ndim)
+    """The spec of a tensor held whole on every rank (one frozen object per rank count: the
+    walk asks for it at every node)."""
+    s = _REPLICATED.get(ndim)
+    if s is None:
+        s = _REPLICATED[ndim] = ShardSpec(dims=((),) * ndim)
+    return s

@@ -362,9 +362,10 @@ def _weighted(costs: list[CostEstimate], weights: list[int], fallbacks: int) -> 
 class _Rungs:
     """A stamped capture's shallow graphs with their weights (:meth:`~autoshard.passes.stamp.Shallow.rungs`),
     each prepared once per layout that changes it (:meth:`prepared`): candidates that fold,
-    pad the vocabulary and pad widths alike share one prepared graph, and ``prepare()``
-    inside :func:`~autoshard.passes.pipeline.plan_captured` then finds nothing to do
-    (it returns a prepared capture itself) instead of padding it again per candidate."""
+    pad the vocabulary and pad widths alike share one prepared graph, planned as it is
+    (:func:`~autoshard.passes.pipeline.plan_prepared`: ``prepare()`` of a prepared capture
+    finds nothing to do, but reading each graph again to say so cost a millisecond per
+    Linear per candidate)."""
 
     def __init__(self, rungs: list) -> None:
         self.rungs, self._prepared = rungs, {}
@@ -383,14 +384,14 @@ def _price(cap, rungs: _Rungs | None, pol, *, batch_size: int, seq_len: int, est
     """``(plan, fallbacks, estimate(async_tp=c) for c in 1, *ASYNC_TP_CHUNKS)`` of ``pol``:
     planned on ``cap`` itself, or where ``rungs`` is given (a stamped capture's shallow
     graphs) priced from theirs, with no plan (docs/design.md, "Pricing the search")."""
-    from ..passes.pipeline import plan_captured
+    from ..passes.pipeline import plan_captured, plan_prepared
 
     chunks = (1,) + (ASYNC_TP_CHUNKS if pol.name in ("1d", "1d-sp") else ())
     if rungs is None:
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
         return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
-    rungs = rungs.prepared(pol)
-    plans = [plan_captured(c, pol, batch_size=batch_size, seq_len=seq_len) for c, _ in rungs]
+    rungs = rungs.prepared(pol)         # prepared for pol's layout already: planned as they are
+    plans = [plan_prepared(c, pol, batch_size=batch_size, seq_len=seq_len) for c, _ in rungs]
     weights = [w for _, w in rungs]
     fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
     return None, fallbacks, [_weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans], weights, fallbacks)
