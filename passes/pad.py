@@ -685,7 +685,8 @@ def _layout(node: fx.Node) -> tuple[int, int]:
     return segs, 1
 
 
-def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None) -> Captured:
+def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None,
+               storage: int = 0) -> Captured:
     """``cap`` with every Linear whose out features the split ``multiple`` does not cut
     into whole units (heads, or single features: an intermediate size) padded with zero
     units to the next multiple, exactly (docs/design.md, "Uneven widths"). Rank ``r`` then
@@ -695,7 +696,8 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     contracts over it, whose weight gets zero columns. With grouped-query attention
     (``kv_heads`` < ``heads``) a query head is padded with its kv head's group. A family of
     widths the walk cannot follow to its contraction without a trim stays as it was
-    (held whole by the planner, exact).
+    (held whole by the planner, exact). ``storage``: the weights' out-feature split where it
+    goes further (3d: ``q²``); a unit ``u`` wide pads to ``lcm(multiple, storage / gcd(u, storage))``.
 
     >>> import transformers
     >>> from autoshard.passes.capture import capture
@@ -709,9 +711,9 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
         return cap
     done = frozenset(n for p in cap.padding for n in p.names)
     r = multiple // kv_heads if heads and kv_heads and kv_heads < multiple and multiple % kv_heads == 0 and \
-        heads % kv_heads == 0 else 0
+        heads % kv_heads == 0 and storage in (0, multiple) else 0      # kv copies: weights split as their outputs
     for copies in ((True, False) if r else (False,)):
-        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copies else 0)
+        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copies else 0, storage)
         out = _pad_seeds(cap, seeds, multiple, done)
         if out is None:
             return cap
@@ -720,7 +722,7 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     return out
 
 
-def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, r: int) -> dict[str, _Dim]:
+def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, r: int, storage: int) -> dict:
     """The padded dim of every Linear weight (and bias) whose out features ``multiple``
     does not cut into whole units; with ``r`` > 0 (kv heads fewer than the split, ``r``
     ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
@@ -748,9 +750,10 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
         else:
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
-            if n % multiple == 0:       # (query heads that divide while their kv heads do not: padded by group)
+            m = math.lcm(multiple, storage // math.gcd(unit, storage)) if storage else multiple
+            if n % m == 0:       # (query heads that divide while their kv heads do not: padded by group)
                 continue
-            p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
+            p = _Dim(nd, n, math.ceil(n / m) * m, unit, segs)
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
         b = node.args[bp[0]] if bp else None

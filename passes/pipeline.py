@@ -42,7 +42,7 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
     padded = pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)
     cfg = captured.config
     return pad_widths(padded, policy.width_multiple(), heads=getattr(cfg, "num_attention_heads", None),
-                      kv_heads=getattr(cfg, "num_key_value_heads", None))
+                      kv_heads=getattr(cfg, "num_key_value_heads", None), storage=policy.width_storage())
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

@@ -300,6 +300,12 @@ class Policy:
         holds such weights whole)."""
         return 1
 
+    def width_storage(self) -> int:
+        """How many ways a Linear's out features are split where the split of its weight
+        goes further than its output's (3d: ``q²``, the output ``q``); padded widths
+        divide it too (:func:`autoshard.passes.pad.pad_widths`, ``storage``)."""
+        return self.width_multiple()
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """TP world sizes (dp = 1) of this mode whose split divides ``n``."""

@@ -59,7 +59,7 @@ def _sgd_check(rank: int, world: int, name: str, mode: str, steps: int = 3, rows
     return res
 
 
-def _assert_exact(results: list, world: int) -> None:
+def _assert_exact(results: list, world: int, bound: float | None = 1.15) -> None:
     for rank, r in enumerate(results):
         assert r["failures"] == [], f"rank {rank}: {r['failures']}"
         assert r["ledger_calls"] == r["plan_calls"] and r["ledger_bytes"] == pytest.approx(r["plan_bytes"], rel=1e-9)
@@ -67,7 +67,8 @@ def _assert_exact(results: list, world: int) -> None:
         for a, b in r["sgd_losses"]:
             assert abs(a - b) <= 1e-5, r["sgd_losses"]
         assert r["sgd_param_err"] <= 1e-5, r["sgd_param_err"]
-        assert r["param_bytes"] <= 1.15 * r["dense_bytes"] / world, (r["param_bytes"], r["dense_bytes"] / world)
+        assert bound is None or r["param_bytes"] <= bound * r["dense_bytes"] / world, \
+            (r["param_bytes"], r["dense_bytes"] / world)
         assert r["padding"], "nothing was padded"
 
 
@@ -133,6 +134,19 @@ def test_2d_8_heads_at_9_ranks():
     # dense float32 model itself ends 3.9e-5 from its float64 run (6.9e-6 at lr 0.02): float32 rounding,
     # not the sharding, is what 1e-5 would measure there (logits, loss and gradients stay float32)
     _assert_exact(get_pool(9, timeout=1500).run(_sgd_check, "llama-h8-l4", "2d", 3, 3, torch.float64), 9)
+
+
+# 8 rank processes, two models: make test-extended
+@pytest.mark.extended
+def test_3d_uneven_heads_at_8_ranks():
+    """3d on a 2 x 2 x 2 cube (q=2): 31 heads padded to 32, the activations splitting them
+    16, 16 over y, and an intermediate size of 402 padded to 404 (a multiple of q²: the
+    weights split their out features over two axes), 1.10x dense/8 bytes per rank; then 6
+    heads in 3 kv groups, padded by group to 4 groups: exact too, but not held to 1.15x
+    (1.35x: a third more attention weights, and the embedding table 3d keeps whole over two axes)."""
+    pool = get_pool(8, timeout=900)
+    _assert_exact(pool.run(_sgd_check, "llama-h31", "3d"), 8)
+    _assert_exact(pool.run(_sgd_check, "llama-h6", "3d"), 8, bound=None)
 
 
 @pytest.mark.slow
@@ -203,7 +217,11 @@ def test_checkpoint_keeps_the_dense_shapes(tmp_path):
     pytest.param("llama-h6", "2d", 4, "model.layers.0.self_attn.k_proj.weight", [2, 1, 2, 1], marks=pytest.mark.slow),
     pytest.param("gpt2-h12", "1d", 8, "transformer.h.0.attn.c_attn.weight", [2, 2, 2, 2, 2, 2, 0, 0],
                  marks=pytest.mark.slow),
-    pytest.param("llama-kv2", "1d", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1], marks=pytest.mark.slow)])
+    pytest.param("llama-kv2", "1d", 4, "model.layers.0.self_attn.k_proj.weight", [1, 1, 1, 1], marks=pytest.mark.slow),
+    # 3d (q=2): 31 heads padded to 32, the weight's out features split over (y, x): ranks (x, y, z) in
+    # row-major order hold block 2·y + x of four
+    pytest.param("llama-h31", "3d", 8, "model.layers.0.self_attn.q_proj.weight", [8, 8, 8, 8, 8, 8, 7, 7],
+                 marks=pytest.mark.slow)])
 def test_plan_shows_each_ranks_share(name, mode, world, param, shares):
     """The plan lists each rank's share of an uneven width (torch.chunk's shares), and its
     bytes per rank are those of the largest share (what the cost model and mode='auto' price)."""

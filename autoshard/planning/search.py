@@ -344,7 +344,7 @@ class _Rungs:
         """The rungs as :func:`~autoshard.passes.pipeline.prepare` makes them for ``pol``."""
         from ..passes.pipeline import prepare
 
-        key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple())
+        key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple(), pol.width_storage())
         if key not in self._prepared:
             self._prepared[key] = [(prepare(c, pol), w) for c, w in self.rungs]
         return self._prepared[key]
