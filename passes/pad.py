@@ -662,7 +662,7 @@ def _layout(node: fx.Node) -> tuple[int, int]:
         u, last = users[0], v.shape[-1]
         if u.target in _VIEWS:
             out = list(_val(u).shape)
-            if out and _same(out[-1], last):
+            if out and _same(out[-1], last) and not (len(out) > v.dim() and _same(out[-2], 1)):   # [.., 1, hd]: 1 head
                 cur = u
                 continue
             for k in range(2, len(out) + 1):

@@ -97,6 +97,8 @@ TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num
 TINY["llama-h31"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 248,
                                                            "num_attention_heads": 31, "num_key_value_heads": 31,
                                                            "intermediate_size": 402})
+# multi-query attention (one kv head) at 4 ranks: the kv head held by every rank (1d), by both cols (2d)
+TINY["llama-mqa"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_key_value_heads": 1})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})

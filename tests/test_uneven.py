@@ -162,6 +162,21 @@ def test_llama_2_kv_heads_at_4_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["1d", "2d"])
+def test_multi_query_attention_at_4_ranks(mode):
+    """One kv head (multi-query attention) at 4 ranks: held by all 4 ranks in 1d, by both
+    cols of a row in 2d (kv copies, the gradients summed over each copy group), exact. Its
+    bytes per rank are not held to 1.15x dense / 4 (1.15x in 1d, 1.15x in 2d): every rank
+    must hold the kv head, which no split shares; each holds its copy group's share of it, no more."""
+    _assert_exact(get_pool(4, timeout=600).run(_sgd_check, "llama-mqa", mode), 4, bound=None)
+    plan = autoshard.plan(models.build("llama-mqa"), world_size=4, mode=mode, example_inputs=models.batch("llama-mqa"))
+    kv = [p for p in plan.params if p.name.endswith(("k_proj.weight", "v_proj.weight"))]
+    assert kv and all(p.pad_copies for p in kv)
+    assert all(p.local_bytes(plan.mesh) * 4 == math.prod(p.hf_shape) * p.dtype_bytes * p.copy_group(plan.mesh)
+               for p in kv)
+
+
+@pytest.mark.slow
 def test_gpt2_12_heads_at_8_ranks():
     """GPT-2's fused c_attn (q, k, v in one Conv1D) with 12 heads at 1d@8: each block padded on its own."""
     _assert_exact(get_pool(8, timeout=900).run(_sgd_check, "gpt2-h12", "1d"), 8)
@@ -250,13 +265,13 @@ def test_qwen2_28_heads_4_kv_heads_at_8_ranks():
     _assert_exact(get_pool(8, timeout=900).run(_sgd_check, "qwen2-h28", "1d"), 8)
 
 
-def _kv_grads_without_copy_sync(rank, world):
+def _kv_grads_without_copy_sync(rank, world, name="llama-kv2", mode="1d"):
     """The k/v gradients of a sharded step with the copies' gradient sum removed (a planted
     bug): compared with the dense ones, as the exactness check does."""
     torch.set_num_threads(1)
-    dense = models.build("llama-kv2")
-    inputs = models.batch("llama-kv2")
-    sharded = autoshard.shard(copy.deepcopy(dense), mode="1d", example_inputs=inputs)
+    dense = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
     for h in sharded._copy_hooks:
         h.remove()
     sharded(**inputs).loss.backward()
@@ -271,8 +286,9 @@ def _kv_grads_without_copy_sync(rank, world):
 
 
 @pytest.mark.slow
-def test_the_copies_gradient_sum_is_needed():
+@pytest.mark.parametrize("name, mode", [("llama-kv2", "1d"), ("llama-mqa", "2d")])
+def test_the_copies_gradient_sum_is_needed(name, mode):
     """Without the all-reduce over a kv head's ranks its gradient is a partial sum: the
     comparison the exactness tests make catches it."""
-    for r in get_pool(4, timeout=600).run(_kv_grads_without_copy_sync):
+    for r in get_pool(4, timeout=600).run(_kv_grads_without_copy_sync, name, mode):
         assert r and all(err > 1e-4 for err in r.values()), r
