@@ -306,6 +306,11 @@ class Policy:
         divide it too (:func:`autoshard.passes.pad.pad_widths`, ``storage``)."""
         return self.width_multiple()
 
+    def width_copies(self) -> bool:
+        """Whether kv heads fewer than the split are held as copies by the ranks reading them
+        (:func:`autoshard.passes.pad.pad_widths`, ``copies``); else they are left as they are."""
+        return True
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """TP world sizes (dp = 1) of this mode whose split divides ``n``."""

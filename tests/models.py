@@ -99,6 +99,9 @@ TINY["llama-h31"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hi
                                                            "intermediate_size": 402})
 # multi-query attention (one kv head) at 4 ranks: the kv head held by every rank (1d), by both cols (2d)
 TINY["llama-mqa"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_key_value_heads": 1})
+# a hidden size no grid side divides (63: 2d, 2.5d and 3d at q=2), 4 heads of 16 (q_proj [64, 63]; Mistral's
+# config, unlike Llama's, lets the heads not divide the hidden size)
+TINY["mistral-d63"] = ("MistralForCausalLM", "MistralConfig", {**TINY["llama"][2], "hidden_size": 63, "head_dim": 16})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})
