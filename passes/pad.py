@@ -46,10 +46,12 @@ from autoshard.policies.linear_ops import linear_operands
 from .annotate import LINEAR_OPS
 from .capture import Captured, copy_sharing
 from .fake_replay import run_fake
+from .pad_ops import is_pointwise as _is_pointwise, keeps_zero as _keeps_zero, node_val as _val, \
+    same_size as _same, size_ratio as _ratio, vocab_params as _vocab_params
 
 aten = torch.ops.aten
 
-__all__ = ["Padding", "pad_vocab", "pad_widths", "zero_padded"]
+__all__ = ["Padding", "pad_hidden", "pad_vocab", "pad_widths", "zero_padded"]
 
 
 @dataclass(frozen=True)
@@ -115,57 +117,6 @@ class _Trim(Exception):
     def __init__(self, blame: "_Dim | None" = None):
         super().__init__()
         self.blame = blame
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def _same(a, b) -> bool:
-    return str(a) == str(b)
-
-
-def _int(x) -> int | None:
-    """``x`` as an int where it is a plain (not symbolic) size."""
-    return x if isinstance(x, int) else None
-
-
-def _is_pointwise(t) -> bool:
-    return (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
-            and torch.Tag.nondeterministic_seeded not in t.tags) or t in (
-        aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-        aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
-
-
-def _keeps_zero(node: fx.Node, zero: set) -> bool:
-    """Whether the pointwise ``node`` gives 0 where its operands in ``zero`` are 0,
-    whatever its other operands hold: tried on scalars."""
-    for seed in (0.37, -1.9):
-        def rep(a):
-            v = _val(a)
-            if not isinstance(v, torch.Tensor):
-                return a
-            if a in zero:
-                return torch.zeros((), dtype=v.dtype)
-            return torch.full((), seed, dtype=torch.float32).to(v.dtype)
-        args, kwargs = fx.map_arg((node.args, node.kwargs), rep)
-        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        try:
-            out = node.target(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - an op that takes no scalars: not known to keep zeros
-            return False
-        if not isinstance(out, torch.Tensor) or out.ne(0).any():
-            return False
-    return True
-
-
-def _ratio(a, b) -> int | None:
-    """``a / b`` where it is a positive whole number (sizes may be symbolic), else None."""
-    import sympy
-
-    ea, eb = (x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x)) for x in (a, b))
-    r = sympy.simplify(ea / eb)
-    return int(r) if r.is_Integer and r > 0 else None
 
 
 class _Padder:
@@ -244,7 +195,9 @@ class _Padder:
         if px is not None:
             # in features padded: the weight gets zero columns there (a contraction over zeros);
             # padded entries that may not be zero are zeroed first, so the weight's zeros get no gradient
-            if pw is not None:
+            if pw is not None:      # a contraction over zeros on both sides (a tied head over a padded hidden)
+                if pw.dim == kd and px.zero and pw.family == px.family and pw.segs == px.segs == 1 and pb is None:
+                    return None
                 raise _Trim(blame=pw)
             if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
                     not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or w.target in self.fixed or \
@@ -320,10 +273,10 @@ class _Padder:
         """The padded dim of ``node``'s output (None: not padded); raises _Trim."""
         t, a = node.target, node.args
         pd = self.padded
-        if t == aten.embedding.default:
-            if a[1] in pd or pd.get(a[0]) is None or pd[a[0]].dim != 0:
+        if t == aten.embedding.default:     # a table padded on its rows (vocabulary) or columns (hidden)
+            if a[1] in pd or pd.get(a[0]) is None:
                 raise _Trim
-            return None
+            return pd[a[0]].at(_val(node).dim() - 1) if pd[a[0]].dim == 1 else None
         if t in LINEAR_OPS:
             return self._linear(node)
         if t in _SDPA:
@@ -475,6 +428,22 @@ class _Padder:
                 self._refresh(u)
                 self.padded[u] = p.at(dim, segs=1)
 
+    def _mean(self, node: fx.Node) -> bool:
+        """A mean over a zero-padded dim (a norm's statistic over a padded hidden size) times
+        ``padded / dense``: the mean over the dense entries (docs/design.md, "Uneven widths")."""
+        x = node.args[0]
+        p, nx = self.padded.get(x), _val(x).dim()
+        if p is None or not p.zero or p.fanned or p.copies or p.pu != p.unit or \
+                p.dim not in [d % nx for d in node.args[1]] or any(n in self.padded for n in node.args[1:]):
+            return False
+        self._refresh(node)
+        with self.gm.graph.inserting_after(node):
+            m = self.gm.graph.call_function(aten.mul.Tensor, (node, p.size / (p.segs * p.n * p.unit)))
+        node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+        m.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        self._refresh(m)
+        return True
+
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -497,6 +466,9 @@ class _Padder:
             return
         if node.target is operator.getitem and node in self.padded:
             return
+        if node.target == aten.mean.dim and self._mean(node) or node.target == aten._assert_tensor_metadata.default \
+                and len(node.args) < 2 and node.kwargs.get("size") is None and node.kwargs.get("stride") is None:
+            return      # (a cast's check of dtype and device: the padding changes neither)
         if self.mask_loss and node.target in _CE:
             x = node.args[0]
             p = self.padded.get(x)
@@ -548,50 +520,6 @@ def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
     if p.segs == 1:
         return zero_padded(t, p.dim, p.np * p.unit)
     return torch.cat([zero_padded(b, p.dim, p.np * p.unit) for b in t.chunk(p.segs, p.dim)], dim=p.dim)
-
-
-def _vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
-    """The vocabulary size ``V`` and the parameters holding it: its embedding table (dim
-    0), Linear weights with ``V`` output features and their biases, by ``id``. The table
-    is the one with ``vocab`` rows where the caller knows it (None if there is none),
-    else the largest table a Linear projects back onto (the LM head), else the largest
-    table (a tiny GPT-2's position table can outgrow its vocabulary)."""
-    embs = [(_val(n.args[0]).numel(), n.args[0].target) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target == aten.embedding.default
-            and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
-    if not embs:
-        return None
-    rows = {e: int(gm.get_parameter(e[1]).shape[0]) for e in embs}
-    if vocab is not None:
-        headed = [e for e in embs if rows[e] == vocab]
-        if not headed:
-            return None
-    else:
-        outs = set()
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in LINEAR_OPS:
-                _, wp, _, nd, _ = linear_operands(n)
-                w = _val(n.args[wp[0]])
-                if isinstance(w, torch.Tensor) and w.dim() == 2:
-                    outs.add(int(w.shape[nd]))
-        headed = [e for e in embs if rows[e] in outs]
-    table = gm.get_parameter(max(headed or embs)[1])
-    V = table.shape[0]
-    found = {id(table): (table, 0)}
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in LINEAR_OPS:
-            continue
-        _, wp, bp, nd, _ = linear_operands(n)
-        w = n.args[wp[0]]
-        if not (isinstance(w, fx.Node) and w.op == "get_attr") or _val(w).dim() != 2 or _val(w).shape[nd] != V:
-            continue
-        wt = gm.get_parameter(w.target)
-        found.setdefault(id(wt), (wt, nd))
-        b = n.args[bp[0]] if bp else None
-        if isinstance(b, fx.Node) and b.op == "get_attr":
-            bt = gm.get_parameter(b.target)
-            found.setdefault(id(bt), (bt, 0))
-    return V, found
 
 
 def zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -663,7 +591,7 @@ def _layout(node: fx.Node) -> tuple[int, int]:
         u, last = users[0], v.shape[-1]
         if u.target in _VIEWS:
             out = list(_val(u).shape)
-            if out and _same(out[-1], last):
+            if out and _same(out[-1], last) and not (len(out) > v.dim() and _same(out[-2], 1)):   # [.., 1, hd]: 1 head
                 cur = u
                 continue
             for k in range(2, len(out) + 1):
@@ -686,7 +614,8 @@ def _layout(node: fx.Node) -> tuple[int, int]:
     return segs, 1
 
 
-def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None) -> Captured:
+def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None,
+               storage: int = 0, copies: bool = True) -> Captured:
     """``cap`` with every Linear whose out features the split ``multiple`` does not cut
     into whole units (heads, or single features: an intermediate size) padded with zero
     units to the next multiple, exactly (docs/design.md, "Uneven widths"). Rank ``r`` then
@@ -696,7 +625,9 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     contracts over it, whose weight gets zero columns. With grouped-query attention
     (``kv_heads`` < ``heads``) a query head is padded with its kv head's group. A family of
     widths the walk cannot follow to its contraction without a trim stays as it was
-    (held whole by the planner, exact).
+    (held whole by the planner, exact). ``storage``: the weights' out-feature split where it
+    goes further (3d: ``q²``); a unit ``u`` wide pads to ``lcm(multiple, storage / gcd(u, storage))``.
+    ``copies=False``: kv heads fewer than the split are left as they are (3d, 2.5d with depth).
 
     >>> import transformers
     >>> from autoshard.passes.capture import capture
@@ -710,18 +641,18 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
         return cap
     done = frozenset(n for p in cap.padding for n in p.names)
     r = multiple // kv_heads if heads and kv_heads and kv_heads < multiple and multiple % kv_heads == 0 and \
-        heads % kv_heads == 0 else 0
-    for copies in ((True, False) if r else (False,)):
-        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copies else 0)
+        heads % kv_heads == 0 and copies else 0
+    for copying in ((True, False) if r else (False,)):
+        seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copying else 0, storage, copies)
         out = _pad_seeds(cap, seeds, multiple, done)
         if out is None:
             return cap
-        if not copies or any(p.copies for p in out.padding):
+        if not copying or any(p.copies for p in out.padding):
             return out
     return out
 
 
-def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, r: int) -> dict[str, _Dim]:
+def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, storage: int, copies: bool) -> dict:
     """The padded dim of every Linear weight (and bias) whose out features ``multiple``
     does not cut into whole units; with ``r`` > 0 (kv heads fewer than the split, ``r``
     ranks per kv head) the k/v projections hold ``r`` copies of each kv head and each kv
@@ -751,9 +682,12 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done: frozenset, 
         else:
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
-            if n % multiple == 0:       # (query heads that divide while their kv heads do not: padded by group)
+            if not copies and unit > 1 and kv_heads and n == kv_heads < multiple:
+                continue        # no copies (3d, 2.5d with depth), and groups would multiply the query heads
+            m = math.lcm(multiple, storage // math.gcd(unit, storage)) if storage else multiple
+            if n % m == 0:       # (query heads that divide while their kv heads do not: padded by group)
                 continue
-            p = _Dim(nd, n, math.ceil(n / multiple) * multiple, unit, segs)
+            p = _Dim(nd, n, math.ceil(n / m) * m, unit, segs)
         p = dataclasses.replace(p, head=hd if hd > 1 else 0)
         seeds[w.target] = p
         b = node.args[bp[0]] if bp else None
@@ -798,3 +732,49 @@ def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: froze
                    for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
         return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
     return cap
+
+
+def pad_hidden(cap: Captured, multiple: int, hidden: int | None, *, storage: int = 0) -> Captured:
+    """``cap`` with its hidden size padded with zero columns to a multiple of ``multiple``
+    (and of ``storage``, the split of the weights' out features where it goes further: 3d),
+    where the mode splits the residual stream (2d, 2.5d, 3d). Seeds: the embedding tables'
+    columns, the 1-D parameters of that size that are no Linear's bias (norm weights), and
+    the Linears writing the stream (out features ``hidden``, not cut into heads); the walk
+    grows the Linears reading it, and a mean over it (RMSNorm's) is scaled to the dense
+    mean. Where anything cannot follow, the hidden size stays as it was (held whole).
+
+    >>> import transformers
+    >>> from autoshard.passes.capture import capture
+    >>> m = transformers.MistralForCausalLM(transformers.MistralConfig(hidden_size=63, head_dim=16,
+    ...     intermediate_size=96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    >>> sorted({(p.dense, p.padded) for p in pad_hidden(capture(m), 2, 63).padding})
+    [(63, 64)]
+    """
+    m = math.lcm(multiple, storage or multiple)
+    if multiple <= 1 or not hidden or hidden % m == 0:
+        return cap
+    gm, hp = cap.module, -(-hidden // m) * m
+    done = frozenset(n for p in cap.padding for n in p.names)
+    seeds: dict[str, _Dim] = {}
+    biases = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in LINEAR_OPS:
+            _, wp, bp, nd, _ = linear_operands(node)
+            w, b = node.args[wp[0]], node.args[bp[0]] if bp else None
+            biases.add(getattr(b, "target", None))
+            if isinstance(w, fx.Node) and w.op == "get_attr" and _val(w).dim() == 2 and \
+                    _val(w).shape[nd] == hidden and _layout(node) == (1, 1):
+                seeds[w.target] = _Dim(nd, hidden, hp)
+                if isinstance(b, fx.Node) and b.op == "get_attr":
+                    seeds[b.target] = _Dim(0, hidden, hp)
+        elif node.op == "call_function" and node.target == aten.embedding.default and \
+                getattr(node.args[0], "op", None) == "get_attr" and _val(node.args[0]).shape[-1] == hidden:
+            seeds[node.args[0].target] = _Dim(1, hidden, hp)
+    for node in gm.graph.nodes:
+        v = _val(node)
+        if node.op == "get_attr" and node.target not in biases and isinstance(v, torch.Tensor) and \
+                tuple(v.shape) == (hidden,):
+            seeds[node.target] = _Dim(0, hidden, hp)
+    seeds = {k: p for k, p in seeds.items() if k not in done and _len_users(gm, k) <= 2}
+    out = _pad_seeds(cap, seeds, m, done) if seeds else None
+    return cap if out is None or len(out.padding) == len(cap.padding) else out

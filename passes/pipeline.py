@@ -10,7 +10,8 @@ plan; the rewrite is per rank (:func:`autoshard.passes.rewrite.rewrite`).
 
 from __future__ import annotations
 
-from autoshard.ir.errors import ShardingError
+from autoshard.ir.errors import AutoshardWarning, ShardingError
+from autoshard.ir.log import warn
 from autoshard.ir.plan import ShardingPlan
 from autoshard.ir.signature import main_input
 from autoshard.policies.base import Policy
@@ -18,7 +19,7 @@ from autoshard.policies.base import Policy
 from .capture import Captured
 from .experts import count_on_floats, fold_grouped_weights, plan_expert_parallel
 from .linear_fold import fold_transposed_weights
-from .pad import pad_vocab, pad_widths
+from .pad import pad_hidden, pad_vocab, pad_widths
 from .token_fold import fold_token_flattens
 from .propagate import propagate
 from .trace import trace
@@ -41,8 +42,16 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
         folded = fold_token_flattens(folded)
     padded = pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)
     cfg = captured.config
-    return pad_widths(padded, policy.width_multiple(), heads=getattr(cfg, "num_attention_heads", None),
-                      kv_heads=getattr(cfg, "num_key_value_heads", None))
+    padded = pad_widths(padded, policy.width_multiple(), heads=getattr(cfg, "num_attention_heads", None),
+                        kv_heads=getattr(cfg, "num_key_value_heads", None), storage=policy.width_storage(),
+                        copies=policy.width_copies())
+    (splits, label), h = policy.dim_splits(), getattr(cfg, "hidden_size", None)
+    out = pad_hidden(padded, splits.get("hidden_size", 1), h, storage=policy.width_storage())
+    if out is padded and h and h % splits.get("hidden_size", 1):     # (check_dims, seeing no graph, said padded)
+        warn(f"hidden_size={h} does not divide the {policy.name} split {splits['hidden_size']} ({label}) and the pad "
+             f"pass cannot pad it (a norm whose statistics it cannot take over the dense width, or weights padded "
+             f"on another dim already): the residual stream is held whole (exact, unsplit)", AutoshardWarning)
+    return out
 
 
 def plan_captured(captured: Captured, policy: Policy, *, batch_size: int, seq_len: int,

@@ -300,6 +300,17 @@ class Policy:
         holds such weights whole)."""
         return 1
 
+    def width_storage(self) -> int:
+        """How many ways a Linear's out features are split where the split of its weight
+        goes further than its output's (3d: ``q²``, the output ``q``); padded widths
+        divide it too (:func:`autoshard.passes.pad.pad_widths`, ``storage``)."""
+        return self.width_multiple()
+
+    def width_copies(self) -> bool:
+        """Whether kv heads fewer than the split are held as copies by the ranks reading them
+        (:func:`autoshard.passes.pad.pad_widths`, ``copies``); else they are left as they are."""
+        return True
+
     @classmethod
     def valid_world_sizes(cls, n: int, limit: int = 4096) -> list[int]:
         """TP world sizes (dp = 1) of this mode whose split divides ``n``."""

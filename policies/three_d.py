@@ -86,6 +86,19 @@ class ThreeD(Policy):
         return dict.fromkeys(("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size"),
                              self.q), f"q={self.q}"
 
+    def width_multiple(self) -> int:
+        """``q``: heads and Linear widths the cube does not divide are padded with zero units
+        (docs/design.md, "Uneven widths"); the activations split them ``q`` ways."""
+        return self.q
+
+    def width_storage(self) -> int:
+        """``q²``: a Linear's out features are stored split over two axes (``n/q²``)."""
+        return self.q * self.q
+
+    def width_copies(self) -> bool:
+        """False: a copy group would span the weight's ``q²`` out-feature blocks."""
+        return False
+
     def vocab_multiple(self) -> int:
         """``q²``: an untied LM head splits its output features (the vocabulary) over two axes."""
         return self.q * self.q          # an untied head splits its output features over q²

@@ -97,6 +97,17 @@ TINY["llama-h8-l4"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama-h8-i160
 TINY["llama-h6"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_attention_heads": 6,
                                                        "num_key_value_heads": 3, "hidden_size": 96,
                                                        "intermediate_size": 150})
+# 3d at 8 ranks (q=2): 31 heads padded to 32, an intermediate size of 402 to 404 (a multiple of q²: the
+# weights split their out features over two axes); hidden 248, so the embedding table, which 3d holds whole
+# over two axes, is not most of the bytes per rank
+TINY["llama-h31"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 248,
+                                                           "num_attention_heads": 31, "num_key_value_heads": 31,
+                                                           "intermediate_size": 402})
+# multi-query attention (one kv head) at 4 ranks: the kv head held by every rank (1d), by both cols (2d)
+TINY["llama-mqa"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "num_key_value_heads": 1})
+# a hidden size no grid side divides (63: 2d, 2.5d and 3d at q=2), 4 heads of 16 (q_proj [64, 63]; Mistral's
+# config, unlike Llama's, lets the heads not divide the hidden size)
+TINY["mistral-d63"] = ("MistralForCausalLM", "MistralConfig", {**TINY["llama"][2], "hidden_size": 63, "head_dim": 16})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})

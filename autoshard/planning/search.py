@@ -374,7 +374,8 @@ class _Rungs:
         """The rungs as :func:`~autoshard.passes.pipeline.prepare` makes them for ``pol``."""
         from ..passes.pipeline import prepare
 
-        key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple())
+        key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple(), pol.width_storage(), pol.width_copies(),
+               pol.dim_splits()[0].get("hidden_size", 1))      # pad_hidden: the modes splitting the stream
         if key not in self._prepared:
             self._prepared[key] = [(prepare(c, pol), w) for c, w in self.rungs]
         return self._prepared[key]

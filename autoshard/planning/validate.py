@@ -225,6 +225,12 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
                                f"padded to {-(-n // c) * c}, each rank holds {uneven_shares(n, c)} of them "
                                f"(exact; the largest share sets the memory and time per rank)", error=False))
             continue
+        if pads and what == "hidden_size" and getattr(config, "rms_norm_eps", None) is not None:
+            # passes/pad.py, pad_hidden: an RMSNorm's mean is rescaled to the dense width; a LayerNorm's is not
+            out.append(Problem(what, f"{what}={n} does not divide the {policy.name} split {c} ({label}): padded with "
+                               f"zero columns to {-(-n // c) * c}, the RMSNorms' mean taken over the dense {n} "
+                               f"(exact)", error=False))
+            continue
         worlds = policy.valid_world_sizes(n)
         valid = ", ".join(map(str, worlds[:8])) + (" …" if len(worlds) > 8 else "") or "none"
         severe = what in _SEVERE

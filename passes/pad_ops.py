@@ -1,0 +1,113 @@
+"""What the pad pass (:mod:`autoshard.passes.pad`) reads of the graph: a node's fake
+value, whether a pointwise op keeps zeros zero, ratios of (symbolic) sizes, and the
+parameters holding the vocabulary.
+
+    >>> size_ratio(12, 4), size_ratio(4, 12)
+    (3, None)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoshard.policies.linear_ops import linear_operands
+
+from .annotate import LINEAR_OPS
+
+aten = torch.ops.aten
+
+__all__ = ["is_pointwise", "keeps_zero", "node_val", "same_size", "size_ratio", "vocab_params"]
+
+
+def node_val(n):
+    """The fake value export recorded for the node ``n`` (None for a non-node or none recorded)."""
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def same_size(a, b) -> bool:
+    """Whether two sizes, plain or symbolic, are the same expression."""
+    return str(a) == str(b)
+
+
+def is_pointwise(t) -> bool:
+    """Whether the op ``t`` works entry by entry (a pointwise ATen op, a copy or a cast)."""
+    return (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+            and torch.Tag.nondeterministic_seeded not in t.tags) or t in (
+        aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+        aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device)
+
+
+def keeps_zero(node: fx.Node, zero: set) -> bool:
+    """Whether the pointwise ``node`` gives 0 where its operands in ``zero`` are 0,
+    whatever its other operands hold: tried on scalars."""
+    for seed in (0.37, -1.9):
+        def rep(a):
+            v = node_val(a)
+            if not isinstance(v, torch.Tensor):
+                return a
+            if a in zero:
+                return torch.zeros((), dtype=v.dtype)
+            return torch.full((), seed, dtype=torch.float32).to(v.dtype)
+        args, kwargs = fx.map_arg((node.args, node.kwargs), rep)
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op that takes no scalars: not known to keep zeros
+            return False
+        if not isinstance(out, torch.Tensor) or out.ne(0).any():
+            return False
+    return True
+
+
+def size_ratio(a, b) -> int | None:
+    """``a / b`` where it is a positive whole number (sizes may be symbolic), else None."""
+    import sympy
+
+    ea, eb = (x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x)) for x in (a, b))
+    r = sympy.simplify(ea / eb)
+    return int(r) if r.is_Integer and r > 0 else None
+
+
+def vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
+    """The vocabulary size ``V`` and the parameters holding it: its embedding table (dim
+    0), Linear weights with ``V`` output features and their biases, by ``id``. The table
+    is the one with ``vocab`` rows where the caller knows it (None if there is none),
+    else the largest table a Linear projects back onto (the LM head), else the largest
+    table (a tiny GPT-2's position table can outgrow its vocabulary)."""
+    embs = [(node_val(n.args[0]).numel(), n.args[0].target) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target == aten.embedding.default
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+    if not embs:
+        return None
+    rows = {e: int(gm.get_parameter(e[1]).shape[0]) for e in embs}
+    if vocab is not None:
+        headed = [e for e in embs if rows[e] == vocab]
+        if not headed:
+            return None
+    else:
+        outs = set()
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in LINEAR_OPS:
+                _, wp, _, nd, _ = linear_operands(n)
+                w = node_val(n.args[wp[0]])
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    outs.add(int(w.shape[nd]))
+        headed = [e for e in embs if rows[e] in outs]
+    table = gm.get_parameter(max(headed or embs)[1])
+    V = table.shape[0]
+    found = {id(table): (table, 0)}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in LINEAR_OPS:
+            continue
+        _, wp, bp, nd, _ = linear_operands(n)
+        w = n.args[wp[0]]
+        if not (isinstance(w, fx.Node) and w.op == "get_attr") or node_val(w).dim() != 2 or node_val(w).shape[nd] != V:
+            continue
+        wt = gm.get_parameter(w.target)
+        found.setdefault(id(wt), (wt, nd))
+        b = n.args[bp[0]] if bp else None
+        if isinstance(b, fx.Node) and b.op == "get_attr":
+            bt = gm.get_parameter(b.target)
+            found.setdefault(id(bt), (bt, 0))
+    return V, found
