@@ -95,3 +95,53 @@ def test_modernbert_equals_dense(mode, world):
         assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
         assert r["param_bytes"] == r["plan_param_bytes"]
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["dense_losses"]), atol=1e-5, rtol=1e-5)
+
+
+def _round_trip(rank, world, mode, folder):
+    """Shard ModernBERT, take one AdamW step on it and on the dense model, then:
+    ``full_state_dict`` equals the dense state dict, ``save_pretrained`` writes the HF
+    layout (transformers reloads the dense weights exactly), and ``from_pretrained`` of
+    that folder gives every rank the blocks of its first shard (segments sliced per block)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    dense = models.build("modernbert")
+    inputs = models.batch("modernbert")
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    for m in (sharded, dense):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3)
+        m(**inputs).loss.backward()
+        opt.step()
+    full = sharded.full_state_dict(rank0_only=False)
+    sharded.save_pretrained(folder)
+    again = autoshard.from_pretrained(folder, mode=mode, example_inputs=inputs)
+    local = {n: p.detach() for n, p in sharded.named_parameters(remove_duplicate=False)}
+    reloaded = {n: p.detach() for n, p in again.named_parameters(remove_duplicate=False)}
+    saved = {}
+    if rank == 0:
+        import glob
+        for f in sorted(glob.glob(f"{folder}/*.safetensors")):
+            saved.update(load_file(f))
+    return {"full": full, "dense": {k: v.detach() for k, v in dense.state_dict().items()}, "saved": saved,
+            "local_equal": sorted(n for n in local if torch.equal(local[n], reloaded[n])), "names": sorted(local),
+            "fused": {pp.name: pp.spec.segments for pp in sharded.plan.params if pp.name.endswith("Wqkv.weight")}}
+
+
+@pytest.mark.slow       # 2 ranks, two captures (~40 s)
+def test_modernbert_checkpoint_round_trip_to_hf_layout(tmp_path):
+    from dist_pool import get_pool
+
+    res = get_pool(2, timeout=600).run(_round_trip, "1d", str(tmp_path / "hf"))
+    r0 = res[0]
+    assert r0["fused"] and all(s[0] == 3 for s in r0["fused"].values()), r0["fused"]
+    for name, ref in r0["dense"].items():
+        if name in r0["full"]:
+            torch.testing.assert_close(r0["full"][name], ref, atol=1e-5, rtol=1e-5, msg=name)
+    for name, t in r0["saved"].items():       # the HF folder: the full state dict as written, exactly
+        assert torch.equal(t, r0["full"][name]), name
+    assert len([n for n in r0["full"] if n.endswith("Wqkv.weight")]) == 2
+    assert any(n.endswith("Wqkv.weight") for n in r0["saved"])
+    for rank, r in enumerate(res):
+        assert r["local_equal"] == r["names"], f"rank {rank}: {sorted(set(r['names']) - set(r['local_equal']))}"
