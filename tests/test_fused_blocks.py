@@ -145,3 +145,16 @@ def test_modernbert_checkpoint_round_trip_to_hf_layout(tmp_path):
     assert any(n.endswith("Wqkv.weight") for n in r0["saved"])
     for rank, r in enumerate(res):
         assert r["local_equal"] == r["names"], f"rank {rank}: {sorted(set(r['names']) - set(r['local_equal']))}"
+
+
+def test_heads_that_do_not_divide_keep_wqkv_whole_and_say_why():
+    """6 heads at 4 ranks: each block's heads cannot split 4 ways (the width padding does
+    not follow this layout yet), so ``Wqkv`` stays whole, exact, its note naming the view."""
+    import transformers
+
+    kw = dict(models.TINY["modernbert"][2], num_attention_heads=6, hidden_size=96)
+    plan = _plan(transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**kw)), world=4)
+    notes = [n.notes for n in plan.nodes if n.kind == "linear" and n.module.endswith("Wqkv")]
+    assert len(notes) == 2 and all(n.weight == "replicated" for n in plan.nodes if n.module.endswith("Wqkv")
+                                   and n.kind == "linear")
+    assert all("fused blocks' dim of size 6 (heads) is not divisible by 4 shards" in n[0] for n in notes), notes
