@@ -199,7 +199,7 @@ class NodeContext:
             return 1
         a, b = self.e.shapes.probe(value.meta["val"].shape), self.e.shapes.probe(u.meta["val"].shape)
         d = len(a) - 1
-        if len(b) < d + 3 or b[:d] != a[:d] or b[d] < 2 or math.prod(b[d:]) != a[d]:
+        if len(b) < d + 2 or b[:d] != a[:d] or b[d] < 2 or math.prod(b[d:]) != a[d]:
             return 1
         return b[d] if _picks_blocks(u, d) else 1
 
@@ -373,7 +373,7 @@ def _past_blocks(u, src, d, blocks: int):
     if u.target in _PICKS and u.args[0] is src:
         dim = _pick_dim(u) % len(a)
         return None if dim == d else d - (dim < d)
-    if b is None or blocks < 2 or u.target not in _VIEWS or len(b) < len(a) + 2 or tuple(b[:d]) != tuple(a[:d]):
+    if b is None or blocks < 2 or u.target not in _VIEWS or len(b) < len(a) + 1 or tuple(b[:d]) != tuple(a[:d]):
         return None
     tail = len(a) - d - 1
     if b[d] != blocks or tuple(b[len(b) - tail:]) != tuple(a[d + 1:]) or math.prod(b[d:len(b) - tail]) != a[d]:
