@@ -221,6 +221,8 @@ RECENT = {
     "gptoss": "attention sinks, experts with biases and an interleaved, clamped gate/up",
     "mamba": "selective scan (a Python loop over the sequence: a static sequence), W @ x projections",
     "jamba": "hybrid: scan layers, attention layers and experts",
+    "modernbert": "encoder; fused Wqkv viewed as (3, heads, head_dim) and unbound (split per block), local and "
+                  "global attention layers",
 }
 
 
@@ -373,7 +375,7 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
                         "planned from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo "
                         "ranks: OLMo-2 and Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 "
                         "(`tests/passes/test_propagate.py`), Mamba and Jamba at 1d@2 and 2d@4 "
-                        "(`tests/test_modality.py`).",
+                        "(`tests/test_modality.py`), ModernBERT at 1d@2 and 2d@4 (`tests/test_fused_blocks.py`).",
                         recent_cells, modes, lambda n: (models.TINY[n][0], RECENT[n]))
         cells = {**cells, **recent_cells}
     if plain_cells:
