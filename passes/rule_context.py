@@ -198,12 +198,28 @@ class NodeContext:
                             aten.contiguous.default) and self.e.shapes.probe_val(u.meta["val"])[-1] == n:
                 cur = u
                 continue
+            if (m := self._block_axis_segments(cur, u)) > 1:
+                return m
             if u.target == aten.add.Tensor and self.e.shapes.probe_val(u.meta["val"])[-1] == n and \
                     any(isinstance(a, fx.Node) and a.op == "get_attr" for a in u.args):
                 cur = u             # its bias, added apart (passes/token_fold.py)
                 continue
             return 1
         return 1
+
+    def _block_axis_segments(self, value, u) -> int:
+        """``m`` when the view ``u`` cuts ``value``'s last dim into ``[m, units, ...]`` and
+        every use of the new ``m`` axis picks its blocks (``unbind`` / ``select`` along it,
+        after any permutes): ModernBERT's ``Wqkv`` viewed as ``[.., 3, heads, head_dim]``
+        and unbound, timm's ``qkv`` reshaped to ``[B, N, 3, heads, head_dim]``, permuted
+        and unbound (or indexed ``qkv[0]``); 1 otherwise."""
+        if u.target not in _VIEWS:
+            return 1
+        a, b = self.e.shapes.probe(value.meta["val"].shape), self.e.shapes.probe(u.meta["val"].shape)
+        d = len(a) - 1
+        if len(b) < d + 2 or b[:d] != a[:d] or b[d] < 2 or math.prod(b[d:]) != a[d]:
+            return 1
+        return b[d] if _picks_blocks(u, d) else 1
 
     def _slice_segments(self, value, users) -> int:
         """Number of equal pieces when every user slices ``value``'s last dim into
@@ -243,12 +259,16 @@ class NodeContext:
         seen: set[tuple[str, int | None]] = set()
         rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
         out_rank = rank_of(node)
+        blocks = self.output_segments(node) if out_rank else 1
         stack = [(u, node, out_rank - 1 if out_rank else None) for u in node.users]
         while stack:
             u, src, d = stack.pop()
             if (u.name, d) in seen:
                 continue
             seen.add((u.name, d))
+            if (nd := _past_blocks(u, src, d, blocks)) is not None:
+                stack.extend((w, u, nd) for w in u.users)
+                continue
             ann = self.e.ann.get(u.name)
             if u.op == "output" or u.target in (aten._assert_tensor_metadata.default, aten.sym_size.int):
                 continue
@@ -261,7 +281,7 @@ class NodeContext:
                 nd = d if d is not None and rank and isinstance(dim, int) and dim % rank != d else None
                 stack.extend((w, u, nd) for w in u.users)
                 continue
-            if t == operator.getitem and getattr(src, "target", None) in _SPLITS | {aten.max.dim, aten.min.dim}:
+            if t == operator.getitem and getattr(src, "target", None) in _SPLITS | _PICKS | {aten.max.dim, aten.min.dim}:
                 stack.extend((w, u, d) for w in u.users)      # one piece (or the values / indices) of it
                 continue
             if ann and ann.kind in ("norm", "reduction"):
@@ -325,6 +345,58 @@ def aten_name(node) -> str:
 
 
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
+_PICKS = frozenset({aten.unbind.int, aten.select.int})
+_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+_REORDERS = frozenset({aten.permute.default, aten.transpose.int, aten.contiguous.default, aten.clone.default,
+                       aten.alias.default})
+
+
+def _pick_dim(u) -> int:
+    return u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+
+
+def _picks_blocks(v, axis: int, depth: int = 0) -> bool:
+    """Every use of ``v``'s dim ``axis`` picks single blocks of it: ``unbind`` or
+    ``select`` along it, after permutes and transposes (which move it)."""
+    nd = v.meta["val"].ndim
+    if not v.users or depth > 4:
+        return False
+    for w in v.users:
+        if w.target in _PICKS and _pick_dim(w) % nd == axis:
+            continue
+        if w.target == aten.permute.default:
+            if not _picks_blocks(w, [p % nd for p in w.args[1]].index(axis), depth + 1):
+                return False
+        elif w.target == aten.transpose.int:
+            i, j = (x % nd for x in w.args[1:3])
+            if not _picks_blocks(w, j if axis == i else i if axis == j else axis, depth + 1):
+                return False
+        elif w.target in _REORDERS:
+            if not _picks_blocks(w, axis, depth + 1):
+                return False
+        else:
+            return False
+    return True
+
+
+def _past_blocks(u, src, d, blocks: int):
+    """Where the split dim ``d`` of ``src`` is in the output of ``u`` when ``u`` is one of
+    the ops by which a fused projection is read block by block (None otherwise): the view
+    that cuts ``d``, made of ``blocks`` fused blocks, into ``[blocks, units, ...]`` (the
+    split moves to the units: each rank holds its units of every block), or a pick
+    (``unbind`` / ``select``) along another dim (the dims after it shift down)."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None:
+        return None
+    if u.target in _PICKS and u.args[0] is src:
+        dim = _pick_dim(u) % len(a)
+        return None if dim == d else d - (dim < d)
+    if b is None or blocks < 2 or u.target not in _VIEWS or len(b) < len(a) + 1 or tuple(b[:d]) != tuple(a[:d]):
+        return None
+    tail = len(a) - d - 1
+    if b[d] != blocks or tuple(b[len(b) - tail:]) != tuple(a[d + 1:]) or math.prod(b[d:len(b) - tail]) != a[d]:
+        return None
+    return d + 1
 
 
 def _contract_dim(u, src, d):
@@ -366,6 +438,8 @@ def _view_dim_of(u, src, d):
     if u.target == aten.transpose.int:
         i, j = (x % len(a) for x in u.args[1:3])
         return j if d == i else i if d == j else d
+    if u.target == aten.permute.default:            # timm's qkv: [B, N, 3, heads, hd] -> [3, B, heads, N, hd]
+        return [p % len(a) for p in u.args[1]].index(d)
     if u.target == aten.unsqueeze.default:          # a new size-1 dim (repeat_kv's [:, :, None])
         p = u.args[1] % len(b)
         return d if d < p else d + 1

@@ -225,6 +225,8 @@ RECENT = {
     "falconh1": "hybrid: attention and a Mamba-2 mixer side by side in every layer (chunked scan, einsums, "
                 "the batch read from the mask)",
     "bamba": "hybrid: Mamba-2 mixer layers (chunked scan, gated RMSNorm) with attention layers among them",
+    "modernbert": "encoder; fused Wqkv viewed as (3, heads, head_dim) and unbound (split per block), local and "
+                  "global attention layers",
 }
 
 
@@ -377,7 +379,8 @@ def render(cells: dict, modality_cells: dict | None = None, recent_cells: dict |
                         "planned from a capture on meta with a batch of 4 × 8. Run against the dense model on gloo "
                         "ranks: OLMo-2 and Gemma-3 at 1d@2 and gpt-oss at 1d@2 and 2d@4 "
                         "(`tests/passes/test_propagate.py`), Mamba, Jamba, Falcon-H1 and Bamba at 1d@2 and 2d@4, "
-                        "Falcon-H1 at 2.5d@8 too (`tests/test_modality.py`).",
+                        "Falcon-H1 at 2.5d@8 too (`tests/test_modality.py`), ModernBERT at 1d@2 and 2d@4 "
+                        "(`tests/test_fused_blocks.py`).",
                         recent_cells, modes, lambda n: (models.TINY[n][0], RECENT[n]))
         cells = {**cells, **recent_cells}
     if plain_cells:

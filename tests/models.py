@@ -82,6 +82,14 @@ TINY["deepseekv3"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config",
                       dict(_MOE, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
                            first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
+# a fused Wqkv viewed as [.., 3, heads, head_dim] and unbound (split per block: each rank its heads of
+# q, k and v), an encoder with rotary, local and global attention layers and a fused gated MLP
+TINY["modernbert"] = ("ModernBertForMaskedLM", "ModernBertConfig",
+                      dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           vocab_size=128, max_position_embeddings=64, global_attn_every_n_layers=2,
+                           local_attention=4, hidden_dropout=0.0, attention_dropout=0.0, embedding_dropout=0.0,
+                           mlp_dropout=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2,
+                           sep_token_id=1))
 # heads and widths no split divides (autoshard/passes/pad.py, pad_widths; docs/design.md, "Uneven widths"):
 # 8 heads (and an intermediate size of 160) at 3 ranks, GPT-2's 12 heads at 8, Qwen2's 28 heads and 4 kv heads
 TINY["llama-h8-i160"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "hidden_size": 96, "num_attention_heads": 8,

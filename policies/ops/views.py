@@ -104,6 +104,11 @@ def _view_out_spec(ctx, in_spec: ShardSpec, ins, outs) -> tuple[ShardSpec, dict]
             dims[go[1]] = axes
         elif _divisible(outs[first], c * m):
             dims[first], segs[first] = axes, m
+        elif m > 1 and outs[first] == m and len(go) > 1:
+            # ModernBERT's Wqkv viewed as [b, s, 3, heads, hd] with 6 heads at 4 ranks
+            raise NeedReplicate((0,), d, f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)}: its {m} "
+                                         f"fused blocks' dim of size {outs[go[1]]} (heads) is not divisible by "
+                                         f"{c} shards")
         else:
             raise NeedReplicate((0,), d, f"reshape {SymbolicSizes.text(ins)}->{SymbolicSizes.text(outs)}: leading dim {outs[first]} "
                                          f"is not divisible by {c} shards" + (f" × {m} segments" if m > 1 else ""))

@@ -365,3 +365,28 @@ def test_a_view_of_a_data_dependent_size_is_unknown_not_a_crash():
     v = g.call_function(torch.ops.aten.view.default, (x, [2, 8, 4]))
     v.meta["val"] = b
     assert _view_dim(v, x, 1) is None
+
+
+def test_view_dim_follows_a_permute_and_fused_blocks_move_the_split_to_the_heads():
+    """The look-ahead's view steps on timm's qkv: ``[B, N, 3·H·D]`` cut into
+    ``[B, N, 3, H, D]`` moves a 3-block split to the heads (dim 3), ``permute(2, 0, 3, 1, 4)``
+    takes it to dim 2, and ``unbind(0)`` leaves it on dim 1 of each piece; an unbind along
+    the split dim itself stops it."""
+    from torch import fx
+
+    from autoshard.passes.rule_context import _past_blocks, view_dim
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 5, 3 * 4 * 8)
+    v = g.call_function(aten.view.default, (x, [2, 5, 3, 4, 8]))
+    v.meta["val"] = torch.empty(2, 5, 3, 4, 8)
+    p = g.call_function(aten.permute.default, (v, [2, 0, 3, 1, 4]))
+    p.meta["val"] = torch.empty(3, 2, 4, 5, 8)
+    u = g.call_function(aten.unbind.int, (p, 0))
+    u.meta["val"] = [torch.empty(2, 4, 5, 8)] * 3
+    assert _past_blocks(v, x, 2, 3) == 3 and _past_blocks(v, x, 2, 1) is None
+    assert view_dim(p, v, 3) == 2
+    assert _past_blocks(u, p, 2, 3) == 1
+    assert _past_blocks(u, p, 0, 3) is None
