@@ -51,7 +51,7 @@ def bloom():
 
 @pytest.fixture(scope="module")
 def llama_kv1():
-    """One kv head at tp 2: k_proj's split cannot pass the rotary embedding's slice."""
+    """One kv head at tp 2 (multi-query attention)."""
     return _plan(transformers.LlamaConfig(**TINY, num_key_value_heads=1))
 
 
@@ -111,14 +111,12 @@ def test_per_head_qk_norm_equals_dense():
         assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
 
 
-def test_single_kv_head_names_the_op_that_refused(llama_kv1):
-    k = [n for n in _whole(llama_kv1) if n.module.endswith("k_proj")]
-    assert len(k) == 2
-    for n in k:
-        why = _why(n)
-        assert why.startswith("whole: the split of its out features could not pass `aten."), why
-        assert "at node `" in why
-    assert "whole:" in str(llama_kv1.table().columns[-1]._cells)      # the table shows the note
+def test_single_kv_head_is_held_as_copies(llama_kv1):
+    """The one kv head is held by the ranks whose query heads read it (a copy each, its
+    gradient summed over them: docs/design.md, kv copies), not left whole with a note."""
+    assert not [n for n in _whole(llama_kv1) if n.module.endswith(("k_proj", "v_proj"))]
+    kv = [p for p in llama_kv1.params if p.name.endswith(("k_proj.weight", "v_proj.weight"))]
+    assert len(kv) == 4 and all(p.pad_copies == 2 and p.dense_shape[0] == 16 for p in kv), kv
 
 
 def test_warning_names_the_largest_whole_weights(bloom):
