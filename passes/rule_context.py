@@ -224,23 +224,47 @@ class NodeContext:
     def _slice_segments(self, value, users) -> int:
         """Number of equal pieces when every user slices ``value``'s last dim into
         equal, adjacent, step-1 pieces that cover it (Phi-3's sliced ``qkv_proj``)."""
+        widths = self._slice_widths(value, users)
+        return len(widths) if widths and len(set(widths)) == 1 else 1
+
+    def _slice_widths(self, value, users) -> tuple[int, ...]:
+        """The widths of the adjacent, step-1 pieces every user slices ``value``'s last
+        dim into, in order, when they cover it; empty otherwise."""
         shape = self.e.shapes.probe_val(value.meta["val"])
         last, n = len(shape) - 1, shape[-1]
         pieces = set()
         for u in users:
             if u.target != aten.slice.Tensor:
-                return 1
+                return ()
             a = list(u.args) + [None] * 5
             if (a[1] or 0) % len(shape) != last or (a[4] or 1) != 1:
-                return 1
+                return ()
             start, end = a[2] or 0, n if a[3] is None else min(a[3], n)
             if not isinstance(start, int) or not isinstance(end, int):
-                return 1
+                return ()
             pieces.add((start % n if start < 0 else start, end % n if end < 0 else end))
-        sizes = {e - b for b, e in pieces}
-        if len(sizes) != 1 or sorted(b for b, _ in pieces) != list(range(0, n, next(iter(sizes)))):
-            return 1
-        return len(pieces)
+        cuts = sorted(pieces)
+        if not cuts or cuts[0][0] != 0 or cuts[-1][1] != n or any(p[1] != q[0] for p, q in zip(cuts, cuts[1:])):
+            return ()
+        return tuple(e - b for b, e in cuts)
+
+    def unequal_blocks(self, node) -> str:
+        """A stop note when slices cut this Linear's output into adjacent blocks of unequal
+        widths (Phi-3's ``qkv_proj`` with fewer kv heads: ``[:q]``, ``[q:q+kv]``, ``[q+kv:]``):
+        a contiguous split would hand a rank pieces of q only, and a split per block needs
+        equal blocks (``ShardSpec.segments``); empty otherwise."""
+        users = list(node.users)
+        widths = self._slice_widths(node, users) if len(users) > 1 else ()
+        if len(set(widths)) < 2:
+            return ""
+        first = min(users, key=lambda u: (self._slice_start(u), u.name))
+        return stop_note(first, f"a cut into fused blocks of unequal widths {widths}: split per block only where "
+                                f"the blocks are equal")
+
+    @staticmethod
+    def _slice_start(u) -> int:
+        start = u.args[2] if len(u.args) > 2 else 0
+        return start if isinstance(start, int) and start >= 0 else 0
 
     def output_feeds_parallel_consumer(self, node) -> bool:
         """True when every path from this value reaches a Linear, the loss or the
@@ -260,6 +284,8 @@ class NodeContext:
         rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
         out_rank = rank_of(node)
         blocks = self.output_segments(node) if out_rank else 1
+        if blocks == 1 and (unequal := self.unequal_blocks(node)):
+            return unequal
         stack = [(u, node, out_rank - 1 if out_rank else None) for u in node.users]
         while stack:
             u, src, d = stack.pop()

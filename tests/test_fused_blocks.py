@@ -158,3 +158,19 @@ def test_heads_that_do_not_divide_keep_wqkv_whole_and_say_why():
     assert len(notes) == 2 and all(n.weight == "replicated" for n in plan.nodes if n.module.endswith("Wqkv")
                                    and n.kind == "linear")
     assert all("fused blocks' dim of size 6 (heads) is not divisible by 4 shards" in n[0] for n in notes), notes
+
+
+def test_unequal_blocks_are_whole_and_say_why():
+    """Phi-3's ``qkv_proj`` with 2 kv heads for 4 query heads, sliced ``[:64]``, ``[64:96]``,
+    ``[96:]``: blocks of unequal widths, which a spec of equal segments cannot split per
+    block, so it is held whole (exact) and its note names the slice and the widths."""
+    import transformers
+
+    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+                                  tie_word_embeddings=False)
+    plan = _plan(cfg)
+    whole = [n for n in plan.nodes if n.kind == "linear" and n.module.endswith("qkv_proj") and n.weight == "replicated"]
+    assert whole, [(n.module, n.weight) for n in plan.nodes if n.kind == "linear"]
+    assert "`aten.slice.Tensor`" in whole[0].notes[0] and "unequal widths (64, 32, 32)" in whole[0].notes[0], \
+        whole[0].notes
