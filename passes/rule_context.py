@@ -215,7 +215,7 @@ class NodeContext:
         and unbound (or indexed ``qkv[0]``); 1 otherwise."""
         if u.target not in _VIEWS:
             return 1
-        a, b = self.e.shapes.probe(value.meta["val"].shape), self.e.shapes.probe(u.meta["val"].shape)
+        a, b = self.e.shapes.probe_val(value.meta["val"]), self.e.shapes.probe_val(u.meta["val"])
         d = len(a) - 1
         if len(b) < d + 2 or b[:d] != a[:d] or b[d] < 2 or math.prod(b[d:]) != a[d]:
             return 1

@@ -64,10 +64,6 @@ _NO_REPLAY = object()
 _REPLAY_ON = os.environ.get("AUTOSHARD_TRACE_REPLAY", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-#: an op that makes new tensors only: no view or in-place output (whose storage is an operand's)
-_replayable = makes_new_tensors
-
-
 def _key_of(v, tensors: list, sids: dict):
     if isinstance(v, torch.Tensor):
         tensors.append(v)
@@ -288,7 +284,7 @@ class _Trace:
     def _call_op(self, target, call):
         """``target(*args, **kwargs)`` on meta, replayed from :data:`_REPLAY` when an op
         with the same target and operand geometry ran before (in this trace or another)."""
-        if not (_REPLAY_ON and _replayable(target)):
+        if not (_REPLAY_ON and makes_new_tensors(target)):      # no view or in-place output
             return target(*call.args, **call.kwargs)
         inputs, sids = [], {}
         try:
