@@ -63,12 +63,12 @@ PATTERNS = {
     "llava": "vision-language: CLIP vision tower, projector, image features scattered into a Llama's token "
              "sequence (a static batch: the features are listed per image)",
 }
-# the cells a mode refuses (a static batch is kept whole on every rank, so none for that):
-# Gemma-3's image tokens reshape heads by sizes read from a tensor split on another axis
-REFUSED: set = {("gemma3mm", "2d"), ("gemma3mm", "2.5d")}
+# the cells a mode refuses (a static batch is kept whole on every rank, so none for that)
+REFUSED: set = set()
 # cells that plan with a node run whole on gathered inputs (exact): Idefics3's pixel shuffle
-# folds a split hidden dim into patches; Gemma-3's 3d vision projection
-WITH_FALLBACKS: set = {("idefics3", m) for m in ("2d", "2.5d", "3d")} | {("gemma3mm", "3d")}
+# folds a split hidden dim into patches; the q and kv projections of Gemma-3's SigLIP
+# pooling head (nn.MultiheadAttention: its in_proj weight split by slicing)
+WITH_FALLBACKS: set = {(n, m) for n in ("idefics3", "gemma3mm") for m in ("2d", "2.5d", "3d")}
 
 
 def build_meta(name: str):
