@@ -31,6 +31,7 @@ __all__ = ["trace"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
          aten.sym_constrain_range_for_size.default}
 _ROLES = ("q", "k", "v", "mask")
@@ -136,6 +137,7 @@ class _Trace:
         self.saved: dict[str, list[SavedTensor]] = {}
         self.failed: dict[str, str] = {}
         self.mismatch: dict[str, tuple] = {}  # node -> (local shape it produced, the plan's)
+        self.misfit: dict[str, str] = {}      # reshape -> its error: local sizes that do not fit its input
 
     # ---- helpers
     def _group(self, axes) -> str:
@@ -242,6 +244,11 @@ class _Trace:
                 out = self._run(node, np_, call)
         except Exception as e:  # noqa: BLE001 - an op meta cannot run: count nothing for it, go on
             self.failed[node.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if node.target in _RESHAPES and "is invalid for input of size" in str(e) and \
+                    not any(a.name in self.failed for a in node.all_input_nodes):
+                # meta runs any reshape whose sizes fit: from inputs that ran, the plan's
+                # sizes (a patched or sym_size-read one) disagree with its local input
+                self.misfit[node.name] = self.failed[node.name]
             self.muted = False
             out = self._fresh(node, inputs)
             self.pending = []
@@ -382,6 +389,12 @@ def trace(plan: ShardingPlan, gm: fx.GraphModule) -> ShardingPlan:
     shapes = plan.local_shapes
     t = _Trace(plan, gm, lambda node: shapes.get(node.name))
     t.run()
+    if t.misfit:
+        first = next(n for n in gm.graph.nodes if n.name in t.misfit)
+        inputs = {a.name: shapes.get(a.name) for a in first.all_input_nodes}
+        raise ShardingError(f"the plan is inconsistent at this node: run with the plan's local inputs {inputs} its "
+                            f"sizes do not fit ({t.misfit[first.name]}); a size the plan reads or patches is not "
+                            f"the local one, so autoshard refuses the plan rather than fail at run time", node=first)
     if t.mismatch:
         first = next(n for n in gm.graph.nodes if n.name in t.mismatch)
         got, want = t.mismatch[first.name]

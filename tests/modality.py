@@ -63,10 +63,11 @@ PATTERNS = {
     "llava": "vision-language: CLIP vision tower, projector, image features scattered into a Llama's token "
              "sequence (a static batch: the features are listed per image)",
 }
-# the cells a mode refuses (none: a static batch is kept whole on every rank)
+# the cells a mode refuses (a static batch is kept whole on every rank, so none for that)
 REFUSED: set = set()
-# cells that plan with a node run whole on gathered inputs: Idefics3's pixel shuffle folds a
-# split hidden dim into patches (exact); Gemma-3's SigLIP pooling head (its 2d run is not exact yet)
+# cells that plan with a node run whole on gathered inputs (exact): Idefics3's pixel shuffle
+# folds a split hidden dim into patches; the q and kv projections of Gemma-3's SigLIP
+# pooling head (nn.MultiheadAttention: its in_proj weight split by slicing)
 WITH_FALLBACKS: set = {(n, m) for n in ("idefics3", "gemma3mm") for m in ("2d", "2.5d", "3d")}
 
 

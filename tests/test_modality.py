@@ -31,13 +31,16 @@ from dist_pool import get_pool
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
 FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d"), ("clip", "2d"), ("llava", "1d")}
 CELLS = [(n, m) for n in ("vit", "whisper", "clip", "llava") for m in MODES] + [
-    ("gemma3mm", "1d"), ("idefics3", "1d"), ("idefics3", "2d")]
+    ("gemma3mm", "1d"), ("gemma3mm", "2d"), ("idefics3", "1d"), ("idefics3", "2d")]
 # sizes that depend on the data (Idefics3 keeps the images that are not all padding: an
 # unbacked size) are priced at 8 rows in the plan's bytes, so only the call count is compared
 DATA_DEPENDENT_SIZES = {"idefics3"}
 # Idefics3's pixel-shuffle connector reshapes a [images, patches, hidden] block by sizes read
 # from that data-dependent count: at 2d it runs whole on its gathered input (exact)
-FALLBACKS = {("idefics3", "2d"): ["view_11"]}
+# Gemma-3's SigLIP pooling head (nn.MultiheadAttention) projects its probe and the patches by
+# slices of one in_proj weight: at 2d both linears run whole (its head view then reshapes by
+# bsz × heads, read from the split batch: multiplied back)
+FALLBACKS = {("idefics3", "2d"): ["view_11"], ("gemma3mm", "2d"): ["linear_12", "linear_13"]}
 
 
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, id=f"{n}-{m}",

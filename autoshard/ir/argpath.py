@@ -54,7 +54,9 @@ def apply_patches(node, patches) -> None:
     value ``{"at": [[position, local size], ...]}`` edits single entries of a size list."""
     for path, value in patches:
         if isinstance(value, dict):
-            sizes = list(get_arg(node, path))
+            cur = get_arg(node, path)
+            scalar = not isinstance(cur, (list, tuple))     # one size given as a value (position 0)
+            sizes = [cur] if scalar else list(cur)
             for j, v in value.get("at", ()):
                 sizes[j] = v
             for key, op in (("div", operator.floordiv), ("mul", operator.mul)):
@@ -66,5 +68,5 @@ def apply_patches(node, patches) -> None:
                             sizes[j] = node.graph.call_function(op, (sizes[j], n))
                     else:
                         sizes[j] = op(sizes[j], n)
-            value = sizes
+            value = sizes[0] if scalar else sizes
         set_arg(node, path, value)

@@ -16,6 +16,8 @@ no rule goes to :func:`all_replicated_or_fallback`.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -27,7 +29,7 @@ from ..base import Choice, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
-__all__ = ["PACKET_RULES", "RULES", "all_replicated_or_fallback", "batch_rows", "fallback", "need_unsplit",
+__all__ = ["PACKET_RULES", "RULES", "all_replicated_or_fallback", "batch_rows", "fallback", "need_unsplit", "read_split",
            "register", "scalar_choice", "tensor_args", "without_dim"]
 
 
@@ -166,6 +168,26 @@ def fallback(ctx, reason: str) -> Choice:
         ("; batch gathered" if batch_split else "")
     return Choice(out=out, inputs=inputs, post=post, fallback=True,
                   notes=(f"fallback: {reason}; inputs gathered to replicated{rows}",))
+
+
+def read_split(ctx, size) -> tuple:
+    """The mesh axes a symbolic size is read split over: ``sym_size(x, d)`` reads ``x``'s
+    local dim ``d``, split as ``x``'s spec splits it; ``()`` for a size read from a whole
+    dim or computed otherwise (a placeholder's spec may still be provisional, whole, when
+    the walk reaches the reshape: the generate cache, pinned by a later layer). A product
+    of such reads and literals (``bsz * num_heads``: ``nn.MultiheadAttention``'s head view)
+    carries its split factor too: the axes of its factors."""
+    if isinstance(size, fx.Node) and size.target in (operator.mul, operator.floordiv):
+        # a floordiv by a literal keeps the factor (the local size divides as the whole one)
+        factors = size.args if size.target is operator.mul else size.args[:1]
+        if size.target is operator.floordiv and not isinstance(size.args[1], int):
+            return ()
+        axes = tuple(a for f in factors for a in read_split(ctx, f))
+        return axes if len(set(axes)) == len(axes) else ()
+    if not (isinstance(size, fx.Node) and size.target is aten.sym_size.int):
+        return ()
+    spec = ctx.spec(size.args[0])
+    return spec.dims[size.args[1] % spec.ndim] if spec is not None and spec.ndim else ()
 
 
 class _SizeOf:

@@ -16,7 +16,7 @@ from autoshard.ir.kernels import Dropout
 from autoshard.ir.spec import ShardSpec
 
 from ..base import Choice, RuleContext
-from .common import register, tensor_args
+from .common import read_split, register, tensor_args
 
 aten = torch.ops.aten
 
@@ -89,7 +89,20 @@ def pointwise(ctx: RuleContext) -> Choice:
         req = tuple(dims[d + off] if sh[d] == out_shape[d + off] else () for d in range(len(sh)))
         rseg = tuple(segs[d + off] if req[d] else 1 for d in range(len(sh)))
         inputs[path] = ShardSpec(dims=req, segments=rseg, partial=out_partial if s.partial else ())
-    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=out_partial), inputs=inputs)
+    return Choice(out=ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=out_partial), inputs=inputs,
+                  patches=_whole_sizes(ctx))
+
+
+def _whole_sizes(ctx: RuleContext) -> dict:
+    """A symbolic size used as a value (not a shape) must be the dense one: read by
+    ``sym_size`` from a split dim it is this rank's part, so it is multiplied back
+    (Gemma-3's check that the image tokens, a sum over the whole batch, number
+    ``batch × tokens per image``); docs/design.md, "Shared ops"."""
+    patches = {}
+    for i, a in enumerate(ctx.node.args):
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt) and (read := read_split(ctx, a)):
+            patches[(i,)] = {"mul": [[0, ctx.mesh.size(read)]]}
+    return patches
 
 
 def inplace(ctx: RuleContext) -> Choice:

@@ -13,7 +13,7 @@ from torch import fx
 from autoshard.ir.spec import ShardSpec, replicated
 
 from ..base import Choice, NeedReplicate, RuleContext, SymbolicSizes
-from .common import need_unsplit, register, scalar_choice, without_dim
+from .common import need_unsplit, read_split, register, scalar_choice, without_dim
 
 aten = torch.ops.aten
 
@@ -121,17 +121,6 @@ def _is_seq_size(size: int) -> bool:
     return size % SymbolicSizes.SEQ == 0 and size % SymbolicSizes.BATCH != 0
 
 
-def _read_split(ctx, size) -> tuple:
-    """The mesh axes a symbolic size is read split over: ``sym_size(x, d)`` reads ``x``'s
-    local dim ``d``, split as ``x``'s spec splits it; ``()`` for a size read from a whole
-    dim or computed otherwise (a placeholder's spec may still be provisional, whole, when
-    the walk reaches the reshape: the generate cache, pinned by a later layer)."""
-    if not (isinstance(size, fx.Node) and size.target is aten.sym_size.int):
-        return ()
-    spec = ctx.spec(size.args[0])
-    return spec.dims[size.args[1] % spec.ndim] if spec is not None and spec.ndim else ()
-
-
 def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
     """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
     (positions, never values: a -1 entry is left alone). A symbolic entry is read at run
@@ -149,7 +138,7 @@ def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec 
     for j, axes in enumerate((literal_spec or out_spec).dims):
         if j >= len(sizes):
             continue
-        if read := _read_split(ctx, sizes[j]):
+        if read := read_split(ctx, sizes[j]):
             have, want = ctx.mesh.size(read), ctx.mesh.size(out_spec.dims[j])
             if tuple(read) != tuple(out_spec.dims[j]) and have != want:
                 (div if want > have else mul).append([j, max(have, want) // min(have, want)])

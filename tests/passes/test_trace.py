@@ -58,6 +58,21 @@ def test_a_broken_rule_is_caught(monkeypatch):
             autoshard.plan(_config("llama"), world_size=2, mode="1d", batch_size=4, seq_len=8)
 
 
+def test_a_reshape_whose_sizes_do_not_fit_is_refused(monkeypatch):
+    """Mutation: a reshape rule that forgets its size patches (the heads' literal left
+    whole on a head-split input) fails on meta; such a failure is the plan's, not meta's,
+    so the trace refuses the plan at the view instead of noting it and going on (Gemma-3's
+    pooling head at 2d crashed at run time that way)."""
+    import autoshard
+
+    real = generic.RULES[generic.aten.reshape.default]     # GQA's repeat_kv: [b, heads, s, d], no -1
+    monkeypatch.setitem(generic.RULES, generic.aten.reshape.default, lambda ctx: real(ctx).replace(patches={}))
+    with pytest.raises(ShardingError, match="its sizes do not fit") as ei:
+        with tp.memo_capture():
+            autoshard.plan(_config("llama"), world_size=2, mode="1d", batch_size=4, seq_len=8)
+    assert "is invalid for input of size" in str(ei.value) and "aten.reshape.default" in str(ei.value)
+
+
 @pytest.mark.parametrize("mode,world", [("1d", 4)])
 def test_debertav2_is_exact(mode, world):
     from dist_pool import get_pool
