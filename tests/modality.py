@@ -95,7 +95,10 @@ def build(name: str, seed: int = 0):
     return model
 
 
-OWN_INPUTS = {"idefics3"}
+# a model whose inputs its config cannot describe (Idefics3's images per sample) is given a
+# batch of 2; one whose batch cannot be padded to the batch split (Gemma-3 counts its image
+# tokens over the whole batch) a batch that fills it: the size of that batch per (name, mode)
+OWN_INPUTS = {("idefics3", m): 2 for m in ("1d", "2d", "2.5d", "3d")} | {("gemma3mm", "2.5d"): 4}
 
 
 def inputs(name: str, model, b: int = 4, seed: int = 1) -> dict:
@@ -123,8 +126,8 @@ def check(rank: int, world: int, name: str, mode: str, depth=None) -> dict:
     torch.set_num_threads(1)
     dense = build(name)
     model = copy.deepcopy(dense)
-    # a model whose inputs its config cannot describe (Idefics3's images per sample) is given a batch
-    example = inputs(name, dense, b=2) if name in OWN_INPUTS else None
+    b = OWN_INPUTS.get((name, mode))
+    example = inputs(name, dense, b=b) if b else None
     sharded = autoshard.shard(model, mode=mode, depth=depth, example_inputs=example)
     batch = inputs(name, dense, b=sharded.plan.batch_size)     # the batch the plan counts bytes for
     out_d = dense(**batch)

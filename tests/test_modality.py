@@ -5,7 +5,9 @@ end over log-mel frames, encoder-decoder, frozen sinusoidal positions) are shard
 loss, logits, every returned tensor and every local gradient within atol = rtol = 1e-5
 of the dense model's, parameter bytes and the collective ledger equal to the plan
 (tests/modality.py). In `make test`: ViT 1d@2 and 2d@4, CLIP 1d@2 and 2d@4, LLaVA
-1d@2; the 8-rank cells and Whisper's are slow (`make test-extended`).
+1d@2; the 8-rank cells and Whisper's are slow (`make test-extended`); Gemma-3 multimodal and Idefics3 in
+1d@2, 2d@4 and 2.5d@8 (slow), Gemma-3 at 2.5d given a batch of 4 (its image-token count sums
+over the batch, so the batch cannot be padded to the split of 4).
 
 CLIP (a dual encoder: every image against every text of the batch) reads its batch
 as a Python int (``len(logits)`` in its contrastive loss), so export makes the batch
@@ -31,16 +33,17 @@ from dist_pool import get_pool
 MODES = {"1d": (2, None), "2d": (4, None), "2.5d": (8, 2), "3d": (8, None)}
 FAST = {("vit", "1d"), ("vit", "2d"), ("clip", "1d"), ("clip", "2d"), ("llava", "1d")}
 CELLS = [(n, m) for n in ("vit", "whisper", "clip", "llava") for m in MODES] + [
-    ("gemma3mm", "1d"), ("gemma3mm", "2d"), ("idefics3", "1d"), ("idefics3", "2d")]
+    (n, m) for n in ("gemma3mm", "idefics3") for m in ("1d", "2d", "2.5d")]
 # sizes that depend on the data (Idefics3 keeps the images that are not all padding: an
 # unbacked size) are priced at 8 rows in the plan's bytes, so only the call count is compared
 DATA_DEPENDENT_SIZES = {"idefics3"}
 # Idefics3's pixel-shuffle connector reshapes a [images, patches, hidden] block by sizes read
-# from that data-dependent count: at 2d it runs whole on its gathered input (exact)
+# from that data-dependent count: at 2d and 2.5d it runs whole on its gathered input (exact)
 # Gemma-3's SigLIP pooling head (nn.MultiheadAttention) projects its probe and the patches by
-# slices of one in_proj weight: at 2d both linears run whole (its head view then reshapes by
+# slices of one in_proj weight: at 2d and 2.5d both linears run whole (its head view then reshapes by
 # bsz × heads, read from the split batch: multiplied back)
-FALLBACKS = {("idefics3", "2d"): ["view_11"], ("gemma3mm", "2d"): ["linear_12", "linear_13"]}
+FALLBACKS = {("idefics3", m): ["view_11"] for m in ("2d", "2.5d")} | {
+    ("gemma3mm", m): ["linear_12", "linear_13"] for m in ("2d", "2.5d")}
 
 
 @pytest.mark.parametrize("name,mode", [pytest.param(n, m, id=f"{n}-{m}",
