@@ -349,6 +349,8 @@ class NodeContext:
                 continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
                 nd = view_dim(u, src, d) if ann and ann.kind == "view" else None
+                if nd is None and (merged := _merged_under(u, src, d)):
+                    return stop_note(u, merged)
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             return stop_note(u, "an op with no rule that keeps a feature split")
@@ -485,11 +487,26 @@ def _view_dim_of(u, src, d):
         return None
     if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:
         return d
-    if len(b) == len(a) + 1 and len(b) > d + 1 and b[d] * b[d + 1] == a[d] and a[d + 1:] == b[d + 2:]:
-        return d                                   # cut in two: the split stays on the outer factor
+    k = len(b) - len(a) + 1
+    if k > 1 and len(b) >= d + k and math.prod(b[d:d + k]) == a[d] and a[d + 1:] == b[d + k:]:
+        return d            # cut in two or more (Bloom's [heads, 3, hd]): the split stays on the outer factor
     if len(a) == len(b) + 1 and len(a) > d + 1 and a[d] * a[d + 1] == b[d] and a[d + 2:] == b[d + 1:]:
         return d                                   # merged with its inner neighbour
     return None
+
+
+def _merged_under(u, src, d) -> str:
+    """What a reshape that merges the split dim ``d`` into the dim before it does to the
+    split (Bloom's ``[b, heads, s, hd] → [b·heads, s, hd]``): each rank's heads would be
+    ``b`` blocks of the merged dim, one per outer index, a split no spec expresses (its
+    segment count would be the batch); empty for any other op."""
+    a, b = _shape(src), _shape(u)
+    if u.target not in _VIEWS or d is None or not d or a is None or b is None or len(a) != len(b) + 1:
+        return ""
+    if a[:d - 1] != b[:d - 1] or a[d + 1:] != b[d:] or a[d - 1] * a[d] != b[d - 1]:
+        return ""
+    return (f"reshape {SymbolicSizes.text(a)}->{SymbolicSizes.text(b)} merges the split dim {d} under dim {d - 1}: "
+            f"a rank's part would be one block per index of dim {d - 1}, a split a spec cannot express")
 
 
 def _reduced_keeps(u, src, d):
