@@ -13,7 +13,10 @@ DTensor names, per *mesh* dim in mesh order, a placement. The two meet as follow
   split col-major). torch applies placements left to right over the mesh; a strided
   shard takes block ``i`` of each of its ``split_factor`` groups, which is how a
   segmented or out-of-order split lays its blocks out;
-* an axis the tensor is not split over: ``Replicate()`` (2.5d's depth, ``dp``).
+* an axis the tensor is not split over: ``Replicate()`` (2.5d's depth, ``dp``);
+* a dim of fused blocks of *unequal* widths (``ShardSpec.widths``: Phi-3's q, k, v with
+  fewer kv heads), which no placement expresses: the tensor is presented whole,
+  ``Replicate()`` on every axis (:func:`to_dtensor` gathers it; loading slices it again).
 
 A padded vocabulary (:mod:`autoshard.passes.pad`, ``Vp = ceil(V / n) · n``) is torch's
 uneven ``Shard``: rank ``i`` holds rows ``[i·c, min((i+1)·c, V))``, ``c = ceil(V / n)``, so
@@ -62,6 +65,8 @@ def placements(spec: ShardSpec, mesh: Mesh) -> tuple:
     """The DTensor placements (one per mesh axis, in mesh order) of a tensor laid out by ``spec``."""
     Shard, Strided, Replicate, Partial = _types()
     out: list = [Replicate()] * len(mesh.axes)
+    if spec.widths:             # unequal fused blocks: no placement cuts them, presented whole
+        return tuple(out)
     for d, axes in enumerate(spec.dims):
         for pos, a in enumerate(axes):
             later = [b for b in axes[:pos] if mesh.axes.index(b) > mesh.axes.index(a)]
@@ -174,6 +179,10 @@ def to_dtensor(sharded, pp, local: torch.Tensor):
 
     mesh = sharded.mesh
     shape = tuple(pp.global_shape)
+    if pp.spec.widths:          # unequal fused blocks, presented whole (see placements): every rank gathers
+        from .gather import _gather
+
+        local = _gather(sharded, local.detach(), pp.spec, shape, rank0_only=False)
     if pp.pad_dim is not None:
         trimmed = _trim_local(pp, local, mesh, sharded.rank)
         if trimmed is not None:
@@ -202,7 +211,8 @@ def from_dtensor(sharded, pp, value) -> torch.Tensor:
     where it is laid out as the plan lays it (padding restored), else gathered whole
     (collective over the DTensor's mesh) and sliced."""
     mine = placements(pp.spec, sharded.mesh)
-    if tuple(value.placements) == mine and value.device_mesh.mesh.tolist() == sharded.device_mesh.mesh.tolist():
+    if tuple(value.placements) == mine and value.device_mesh.mesh.tolist() == sharded.device_mesh.mesh.tolist() \
+            and not pp.spec.widths:
         local = value.to_local()
         shape = tuple(pp.local_shape(sharded.mesh))
         if pp.pad_dim is not None and tuple(local.shape) != shape:

@@ -124,7 +124,27 @@ def collect_two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: 
     return ya, unseg(yb, b_dim, m_b)
 
 
-def on_segments(fn, t, dim: int, group: str, m: int):
-    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
+def on_segments(fn, t, dim: int, group: str, m):
+    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split; ``m``
+    a tuple: the relative widths of unequal fused blocks (``ShardSpec.widths``: Phi-3's q,
+    k, v), re-ordered around one collective, the same calls and bytes as equal blocks."""
+    if isinstance(m, tuple):
+        p = C.group_rank_size(group)[1]
+        if fn is C.scatter_to:      # whole -> rank-major [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], then each its chunk
+            return fn(_regroup(t, dim, list(m), p, rank_major=True), dim, group)
+        return _regroup(fn(t, dim, group), dim, list(m), p, rank_major=False)
     ts, d = seg(t, dim, m)
     return unseg(fn(ts, d, group), dim, m)
+
+
+def _regroup(t, dim: int, widths: list[int], p: int, *, rank_major: bool):
+    """Reorder dim ``dim`` of ``t``, made of blocks of relative ``widths`` each cut in ``p``
+    parts, from block-major (``[q_0 q_1 | k_0 k_1 | ..]``, the dense layout) to rank-major
+    (``[q_0 k_0 .. | q_1 k_1 ..]``, what a gather over ranks returns), or back."""
+    unit = t.shape[dim] // sum(widths)
+    if rank_major:
+        parts = [blk.chunk(p, dim) for blk in t.split([unit * w for w in widths], dim)]
+        return torch.cat([parts[i][r] for r in range(p) for i in range(len(widths))], dim)
+    per = [unit * w // p for w in widths]
+    ranks = [c.split(per, dim) for c in t.chunk(p, dim)]
+    return torch.cat([ranks[r][i] for i in range(len(widths)) for r in range(p)], dim)
