@@ -48,7 +48,7 @@ import torch
 
 from ..ir.errors import ShardingError
 from ..ir.mesh import Mesh
-from ..ir.spec import ShardSpec
+from ..ir.spec import ShardSpec, regroup
 
 __all__ = ["placements", "local_pieces", "device_mesh", "to_dtensor", "dtensor_state_dict", "from_dtensor",
            "tp_local", "like_fsdp", "narrow_piece"]
@@ -173,6 +173,21 @@ def _trim_local(pp, local: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor 
     return local.narrow(d, 0, sum(hi - lo for lo, hi in kept))
 
 
+def _whole(sharded, spec: ShardSpec, local: torch.Tensor, shape) -> torch.Tensor:
+    """The whole tensor of unequal fused blocks (collective over its split axes): DTensor
+    gathers it in rank order (each rank's ``[q_r | k_r | v_r]`` one chunk of each split
+    dim), then each such dim is put back in the dense order ``[q | k | v]``."""
+    from torch.distributed.tensor import DTensor
+
+    plain = ShardSpec(dims=spec.dims, segments=tuple(1 if w else m for w, m in zip(spec.widths, spec.segments)))
+    full = DTensor.from_local(local.detach(), sharded.device_mesh, placements(plain, sharded.mesh), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride()).full_tensor()
+    for d, w in enumerate(spec.widths):
+        if w:
+            full = regroup(full, d, w, sharded.mesh.size(spec.dims[d]), rank_major=False)
+    return full
+
+
 def to_dtensor(sharded, pp, local: torch.Tensor):
     """``local`` (this rank's block of the planned tensor ``pp``) as a DTensor sharing its storage."""
     from torch.distributed.tensor import DTensor
@@ -180,9 +195,7 @@ def to_dtensor(sharded, pp, local: torch.Tensor):
     mesh = sharded.mesh
     shape = tuple(pp.global_shape)
     if pp.spec.widths:          # unequal fused blocks, presented whole (see placements): every rank gathers
-        from .gather import _gather
-
-        local = _gather(sharded, local.detach(), pp.spec, shape, rank0_only=False)
+        local = _whole(sharded, pp.spec, local, shape)
     if pp.pad_dim is not None:
         trimmed = _trim_local(pp, local, mesh, sharded.rank)
         if trimmed is not None:

@@ -35,7 +35,7 @@ from .errors import ShardingError
 if TYPE_CHECKING:       # torch is not imported at run time: `import autoshard.ir.spec` stays light
     import torch
 
-__all__ = ["ShardSpec", "replicated"]
+__all__ = ["ShardSpec", "replicated", "regroup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +307,24 @@ class ShardSpec:
     def from_dict(cls, d: dict) -> "ShardSpec":
         return cls(dims=tuple(tuple(x) for x in d["dims"]), partial=tuple(d["partial"]),
                    segments=tuple(d["segments"]), widths=tuple(tuple(w) for w in d.get("widths", ())))
+
+
+def regroup(t, dim: int, widths, p: int, *, rank_major: bool):
+    """Reorder dim ``dim`` of ``t``, made of blocks of relative ``widths`` each cut in ``p``
+    parts, from block-major (``[q_0 q_1 | k_0 k_1 | ..]``, the dense layout) to rank-major
+    (``[q_0 k_0 .. | q_1 k_1 ..]``, what a gather over ranks returns), or back.
+
+    >>> import torch
+    >>> regroup(torch.arange(6), 0, (2, 1), 2, rank_major=False).tolist()     # [q0 k0 | q1 k1] -> [q | k]
+    [0, 1, 3, 4, 2, 5]
+    """
+    unit = t.shape[dim] // sum(widths)
+    if rank_major:
+        parts = [blk.chunk(p, dim) for blk in t.split([unit * w for w in widths], dim)]
+        return _cat([parts[i][r] for r in range(p) for i in range(len(widths))], dim)
+    per = [unit * w // p for w in widths]
+    ranks = [c.split(per, dim) for c in t.chunk(p, dim)]
+    return _cat([ranks[r][i] for i in range(len(widths)) for r in range(p)], dim)
 
 
 def _cat(parts, dim: int):

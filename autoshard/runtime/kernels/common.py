@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from .. import collectives as C
+from ...ir.spec import regroup
 
 __all__ = ["step", "AUTOCAST_PRODUCTS", "autocast_on", "wire_dtype", "to_wire", "paired_collectives",
            "may_overlap", "seg", "unseg", "collect_two", "on_segments"]
@@ -131,20 +132,7 @@ def on_segments(fn, t, dim: int, group: str, m):
     if isinstance(m, tuple):
         p = C.group_rank_size(group)[1]
         if fn is C.scatter_to:      # whole -> rank-major [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], then each its chunk
-            return fn(_regroup(t, dim, list(m), p, rank_major=True), dim, group)
-        return _regroup(fn(t, dim, group), dim, list(m), p, rank_major=False)
+            return fn(regroup(t, dim, m, p, rank_major=True), dim, group)
+        return regroup(fn(t, dim, group), dim, m, p, rank_major=False)
     ts, d = seg(t, dim, m)
     return unseg(fn(ts, d, group), dim, m)
-
-
-def _regroup(t, dim: int, widths: list[int], p: int, *, rank_major: bool):
-    """Reorder dim ``dim`` of ``t``, made of blocks of relative ``widths`` each cut in ``p``
-    parts, from block-major (``[q_0 q_1 | k_0 k_1 | ..]``, the dense layout) to rank-major
-    (``[q_0 k_0 .. | q_1 k_1 ..]``, what a gather over ranks returns), or back."""
-    unit = t.shape[dim] // sum(widths)
-    if rank_major:
-        parts = [blk.chunk(p, dim) for blk in t.split([unit * w for w in widths], dim)]
-        return torch.cat([parts[i][r] for r in range(p) for i in range(len(widths))], dim)
-    per = [unit * w // p for w in widths]
-    ranks = [c.split(per, dim) for c in t.chunk(p, dim)]
-    return torch.cat([ranks[r][i] for i in range(len(widths)) for r in range(p)], dim)
