@@ -43,7 +43,7 @@ def test_ring_attention_reads_no_mask_off_the_cpu():
 
 
 def test_unequal_fused_blocks_gather_and_scatter_in_the_dense_order(monkeypatch):
-    """A gather or scatter of a dim of unequal fused blocks (``Step.segments`` a tuple of
+    """A gather, scatter or reduce-scatter of a dim of unequal fused blocks (``Step.segments`` a tuple of
     widths: Phi-3's q, k, v with fewer kv heads) re-orders around one collective: the
     gathered ``[q_0 k_0 v_0 | q_1 k_1 v_1]`` becomes the dense ``[q | k | v]``, and a
     scatter hands rank r the block ``ShardSpec.local`` gives it. The collectives are
@@ -62,3 +62,6 @@ def test_unequal_fused_blocks_gather_and_scatter_in_the_dense_order(monkeypatch)
         fake = lambda t, d, g, r=r: t.chunk(2, d)[r]       # noqa: E731 - rank r's contiguous chunk
         monkeypatch.setattr(C, "scatter_to", fake)
         assert torch.equal(on_segments(fake, dense, 1, "autoshard-sim:2", (4, 1, 1)), locals_[r])
+        summed = lambda t, d, g, r=r: (2 * t).chunk(2, d)[r]       # noqa: E731 - two equal partial sums
+        monkeypatch.setattr(C, "reduce_scatter", summed)
+        assert torch.equal(on_segments(summed, dense, 1, "autoshard-sim:2", (4, 1, 1)), 2 * locals_[r])

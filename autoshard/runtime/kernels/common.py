@@ -131,7 +131,7 @@ def on_segments(fn, t, dim: int, group: str, m):
     k, v), re-ordered around one collective, the same calls and bytes as equal blocks."""
     if isinstance(m, tuple):
         p = C.group_rank_size(group)[1]
-        if fn is C.scatter_to:      # whole -> rank-major [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], then each its chunk
+        if fn in (C.scatter_to, C.reduce_scatter):      # whole -> rank-major [q_0 k_0 v_0 | q_1 ..], each its chunk
             return fn(regroup(t, dim, m, p, rank_major=True), dim, group)
         return regroup(fn(t, dim, group), dim, m, p, rank_major=False)
     ts, d = seg(t, dim, m)
