@@ -86,15 +86,17 @@ def test_timm_qkv_is_split_per_block(build):
 
 
 @pytest.mark.slow       # 2 + 4 ranks, one export each (~60 s per model)
-@pytest.mark.parametrize("name", ["modernbert", "phi3-kv2"])
-@pytest.mark.parametrize("mode,world", [("1d", 2), ("2d", 4)])
-def test_fused_blocks_equal_dense(name, mode, world):
+@pytest.mark.parametrize("name,mode,world,depth", [
+    ("modernbert", "1d", 2, None), ("modernbert", "2d", 4, None), ("phi3-kv2", "1d", 2, None),
+    ("phi3-kv2", "2d", 4, None), ("phi3-kv2", "1d-sp", 2, None),
+    pytest.param("phi3-kv2", "2.5d", 8, 2, marks=pytest.mark.extended)])     # 8 ranks (~2 min)
+def test_fused_blocks_equal_dense(name, mode, world, depth):
     """Loss, logits and every local gradient within 1e-5 of dense, 3 AdamW steps, the
     ledger's collectives and the parameter bytes as planned: ModernBERT's ``Wqkv`` (3
     equal blocks) and Phi-3's ``qkv_proj`` with 2 kv heads (unequal blocks, 4 : 1 : 1)."""
     from dist_pool import get_pool
 
-    for rank, r in enumerate(get_pool(world, timeout=600).run(models.check, name, mode, steps=3)):
+    for rank, r in enumerate(get_pool(world, timeout=600).run(models.check, name, mode, depth=depth, steps=3)):
         assert r["failures"] == [], f"rank {rank}: {r['failures'][:5]}"
         assert r["fallbacks"] == [], r["fallbacks"]
         assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
