@@ -117,16 +117,22 @@ def redistribute(cur: ShardSpec, req: ShardSpec, mesh: Mesh) -> list[Step]:
             s = s.with_partial(())
     for d in range(s.ndim):
         have, want = s.dims[d], req.dims[d]
-        if have and (have != want or s.segments[d] != req.segments[d]):
+        if have and (have != want or _fused(s, d) != _fused(req, d)):
             # gathering only the inner axes keeps the outer block: (dp,row) -> (dp,)
-            keep = want if (want and have[:len(want)] == want and s.segments[d] == req.segments[d]) else ()
-            steps.append(Step(op="gather", axes=have[len(keep):], dim=d, segments=s.segments[d]))
+            keep = want if (want and have[:len(want)] == want and _fused(s, d) == _fused(req, d)) else ()
+            steps.append(Step(op="gather", axes=have[len(keep):], dim=d, segments=_fused(s, d)))
             s = s.with_dim(d, keep, s.segments[d])
     for d in range(s.ndim):
         have, want = s.dims[d], req.dims[d]
         if want and have != want:
             # have is () or a prefix of want: slice the inner axes locally
-            steps.append(Step(op="scatter", axes=want[len(have):], dim=d, segments=req.segments[d]))
-            s = s.with_dim(d, want, req.segments[d])
+            steps.append(Step(op="scatter", axes=want[len(have):], dim=d, segments=_fused(req, d)))
+            s = s.with_dim(d, want, req.segments[d], req.widths[d] if req.widths else ())
     return steps
+
+
+def _fused(s: ShardSpec, d: int):
+    """Dim ``d``'s fused blocks as a :class:`Step` carries them: their count, or the relative
+    widths of unequal ones (``ShardSpec.widths``)."""
+    return s.widths[d] if s.widths and s.widths[d] else s.segments[d]
 

@@ -248,16 +248,23 @@ class NodeContext:
             return ()
         return tuple(e - b for b, e in cuts)
 
-    def unequal_blocks(self, node) -> str:
-        """A stop note when slices cut this Linear's output into adjacent blocks of unequal
-        widths (Phi-3's ``qkv_proj`` with fewer kv heads: ``[:q]``, ``[q:q+kv]``, ``[q+kv:]``):
-        a contiguous split would hand a rank pieces of q only, and a split per block needs
-        equal blocks (``ShardSpec.segments``); empty otherwise."""
+    def output_block_widths(self, node) -> tuple[int, ...]:
+        """The widths of the adjacent blocks slices cut this Linear's output into, when
+        they are unequal (Phi-3's ``qkv_proj`` with fewer kv heads: ``[:q]``, ``[q:q+kv]``,
+        ``[q+kv:]``); empty otherwise. A policy that splits them per block gives the
+        output ``ShardSpec.widths``: each rank holds its part of every block."""
         users = list(node.users)
         widths = self._slice_widths(node, users) if len(users) > 1 else ()
-        if len(set(widths)) < 2:
+        return widths if len(set(widths)) > 1 else ()
+
+    def unequal_blocks(self, node) -> str:
+        """A stop note when slices cut this Linear's output into adjacent blocks of unequal
+        widths (:meth:`output_block_widths`), for a policy that does not split them per
+        block: a contiguous split would hand a rank pieces of q only; empty otherwise."""
+        widths = self.output_block_widths(node)
+        if not widths:
             return ""
-        first = min(users, key=lambda u: (self._slice_start(u), u.name))
+        first = min(node.users, key=lambda u: (self._slice_start(u), u.name))
         return stop_note(first, f"a cut into fused blocks of unequal widths {widths}: split per block only where "
                                 f"the blocks are equal")
 
@@ -276,16 +283,17 @@ class NodeContext:
         split) keeps it local, so it does not stop the split."""
         return not self.split_stop(node)
 
-    def split_stop(self, node) -> str:
+    def split_stop(self, node, unequal: bool = False) -> str:
         """Why the split of this value's last dim cannot reach a parallel consumer
         (:meth:`output_feeds_parallel_consumer`): the first op found that stops it, its
-        node and what it does to the split dim; empty when every path passes."""
+        node and what it does to the split dim; empty when every path passes. ``unequal``:
+        the caller splits fused blocks of unequal widths per block (1d), so they do not stop it."""
         seen: set[tuple[str, int | None]] = set()
         rank_of = lambda n: getattr(n.meta.get("val"), "ndim", None)          # noqa: E731
         out_rank = rank_of(node)
         blocks = self.output_segments(node) if out_rank else 1
-        if blocks == 1 and (unequal := self.unequal_blocks(node)):
-            return unequal
+        if blocks == 1 and not unequal and (unequal_note := self.unequal_blocks(node)):
+            return unequal_note
         stack = [(u, node, out_rank - 1 if out_rank else None) for u in node.users]
         while stack:
             u, src, d = stack.pop()
@@ -341,6 +349,8 @@ class NodeContext:
                 continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
                 nd = view_dim(u, src, d) if ann and ann.kind == "view" else None
+                if nd is None and (merged := _merged_under(u, src, d)):
+                    return stop_note(u, merged)
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             return stop_note(u, "an op with no rule that keeps a feature split")
@@ -477,11 +487,26 @@ def _view_dim_of(u, src, d):
         return None
     if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:
         return d
-    if len(b) == len(a) + 1 and len(b) > d + 1 and b[d] * b[d + 1] == a[d] and a[d + 1:] == b[d + 2:]:
-        return d                                   # cut in two: the split stays on the outer factor
+    k = len(b) - len(a) + 1
+    if k > 1 and len(b) >= d + k and math.prod(b[d:d + k]) == a[d] and a[d + 1:] == b[d + k:]:
+        return d            # cut in two or more (Bloom's [heads, 3, hd]): the split stays on the outer factor
     if len(a) == len(b) + 1 and len(a) > d + 1 and a[d] * a[d + 1] == b[d] and a[d + 2:] == b[d + 1:]:
         return d                                   # merged with its inner neighbour
     return None
+
+
+def _merged_under(u, src, d) -> str:
+    """What a reshape that merges the split dim ``d`` into the dim before it does to the
+    split (Bloom's ``[b, heads, s, hd] → [b·heads, s, hd]``): each rank's heads would be
+    ``b`` blocks of the merged dim, one per outer index, a split no spec expresses (its
+    segment count would be the batch); empty for any other op."""
+    a, b = _shape(src), _shape(u)
+    if u.target not in _VIEWS or d is None or not d or a is None or b is None or len(a) != len(b) + 1:
+        return ""
+    if a[:d - 1] != b[:d - 1] or a[d + 1:] != b[d:] or a[d - 1] * a[d] != b[d - 1]:
+        return ""
+    return (f"reshape {SymbolicSizes.text(a)}->{SymbolicSizes.text(b)} merges the split dim {d} under dim {d - 1}: "
+            f"a rank's part would be one block per index of dim {d - 1}, a split a spec cannot express")
 
 
 def _reduced_keeps(u, src, d):

@@ -143,12 +143,15 @@ class RuleContext(Protocol):
         """The spec of ``node``'s output when nothing splits it: replicated, with the batch rows kept split."""
     def output_segments(self, node) -> int:
         """How many fused blocks a later ``split`` / ``chunk`` cuts ``node``'s output in (3 for a fused QKV)."""
+    def output_block_widths(self, node) -> tuple[int, ...]:
+        """The widths of the unequal fused blocks slices cut ``node``'s output into (Phi-3's q, k, v), or ``()``."""
     def output_feeds_parallel_consumer(self, node) -> bool:
         """Whether ``node``'s output reaches another Linear, the loss or the graph
         output through ops that keep a feature split."""
-    def split_stop(self, node) -> str:
+    def split_stop(self, node, unequal: bool = False) -> str:
         """The first op that stops a feature split of ``node``'s output on its way to a
-        consumer (op, node and reason), or ``''`` when none does."""
+        consumer (op, node and reason), or ``''`` when none does; ``unequal``: fused blocks
+        of unequal widths split per block and do not stop it."""
     def is_largest_embedding(self, w) -> bool:
         """Whether ``w`` is the largest embedding table of the graph (the vocabulary)."""
 

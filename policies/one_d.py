@@ -121,12 +121,14 @@ class OneD(Policy):
         rows = sx.dims[:-1]
         rseg = sx.segments[:-1]
 
-        def wspec(n_axes=(), k_axes=(), m=1):
+        def wspec(n_axes=(), k_axes=(), m=1, widths=()):
             d = [()] * len(wshape)          # a per-expert weight [E, n, k] keeps E whole
             sg = [1] * len(wshape)
             d[nd], d[kd] = n_axes, k_axes
             sg[nd] = m if n_axes else 1
-            return ShardSpec(dims=tuple(d), segments=tuple(sg))
+            wd = [()] * len(wshape)
+            wd[nd] = widths if n_axes else ()
+            return ShardSpec(dims=tuple(d), segments=tuple(sg), widths=tuple(wd))
 
         def local(note=""):
             req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
@@ -143,7 +145,9 @@ class OneD(Policy):
             return local("whole: " + (ctx.forced_reason(node) or "its out-feature split could not pass a later op"))
         if fixed is not None:
             if fixed.dims[nd] == tp:
-                return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), fixed.segments[nd]), fixed.segments[nd])
+                wd = fixed.block_widths(nd) if fixed.widths else ()
+                return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), fixed.segments[nd], wd),
+                                    fixed.segments[nd], wd)
             if fixed.dims[kd] == tp and sx.dims[-1] == tp:
                 return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
             if fixed.is_replicated:
@@ -157,27 +161,33 @@ class OneD(Policy):
                               notes=("partial sum, reduced once after the add with its low-rank pair",))
             return self._row(ctx, xp, wp, bp, sx, wspec((), tp))
         m = ctx.output_segments(node)
-        stop = ctx.split_stop(node)
+        # fused blocks of unequal widths (Phi-3's q, k, v with fewer kv heads): split per block
+        wd = ctx.output_block_widths(node) if m == 1 else ()
+        stop = ctx.split_stop(node, unequal=True)
         up = _low_rank_up(ctx, node, n, k)
         if up is not None:      # the down half of a low-rank pair (LoRA's A): its up half splits instead
             return local(f"whole: the down half of a low-rank pair ({k} -> {n} -> {up} features, into "
                          f"`{_linear_after(node).name}`): held whole, its consumer splits its out features "
                          f"with no collective, where splitting this one would all-reduce the consumer's output")
-        if not stop and n % (c * m) == 0:
+        if wd and not stop and all(x % c == 0 for x in wd):
+            return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), len(wd), wd), len(wd), wd)
+        if not wd and not stop and n % (c * m) == 0:
             return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), m), m)
-        return local(_whole_note(stop, n, k, m, c, in_split=sx.dims[-1] == tp))
+        return local(_whole_note(stop, n, k, f" in fused blocks of widths {wd}" if wd else
+                                 f" × {m} fused blocks" if m > 1 else "", c, in_split=sx.dims[-1] == tp))
 
-    def _column(self, ctx, xp, wp, bp, rows, rseg, ws, m):
+    def _column(self, ctx, xp, wp, bp, rows, rseg, ws, m, widths=()):
         tp = self.tp_axes
         req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
         ins = {xp: req, wp: ws}
         if ctx.node.target is grouped_linear:
             ins[(2,)] = grouped_offs_spec(self.mesh, rows[0] if rows else ())
         if bp:
-            ins[bp] = ShardSpec(dims=(tp,), segments=(m,))
-        out = ShardSpec(dims=rows + (tp,), segments=rseg + (m,))
+            ins[bp] = ShardSpec(dims=(tp,), segments=(m,), widths=(widths,))
+        wd = ((),) * len(rows) + (widths,)
+        out = ShardSpec(dims=rows + (tp,), segments=rseg + (m,), widths=wd)
         return Choice(out=out, inputs=ins, weight=f"column: out features / {self.mesh.size(tp)}"
-                      + (f" ({m} fused blocks)" if m > 1 else ""))
+                      + (f" (fused blocks of widths {widths})" if widths else f" ({m} fused blocks)" if m > 1 else ""))
 
     def _row(self, ctx, xp, wp, bp, sx, ws):
         tp = self.tp_axes
@@ -341,7 +351,7 @@ def _back_through(node, scales):
         return node
 
 
-def _whole_note(stop: str, n: int, k: int, m: int, c: int, *, in_split: bool) -> str:
+def _whole_note(stop: str, n: int, k: int, blocks: str, c: int, *, in_split: bool) -> str:
     """The note of a Linear 1d holds whole: why neither its out features (column) nor
     its in features (row) split over tp (size ``c``)."""
     why = [f"its input arrives split on {k} in features, which do not divide tp {c}" if in_split
@@ -349,7 +359,6 @@ def _whole_note(stop: str, n: int, k: int, m: int, c: int, *, in_split: bool) ->
     if stop:
         why.append(f"the split of its out features could not pass {stop}")
     else:
-        blocks = f" × {m} fused blocks" if m > 1 else ""
         why.append(f"{n} out features do not divide tp {c}{blocks}")
     return "whole: " + "; ".join(why)
 

@@ -146,11 +146,13 @@ class Tesseract(Policy):
         grouped = node.target is grouped_linear
         offs = {(2,): grouped_offs_spec(self.mesh, rows[0] if rows else ())} if grouped else {}
 
-        def wspec(n_axes=(), k_axes=(), m=1):
+        def wspec(n_axes=(), k_axes=(), m=1, widths=()):
             d, sg = [()] * ctx.pshape(w).__len__(), [1] * ctx.pshape(w).__len__()   # [E, n, k] keeps E whole
             d[nd], d[kd] = n_axes, k_axes
             sg[nd] = m if n_axes else 1
-            return ShardSpec(dims=tuple(d), segments=tuple(sg))
+            wd = [()] * len(d)
+            wd[nd] = widths if n_axes else ()
+            return ShardSpec(dims=tuple(d), segments=tuple(sg), widths=tuple(wd))
 
         if ctx.forced_replicate(node) or (fixed is not None and fixed.is_replicated) or k % q:
             req = ShardSpec(dims=rows + ((),), segments=rseg + (1,))
@@ -161,19 +163,23 @@ class Tesseract(Policy):
         if fixed is not None and fixed.dims[nd] == () and fixed.dims[kd] == C:
             return self._tied_head(ctx, xp, wp, bp, rows, rseg, wspec((), C), n)
         m = ctx.output_segments(node)
-        if n % (q * m):
+        # fused blocks of unequal widths (Phi-3's q, k, v): split per block where each divides q
+        wd = ctx.output_block_widths(node) if m == 1 else ()
+        wd = wd if wd and all(x % q == 0 for x in wd) else ()
+        m = len(wd) or m
+        if not wd and n % (q * m):
             m = 1
         if n % q:
             return self._tied_like_fallback(ctx, xp, wp, bp, rows, rseg, wspec, offs)
         xreq = ShardSpec(dims=rows + (C,), segments=rseg + (1,))
-        ins = [(xp, xreq), (wp, wspec(C, R, m)), *offs.items()]
+        ins = [(xp, xreq), (wp, wspec(C, R, m, wd)), *offs.items()]
         if bp:
-            ins.append((bp, ShardSpec(dims=(C,), segments=(m,))))
-        out = ShardSpec(dims=rows + (C,), segments=rseg + (m,))
+            ins.append((bp, ShardSpec(dims=(C,), segments=(m,), widths=(wd,))))
+        out = ShardSpec(dims=rows + (C,), segments=rseg + (m,), widths=((),) * len(rows) + (wd,))
         whole = rows_whole(rows, R)
         k = Summa(row=R, col=C, x=xp, w=wp, b=bp, n_dim=nd, k_dim=kd, in_specs=tuple(ins), out_spec=out,
                   rows_whole=whole, **(dict(offs=(2,), impl=node.args[4]) if grouped else {}))
-        return Choice.run(k, weight=f"[k/{q} over row, n/{q} over col]" + (f", {m} fused blocks" if m > 1 else "")
+        return Choice.run(k, weight=f"[k/{q} over row, n/{q} over col]" + (f", fused blocks of widths {wd}" if wd else f", {m} fused blocks" if m > 1 else "")
                           + (", replicated over dep" if self.d > 1 else ""),
                           notes=("rows whole over row: every row of the grid computes all rows",) if whole else ())
 

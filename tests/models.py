@@ -119,6 +119,12 @@ TINY["mistral-d63"] = ("MistralForCausalLM", "MistralConfig", {**TINY["llama"][2
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})
+# Phi-3's fused qkv_proj with 2 kv heads for 8 query heads: sliced [:64] [64:80] [80:], blocks of unequal
+# widths split per block (each rank its q, k and v heads)
+TINY["phi3-kv2"] = ("Phi3ForCausalLM", "Phi3Config",
+                    dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False))
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})

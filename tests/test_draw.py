@@ -219,3 +219,21 @@ def test_renders_to_png(tmp_path):
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     root = ET.fromstring(svg.read_text())
     assert struct.unpack(">II", head[16:24]) == (int(root.get("width")), int(root.get("height")))
+
+
+def test_unequal_fused_blocks_are_drawn_at_their_widths():
+    """Phi-3's ``qkv_proj`` with fewer kv heads (``widths`` 4 : 1 : 1, 96 rows at 2 ranks):
+    the dashed lines sit between q | k and k | v (rows 64 and 80), and each rank's pieces
+    are its part of every block, as ``ShardSpec.local`` takes them."""
+    mesh = Mesh(axes=("tp",), sizes=(2,))
+    spec = ShardSpec(dims=(("tp",), ()), widths=((4, 1, 1), ()))
+    plan = _hand_plan(mesh, {"blocks.0.qkv_proj.weight": ((96, 64), spec), "blocks.0.fc.weight": ((64, 64), _S([], []))})
+    svg = render_svg(plan)
+    check_picture(svg, plan)
+    group = next(g for g in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}g")
+                 if g.get("data-param") == "blocks.0.qkv_proj.weight")
+    ys = sorted(float(e.get("y1")) for e in group.iter("{http://www.w3.org/2000/svg}line") if e.get("class") == "segment")
+    top = min(float(b.get("y")) for b in group.iter("{http://www.w3.org/2000/svg}rect") if b.get("class") == "block")
+    h = max(float(b.get("y")) + float(b.get("height")) for b in group.iter("{http://www.w3.org/2000/svg}rect")
+            if b.get("class") == "block") - top
+    assert [round((y - top) / h * 96) for y in ys] == [64, 80], ys

@@ -18,8 +18,8 @@ M3 = Mesh(axes=("dep", "row", "col"), sizes=(2, 2, 2))
 M3_ODD = Mesh(axes=("dep", "row", "col"), sizes=(2, 3, 2))
 
 
-def S(*dims, segments=(), partial=()):
-    return ShardSpec(dims=tuple(tuple(d) for d in dims), segments=segments, partial=partial)
+def S(*dims, segments=(), partial=(), widths=()):
+    return ShardSpec(dims=tuple(tuple(d) for d in dims), segments=segments, partial=partial, widths=widths)
 
 
 # (id, mesh, global shape, spec)
@@ -44,6 +44,10 @@ CASES = [
     ("3ax-all-on-one-dim", M3_ODD, (2, 24), S([], ["dep", "row", "col"])),
     ("3ax-seg3-multi", M3, (3, 24), S([], ["dep", "row"], segments=(1, 3))),
     ("3ax-col-unused", M3, (4, 6), S(["dep", "row"], [])),
+    # unequal fused blocks (Phi-3's q, k, v with fewer kv heads: 4 : 1 : 1)
+    ("1ax-widths", M1, (3, 12), S([], ["tp"], widths=((), (4, 1, 1)))),
+    ("2ax-widths", M2, (18, 4), S(["col"], ["row"], widths=((2, 1), ()))),
+    ("3ax-widths-multi", M3, (24, 2), S(["dep", "row"], [], widths=((1, 2), ()))),
 ]
 
 
@@ -55,7 +59,8 @@ def _ref_local(t: torch.Tensor, spec: ShardSpec, mesh: Mesh, rank: int) -> torch
         if not axes:
             continue
         idx, count = mesh.index(axes, rank), mesh.size(axes)
-        segs = out.chunk(spec.segments[d], dim=d)
+        w = spec.widths[d] if spec.widths else ()
+        segs = out.split([out.shape[d] // sum(w) * x for x in w], dim=d) if w else out.chunk(spec.segments[d], dim=d)
         out = torch.cat([s.chunk(count, dim=d)[idx] for s in segs], dim=d)
     return out
 
@@ -94,7 +99,7 @@ def test_local_matches_reference_and_local_shape(mesh, shape, spec):
 def test_blocks_are_the_ranges_local_takes(mesh, shape, spec):
     """``blocks`` names exactly the global positions ``local`` copies, in the order it
     copies them: index an arange of the global shape with the ranges and compare."""
-    spec = ShardSpec(dims=spec.dims, segments=spec.segments)      # blocks ignore partial sums
+    spec = ShardSpec(dims=spec.dims, segments=spec.segments, widths=spec.widths)      # blocks ignore partial sums
     index = torch.arange(math.prod(shape)).reshape(shape)
     for r in range(mesh.world_size):
         ranges = spec.blocks(shape, mesh, r)
@@ -183,6 +188,21 @@ def test_local_not_divisible_raises(mesh, shape, spec):
 def test_axis_used_twice_raises(dims, partial):
     with pytest.raises(ShardingError, match="used twice"):
         ShardSpec(dims=dims, partial=partial)
+
+
+def test_widths_normalise_and_refuse_bad_sizes():
+    """Widths are reduced by their gcd; equal ones are plain segments (the same spec, the
+    same dict); a block that does not split into the shards is refused, naming the widths."""
+    s = S([], ["tp"], widths=((), (64, 16, 16)))
+    assert s.widths == ((), (4, 1, 1)) and s.segments == (1, 3) and str(s) == "[R, S(tp)x(4:1:1)]"
+    assert S(["tp"], widths=((2, 2, 2),)) == S(["tp"], segments=(3,))
+    assert "widths" not in S(["tp"], widths=((2, 2, 2),)).to_dict()
+    assert s.with_dim(1, ()).widths == () and s.with_partial(("x",)).widths == s.widths
+    assert s.cuts(1, 96, 2) == [(0, 64), (64, 16), (80, 16)]
+    with pytest.raises(ShardingError, match=r"widths \(4, 1, 1\)"):
+        s.local(torch.zeros(2, 12), Mesh(axes=("tp",), sizes=(4,)), 0)      # k and v blocks of 2 into 4
+    with pytest.raises(ShardingError, match="split dim"):
+        S([], [], widths=((), (2, 1)))
 
 
 def test_segments_length_mismatch_raises():

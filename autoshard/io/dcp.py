@@ -249,8 +249,21 @@ def load(sharded, path, *, optimizer=None) -> None:
     dcp.load(state, checkpoint_id=str(path), planner=LoadPlanner())
     if sharded.fsdp:
         sharded.load_state_dict(state["model"])     # FSDP2: the state dict held gathered copies
+    else:
+        _copy_back_whole(sharded, state["model"])
     if optimizer is not None:
         load_optimizer_state_dict(sharded, optimizer, state["optim"])
+
+
+def _copy_back_whole(sharded, model_state: dict) -> None:
+    """Tensors of unequal fused blocks (``ShardSpec.widths``) were read into gathered
+    copies (:func:`~autoshard.io.dtensor.placements` presents them whole): slice each
+    back into its parameter."""
+    params = dict(sharded.named_parameters(remove_duplicate=False))
+    for pp in sharded.plan.params:
+        if pp.spec.widths and pp.name in params and isinstance(model_state.get(pp.name), DTensor):
+            with torch.no_grad():
+                params[pp.name].copy_(from_dtensor(sharded, pp, model_state[pp.name]))
 
 
 # ------------------------------------------------------------------------------ converters

@@ -13,7 +13,10 @@ DTensor names, per *mesh* dim in mesh order, a placement. The two meet as follow
   split col-major). torch applies placements left to right over the mesh; a strided
   shard takes block ``i`` of each of its ``split_factor`` groups, which is how a
   segmented or out-of-order split lays its blocks out;
-* an axis the tensor is not split over: ``Replicate()`` (2.5d's depth, ``dp``).
+* an axis the tensor is not split over: ``Replicate()`` (2.5d's depth, ``dp``);
+* a dim of fused blocks of *unequal* widths (``ShardSpec.widths``: Phi-3's q, k, v with
+  fewer kv heads), which no placement expresses: the tensor is presented whole,
+  ``Replicate()`` on every axis (:func:`to_dtensor` gathers it; loading slices it again).
 
 A padded vocabulary (:mod:`autoshard.passes.pad`, ``Vp = ceil(V / n) · n``) is torch's
 uneven ``Shard``: rank ``i`` holds rows ``[i·c, min((i+1)·c, V))``, ``c = ceil(V / n)``, so
@@ -45,7 +48,7 @@ import torch
 
 from ..ir.errors import ShardingError
 from ..ir.mesh import Mesh
-from ..ir.spec import ShardSpec
+from ..ir.spec import ShardSpec, regroup
 
 __all__ = ["placements", "local_pieces", "device_mesh", "to_dtensor", "dtensor_state_dict", "from_dtensor",
            "tp_local", "like_fsdp", "narrow_piece"]
@@ -62,6 +65,8 @@ def placements(spec: ShardSpec, mesh: Mesh) -> tuple:
     """The DTensor placements (one per mesh axis, in mesh order) of a tensor laid out by ``spec``."""
     Shard, Strided, Replicate, Partial = _types()
     out: list = [Replicate()] * len(mesh.axes)
+    if spec.widths:             # unequal fused blocks: no placement cuts them, presented whole
+        return tuple(out)
     for d, axes in enumerate(spec.dims):
         for pos, a in enumerate(axes):
             later = [b for b in axes[:pos] if mesh.axes.index(b) > mesh.axes.index(a)]
@@ -168,12 +173,29 @@ def _trim_local(pp, local: torch.Tensor, mesh: Mesh, rank: int) -> torch.Tensor 
     return local.narrow(d, 0, sum(hi - lo for lo, hi in kept))
 
 
+def _whole(sharded, spec: ShardSpec, local: torch.Tensor, shape) -> torch.Tensor:
+    """The whole tensor of unequal fused blocks (collective over its split axes): DTensor
+    gathers it in rank order (each rank's ``[q_r | k_r | v_r]`` one chunk of each split
+    dim), then each such dim is put back in the dense order ``[q | k | v]``."""
+    from torch.distributed.tensor import DTensor
+
+    plain = ShardSpec(dims=spec.dims, segments=tuple(1 if w else m for w, m in zip(spec.widths, spec.segments)))
+    full = DTensor.from_local(local.detach(), sharded.device_mesh, placements(plain, sharded.mesh), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride()).full_tensor()
+    for d, w in enumerate(spec.widths):
+        if w:
+            full = regroup(full, d, w, sharded.mesh.size(spec.dims[d]), rank_major=False)
+    return full
+
+
 def to_dtensor(sharded, pp, local: torch.Tensor):
     """``local`` (this rank's block of the planned tensor ``pp``) as a DTensor sharing its storage."""
     from torch.distributed.tensor import DTensor
 
     mesh = sharded.mesh
     shape = tuple(pp.global_shape)
+    if pp.spec.widths:          # unequal fused blocks, presented whole (see placements): every rank gathers
+        local = _whole(sharded, pp.spec, local, shape)
     if pp.pad_dim is not None:
         trimmed = _trim_local(pp, local, mesh, sharded.rank)
         if trimmed is not None:
@@ -202,7 +224,8 @@ def from_dtensor(sharded, pp, value) -> torch.Tensor:
     where it is laid out as the plan lays it (padding restored), else gathered whole
     (collective over the DTensor's mesh) and sliced."""
     mine = placements(pp.spec, sharded.mesh)
-    if tuple(value.placements) == mine and value.device_mesh.mesh.tolist() == sharded.device_mesh.mesh.tolist():
+    if tuple(value.placements) == mine and value.device_mesh.mesh.tolist() == sharded.device_mesh.mesh.tolist() \
+            and not pp.spec.widths:
         local = value.to_local()
         shape = tuple(pp.local_shape(sharded.mesh))
         if pp.pad_dim is not None and tuple(local.shape) != shape:

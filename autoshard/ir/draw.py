@@ -345,11 +345,11 @@ class _WeightPanel:
         out = []
         spec = self.pp.spec
         for d in self.seg_dims:
-            m = spec.segments[d]
+            m, w = spec.segments[d], spec.block_widths(d)     # unequal blocks (Phi-3's q, k, v) at their widths
             size = self.pp.global_shape[d]
             along_cols = self.vector or d == 1
             for s in range(m):
-                lo, hi = s * size // m, (s + 1) * size // m
+                lo, hi = sum(w[:s]) * size // sum(w), sum(w[:s + 1]) * size // sum(w)
                 if along_cols:
                     if s:
                         out.append(f'<line x1="{_num(mx + lo * sx)}" y1="{_num(my - 3)}" x2="{_num(mx + lo * sx)}" '

@@ -34,8 +34,12 @@ class Step:
     op: str
     axes: tuple[str, ...] = ()
     dim: int | None = None
-    segments: int = 1
+    segments: int | tuple[int, ...] = 1     # a tuple: the relative widths of unequal fused blocks (ShardSpec.widths)
     factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.segments, list):         # read back from JSON
+            object.__setattr__(self, "segments", tuple(self.segments))
 
     def effect(self, spec: "ShardSpec", global_shape, mesh: Mesh, elem_bytes: int,
                needs_grad: bool) -> tuple[list["Comm"], "ShardSpec"]:
@@ -76,7 +80,8 @@ class Step:
         elif self.op == "scatter":         # splits further over inner axes
             if needs_grad:
                 c("bwd", "all_gather", loc)
-            s = s.with_dim(self.dim, s.dims[self.dim] + self.axes, self.segments)
+            w = self.segments if isinstance(self.segments, tuple) else ()
+            s = s.with_dim(self.dim, s.dims[self.dim] + self.axes, len(w) or self.segments, w)
         elif self.op == "reduce_scatter":
             c("fwd", "reduce_scatter", loc)
             if needs_grad:

@@ -4,7 +4,11 @@
 outermost); ``segments[d] = m`` says dim ``d`` is ``m`` equal blocks fused
 together (GPT-2's ``c_attn`` holds q, k, v: 3 segments), each split on its own;
 ``partial`` lists the axes over which the local values are partial sums still to
-be reduced. A dim split 2 ways with 3 segments, sliced for block 1::
+be reduced. ``widths[d]``, where dim ``d``'s blocks are *unequal* (Phi-3's ``qkv_proj``
+with fewer kv heads: q, k, v of widths 4 : 1 : 1), gives their relative widths; each
+block is still split on its own (a rank holds its part of every block), and ``()``
+(the default) means ``segments[d]`` equal blocks. A dim split 2 ways with 3 segments,
+sliced for block 1::
 
     global  [q0 q1 | k0 k1 | v0 v1]   ->   local [q1 | k1 | v1]
 
@@ -22,6 +26,7 @@ be reduced. A dim split 2 ways with 3 segments, sliced for block 1::
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -30,7 +35,7 @@ from .errors import ShardingError
 if TYPE_CHECKING:       # torch is not imported at run time: `import autoshard.ir.spec` stays light
     import torch
 
-__all__ = ["ShardSpec", "replicated"]
+__all__ = ["ShardSpec", "replicated", "regroup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +43,7 @@ class ShardSpec:
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
     segments: tuple[int, ...] = field(default=())
+    widths: tuple[tuple[int, ...], ...] = field(default=())
 
     def __post_init__(self) -> None:
         dims = tuple(tuple(a) for a in self.dims)
@@ -46,10 +52,32 @@ class ShardSpec:
         segs = tuple(self.segments) or (1,) * len(dims)
         if len(segs) != len(dims):
             raise ShardingError(f"segments {segs} do not match dims {dims}")
+        if self.widths:
+            segs = self._set_widths(dims, segs)
         object.__setattr__(self, "segments", segs)
         used = [a for d in dims for a in d] + list(self.partial)
         if len(set(used)) != len(used):
             raise ShardingError(f"a mesh axis is used twice in spec {self}")
+
+    def _set_widths(self, dims, segs) -> tuple[int, ...]:
+        """Normalise ``widths``: per dim reduced by their gcd, ``()`` where the blocks are
+        equal (or the dim whole), ``()`` overall when no dim has unequal blocks, so that a
+        spec of equal blocks compares and serialises as it always did. The segment count
+        of a dim with widths is their number."""
+        if len(self.widths) != len(dims):
+            raise ShardingError(f"widths {self.widths} do not match dims {dims}")
+        segs, out = list(segs), []
+        for d, w in enumerate(self.widths):
+            w = tuple(int(x) for x in w)
+            if w and (min(w) <= 0 or not dims[d]):
+                raise ShardingError(f"widths {w} of dim {d} need a split dim and positive widths")
+            g = math.gcd(*w) if w else 1
+            w = tuple(x // g for x in w)
+            if w:
+                segs[d] = len(w)
+            out.append(w if len(set(w)) > 1 else ())
+        object.__setattr__(self, "widths", tuple(out) if any(out) else ())
+        return tuple(segs)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -97,11 +125,10 @@ class ShardSpec:
                 out.append(((0, size),))
                 continue
             idx, count = at
-            m = self._divisible(d, size, count)
-            seg, blk = size // m, size // (m * count)
             ranges: list[tuple[int, int]] = []
-            for s in range(m):
-                lo = s * seg + idx * blk
+            for start, width in self.cuts(d, size, count):
+                blk = width // count
+                lo = start + idx * blk
                 if ranges and ranges[-1][1] == lo:
                     ranges[-1] = (ranges[-1][0], lo + blk)
                 else:
@@ -109,16 +136,47 @@ class ShardSpec:
             out.append(tuple(ranges))
         return tuple(out)
 
+    def block_widths(self, d: int) -> tuple[int, ...]:
+        """Dim ``d``'s relative block widths: its ``widths`` when unequal, else ``segments[d]`` ones."""
+        return (self.widths[d] if self.widths else ()) or (1,) * self.segments[d]
+
+    def cuts(self, d: int, size: int, count: int) -> list[tuple[int, int]]:
+        """``(start, width)`` of each fused block of dim ``d`` (global ``size``), each checked
+        to split into ``count`` equal parts.
+
+        >>> ShardSpec(dims=(("tp",),), widths=((2, 1, 1),)).cuts(0, 96, 2)
+        [(0, 48), (48, 24), (72, 24)]
+        """
+        w = self.block_widths(d)
+        if len(w) == 1 or len(set(w)) == 1:
+            m = self._divisible(d, size, count)
+            return [(i * (size // m), size // m) for i in range(m)]
+        if size % sum(w) or any((size // sum(w) * x) % count for x in w):
+            raise ShardingError(f"dim {d} of size {size} is not divisible into blocks of widths {w} "
+                                f"each split in {count} ({self.dims[d]})")
+        unit, out, at = size // sum(w), [], 0
+        for x in w:
+            out.append((at, unit * x))
+            at += unit * x
+        return out
+
     # ------------------------------------------------------------ constructors
-    def with_dim(self, d: int, axes: tuple[str, ...], segments: int = 1) -> "ShardSpec":
+    def with_dim(self, d: int, axes: tuple[str, ...], segments: int = 1,
+                 widths: tuple[int, ...] | None = None) -> "ShardSpec":
+        """This spec with dim ``d`` split over ``axes`` in ``segments`` blocks (of relative
+        ``widths`` when unequal; None keeps dim ``d``'s widths when the count is unchanged)."""
         dims = list(self.dims)
         segs = list(self.segments)
         dims[d] = tuple(axes)
         segs[d] = segments if axes else 1
-        return ShardSpec(dims=tuple(dims), partial=self.partial, segments=tuple(segs))
+        if widths is None:
+            widths = self.widths[d] if self.widths and axes and segments == self.segments[d] else ()
+        wid = list(self.widths or ((),) * len(dims))
+        wid[d] = tuple(widths) if axes else ()
+        return ShardSpec(dims=tuple(dims), partial=self.partial, segments=tuple(segs), widths=tuple(wid))
 
     def with_partial(self, partial: tuple[str, ...]) -> "ShardSpec":
-        return ShardSpec(dims=self.dims, partial=tuple(partial), segments=self.segments)
+        return ShardSpec(dims=self.dims, partial=tuple(partial), segments=self.segments, widths=self.widths)
 
     # ------------------------------------------------------- reversible slicing
     def _divisible(self, d: int, size: int, count: int) -> int:
@@ -144,6 +202,10 @@ class ShardSpec:
                 continue
             idx, count = at
             size = out.shape[d]
+            if self.widths and self.widths[d]:      # unequal blocks: this rank's part of each, glued
+                out = _cat([out.narrow(d, start + idx * (w // count), w // count)
+                                 for start, w in self.cuts(d, size, count)], d)
+                continue
             m = self._divisible(d, size, count)
             shape = list(out.shape)
             seg = out.reshape(shape[:d] + [m, count, size // (m * count)] + shape[d + 1:])
@@ -225,7 +287,8 @@ class ShardSpec:
                 parts.append("R")
             else:
                 s = ",".join(axes)
-                parts.append(f"S({s})" if m == 1 else f"S({s})x{m}")
+                w = self.widths[len(parts)] if self.widths else ()
+                parts.append(f"S({s})" if m == 1 else f"S({s})x{m}" if not w else f"S({s})x({':'.join(map(str, w))})")
         txt = "[" + ", ".join(parts) + "]"
         if self.partial:
             txt += " P(" + ",".join(self.partial) + ")"
@@ -234,13 +297,41 @@ class ShardSpec:
     __repr__ = __str__
 
     def to_dict(self) -> dict:
-        return {"dims": [list(d) for d in self.dims], "partial": list(self.partial),
-                "segments": list(self.segments)}
+        out = {"dims": [list(d) for d in self.dims], "partial": list(self.partial),
+               "segments": list(self.segments)}
+        if self.widths:
+            out["widths"] = [list(w) for w in self.widths]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardSpec":
         return cls(dims=tuple(tuple(x) for x in d["dims"]), partial=tuple(d["partial"]),
-                   segments=tuple(d["segments"]))
+                   segments=tuple(d["segments"]), widths=tuple(tuple(w) for w in d.get("widths", ())))
+
+
+def regroup(t, dim: int, widths, p: int, *, rank_major: bool):
+    """Reorder dim ``dim`` of ``t``, made of blocks of relative ``widths`` each cut in ``p``
+    parts, from block-major (``[q_0 q_1 | k_0 k_1 | ..]``, the dense layout) to rank-major
+    (``[q_0 k_0 .. | q_1 k_1 ..]``, what a gather over ranks returns), or back.
+
+    >>> import torch
+    >>> regroup(torch.arange(6), 0, (2, 1), 2, rank_major=False).tolist()     # [q0 k0 | q1 k1] -> [q | k]
+    [0, 1, 3, 4, 2, 5]
+    """
+    unit = t.shape[dim] // sum(widths)
+    if rank_major:
+        parts = [blk.chunk(p, dim) for blk in t.split([unit * w for w in widths], dim)]
+        return _cat([parts[i][r] for r in range(p) for i in range(len(widths))], dim)
+    per = [unit * w // p for w in widths]
+    ranks = [c.split(per, dim) for c in t.chunk(p, dim)]
+    return _cat([ranks[r][i] for i in range(len(widths)) for r in range(p)], dim)
+
+
+def _cat(parts, dim: int):
+    """``torch.cat`` (torch imported where a tensor is already at hand: the module stays light)."""
+    import torch
+
+    return torch.cat(parts, dim)
 
 
 _REPLICATED: dict[int, ShardSpec] = {}

@@ -50,6 +50,8 @@ def slice_(ctx: RuleContext) -> Choice:
     if isinstance(b, int) and isinstance(e, int):
         e = min(e, size)
         c = ctx.mesh.size(axes)
+        if s.widths and s.widths[d]:
+            return _unequal_blocks_slice(s, d, b, e, step, size, c)
         if step > 1 and 0 <= b < step and e == size and seg % c == 0 and (seg // c) % step == 0:
             # every rank's block (per segment) starts at a multiple of the step, so the local
             # strided slice takes that block's share of the dense one: an interleaved pair
@@ -61,6 +63,21 @@ def slice_(ctx: RuleContext) -> Choice:
                           notes=(f"segments {b // seg}..{e // seg - 1} of {m}",))
     raise NeedReplicate((0,), d, f"slice [{start}:{end}:{step}] of split dim {d} "
                                  f"({m} segment(s)) does not cover whole segments")
+
+
+def _unequal_blocks_slice(s: ShardSpec, d: int, b: int, e: int, step: int, size: int, c: int) -> Choice:
+    """A step-1 slice ``[b:e]`` of whole fused blocks of unequal widths (Phi-3's q, k or v
+    of ``qkv_proj``): each rank holds its part of every block, so the local slice is
+    ``[b/c:e/c]`` (every block divides ``c``) and the pieces keep their split."""
+    cuts = s.cuts(d, size, c)
+    starts = [lo for lo, _ in cuts] + [size]
+    if step != 1 or e <= b or b not in starts or e not in starts:
+        raise NeedReplicate((0,), d, f"slice [{b}:{e}:{step}] of split dim {d} (fused blocks of widths "
+                                     f"{s.widths[d]}) does not cover whole blocks")
+    i, j = starts.index(b), starts.index(e)
+    out = s.with_dim(d, s.dims[d], j - i, s.widths[d][i:j])
+    return Choice(out=out, inputs={(0,): s}, patches={(2,): b // c, (3,): e // c},
+                  notes=(f"blocks {i}..{j - 1} of widths {s.widths[d]}",))
 
 
 @register(aten.select.int)

@@ -40,3 +40,28 @@ def test_ring_attention_reads_no_mask_off_the_cpu():
     assert _visible(mask.to("meta"), 2, 1, 4, 4) is None
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bool, shape=mask.shape)
     assert _visible(on_gpu, 2, 1, 4, 4) is None         # untouched: any read of it would raise here
+
+
+def test_unequal_fused_blocks_gather_and_scatter_in_the_dense_order(monkeypatch):
+    """A gather, scatter or reduce-scatter of a dim of unequal fused blocks (``Step.segments`` a tuple of
+    widths: Phi-3's q, k, v with fewer kv heads) re-orders around one collective: the
+    gathered ``[q_0 k_0 v_0 | q_1 k_1 v_1]`` becomes the dense ``[q | k | v]``, and a
+    scatter hands rank r the block ``ShardSpec.local`` gives it. The collectives are
+    simulated for 2 ranks (the real ones run in tests/test_fused_blocks.py)."""
+    from autoshard.ir.mesh import Mesh
+    from autoshard.ir.spec import ShardSpec
+    from autoshard.runtime import collectives as C
+    from autoshard.runtime.kernels.common import on_segments
+
+    mesh, spec = Mesh(axes=("tp",), sizes=(2,)), ShardSpec(dims=((), ("tp",)), widths=((), (4, 1, 1)))
+    dense = torch.randn(3, 24)
+    locals_ = [spec.local(dense, mesh, r) for r in range(2)]
+    gathered = on_segments(lambda t, d, g: torch.cat(locals_, d), locals_[0], 1, "autoshard-sim:2", (4, 1, 1))
+    assert torch.equal(gathered, dense)
+    for r in range(2):
+        fake = lambda t, d, g, r=r: t.chunk(2, d)[r]       # noqa: E731 - rank r's contiguous chunk
+        monkeypatch.setattr(C, "scatter_to", fake)
+        assert torch.equal(on_segments(fake, dense, 1, "autoshard-sim:2", (4, 1, 1)), locals_[r])
+        summed = lambda t, d, g, r=r: (2 * t).chunk(2, d)[r]       # noqa: E731 - two equal partial sums
+        monkeypatch.setattr(C, "reduce_scatter", summed)
+        assert torch.equal(on_segments(summed, dense, 1, "autoshard-sim:2", (4, 1, 1)), 2 * locals_[r])

@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from .. import collectives as C
+from ...ir.spec import regroup
 
 __all__ = ["step", "AUTOCAST_PRODUCTS", "autocast_on", "wire_dtype", "to_wire", "paired_collectives",
            "may_overlap", "seg", "unseg", "collect_two", "on_segments"]
@@ -124,7 +125,14 @@ def collect_two(kind: str, a, a_dim: int, a_group: str, b, b_dim: int, b_group: 
     return ya, unseg(yb, b_dim, m_b)
 
 
-def on_segments(fn, t, dim: int, group: str, m: int):
-    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split."""
+def on_segments(fn, t, dim: int, group: str, m):
+    """Apply a dim-wise collective to a dim made of ``m`` fused segments, each split; ``m``
+    a tuple: the relative widths of unequal fused blocks (``ShardSpec.widths``: Phi-3's q,
+    k, v), re-ordered around one collective, the same calls and bytes as equal blocks."""
+    if isinstance(m, tuple):
+        p = C.group_rank_size(group)[1]
+        if fn in (C.scatter_to, C.reduce_scatter):      # whole -> rank-major [q_0 k_0 v_0 | q_1 ..], each its chunk
+            return fn(regroup(t, dim, m, p, rank_major=True), dim, group)
+        return regroup(fn(t, dim, group), dim, m, p, rank_major=False)
     ts, d = seg(t, dim, m)
     return unseg(fn(ts, d, group), dim, m)
