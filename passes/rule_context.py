@@ -339,6 +339,14 @@ class NodeContext:
             if t in (aten.index_copy_.default, aten.index_copy.default):     # rows written into a cache:
                 stack.extend((w, u, d) for w in u.users)                     # the same dims, another length
                 continue
+            if t == aten.new_empty.default or (t == aten.copy_.default and d is not None):
+                # a buffer shaped like the split value (its split dim kept), or a write into a
+                # buffer (the written value lines up with the buffer's dims): docs/design.md,
+                # "Low-rank and latent projections"
+                nd = _same_dim(u, src, d) if t == aten.new_empty.default else \
+                    (d if u.args[0] is src else _broadcast_dim(u, src, d))
+                stack.extend((w, u, nd) for w in u.users)
+                continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
                 nd = view_dim(u, src, d) if ann and ann.kind == "view" else None
                 stack.extend((w, u, nd) for w in u.users)
@@ -434,6 +442,16 @@ def _contract_dim(u, src, d):
     return _broadcast_dim(u, src, d)
 
 
+def _same_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in ``u = src.new_empty(sizes)`` when ``u`` has ``src``'s
+    rank and size there (:func:`autoshard.policies.ops.creation.new_empty` then splits it
+    alike); None otherwise."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None or len(a) != len(b) or a[d] != b[d]:
+        return None
+    return d
+
+
 def _broadcast_dim(u, src, d):
     """The split dim ``d`` of ``src`` in the output of the pointwise ``u`` (broadcasting
     prepends dims); None where unknown."""
@@ -473,6 +491,17 @@ def _view_dim_of(u, src, d):
         return d + len(b) - len(a) if b[d + len(b) - len(a)] == a[d] else None
     if u.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
+    nd = _reshaped_dim(a, b, d)
+    if nd is None and 1 in tuple(a) + tuple(b) and a[d] != 1:
+        # size-1 dims dropped or added beside the cut (DeepSeek-V3's kv_b_proj output
+        # [b, 1, s, heads·d] viewed as [b, s, heads, d]): compare the shapes without them
+        ka, kb = [i for i, x in enumerate(a) if x != 1], [i for i, x in enumerate(b) if x != 1]
+        sd = _reshaped_dim([a[i] for i in ka], [b[i] for i in kb], ka.index(d))
+        nd = None if sd is None else kb[sd]
+    return nd
+
+
+def _reshaped_dim(a, b, d):
     if a[:d] != b[:d]:
         return None
     if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:

@@ -13,15 +13,16 @@ from autoshard.ir.spec import ShardSpec
 
 from ..base import Choice, RuleContext, SymbolicSizes
 from .common import register, tensor_args
+from .views import _patch_sizes
 
 aten = torch.ops.aten
 
-__all__ = ["creation", "getitem", "like", "no_spec"]
+__all__ = ["creation", "getitem", "like", "new_empty", "no_spec"]
 
 
 @register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
           aten.ones.default, aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
-          aten.empty.memory_format, aten.scalar_tensor.default, aten.new_empty.default)
+          aten.empty.memory_format, aten.scalar_tensor.default)
 def creation(ctx: RuleContext) -> Choice:
     """``arange`` / ``zeros`` / ``full`` ...: a size read from the batch makes that dim split
     over the batch axes (it counts local rows at run time); others are whole."""
@@ -32,6 +33,34 @@ def creation(ctx: RuleContext) -> Choice:
     dims = tuple(ctx.batch_axes if ctx.batch_axes and (v == ctx.BATCH or (i == 0 and lead_rows)) else ()
                  for i, v in enumerate(shape))
     return Choice(out=ShardSpec(dims=dims), inputs={p: ctx.spec(a) for p, a in tensor_args(ctx)})
+
+
+@register(aten.new_empty.default)
+def new_empty(ctx: RuleContext) -> Choice:
+    """``x.new_empty(sizes)``: a buffer of uninitialised values that the graph fills by
+    writes (DeepSeek-V3's MLA builds its keys so: ``k = kv.new_empty(...)``, then
+    ``k[..., :nope].copy_(k_nope)``, ``k[..., nope:].copy_(k_rot)``). Only the writes give it
+    values, and each write is brought to the buffer's layout (:func:`.pointwise.inplace`),
+    so any layout is exact: a dim of the size and position of a split dim of ``x`` takes
+    that split (each rank holds the block its heads write; its literal size patched to the
+    local one), the others are laid out as :func:`creation` lays them."""
+    x, sizes = ctx.node.args[:2]
+    s, ins, shape = ctx.spec(x), ctx.pshape(x), ctx.pshape(ctx.node)
+    if s.ndim != len(shape) or not any(s.dims):
+        return creation(ctx)
+    dims, segs = [], []
+    for d, v in enumerate(shape):
+        if s.dims[d] and ins[d] == v:
+            dims.append(s.dims[d])
+            segs.append(s.segments[d])
+        else:
+            dims.append(ctx.batch_axes if ctx.batch_axes and v == ctx.BATCH else ())
+            segs.append(1)
+    taken = [a for d in dims for a in d]
+    if len(taken) != len(set(taken)):       # the batch split taken twice (x's rows split over other axes)
+        return creation(ctx)
+    out = ShardSpec(dims=tuple(dims), segments=tuple(segs))
+    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, sizes, (1,)))
 
 
 @register(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
