@@ -302,9 +302,9 @@ class NodeContext:
                 continue
             t = u.target
             if t in _SPLITS:        # pieces along another dim keep the split (rotary halves: chunk over head_dim)
-                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
-                rank = len(_shape(src) or ())
-                nd = d if d is not None and rank and isinstance(dim, int) and dim % rank != d else None
+                nd, stop = _split_pieces(u, src, d, blocks)
+                if stop:
+                    return stop
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             if t == operator.getitem and getattr(src, "target", None) in _SPLITS | _PICKS | {aten.max.dim, aten.min.dim}:
@@ -440,6 +440,32 @@ def _contract_dim(u, src, d):
     if d is None or a is None or u.target not in (aten.matmul.default, aten.bmm.default) or d >= len(a) - 2:
         return None
     return _broadcast_dim(u, src, d)
+
+
+def _split_pieces(u, src, d, blocks: int) -> tuple:
+    """``(nd, stop)`` for the split / chunk ``u`` of ``src``: the split dim ``d`` in each piece
+    (pieces along another dim keep it; None when the cut is along it), or a stop note where
+    the cut along it makes pieces the split cannot follow (DeepSeek-V3's
+    ``kv_a_proj_with_mqa``: a latent and a rope key every head reads), which the split
+    rule would refuse: unequal widths, or not the Linear's ``blocks`` fused blocks."""
+    dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+    rank = len(_shape(src) or ())
+    if d is None or not rank or not isinstance(dim, int):
+        return None, ""
+    if dim % rank != d:
+        return d, ""
+    widths = _piece_widths(u, d)
+    if widths and (len(set(widths)) > 1 or len(widths) != blocks):
+        return None, stop_note(u, f"a cut of the split dim into pieces of widths {widths}, not its "
+                                  f"{blocks} equal block(s)")
+    return None, ""
+
+
+def _piece_widths(u, d) -> tuple:
+    """The widths along ``d`` of the pieces ``split`` / ``chunk`` node ``u`` makes (literal
+    sizes only); empty where one is symbolic."""
+    widths = tuple(getattr(v, "shape", (None,) * (d + 1))[d] for v in u.meta.get("val", ()))
+    return widths if all(isinstance(w, int) for w in widths) else ()
 
 
 def _same_dim(u, src, d):

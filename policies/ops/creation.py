@@ -13,7 +13,7 @@ from autoshard.ir.spec import ShardSpec
 
 from ..base import Choice, RuleContext, SymbolicSizes
 from .common import register, tensor_args
-from .views import _patch_sizes
+from .views import patch_sizes
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ def new_empty(ctx: RuleContext) -> Choice:
     if len(taken) != len(set(taken)):       # the batch split taken twice (x's rows split over other axes)
         return creation(ctx)
     out = ShardSpec(dims=tuple(dims), segments=tuple(segs))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, sizes, (1,)))
+    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, sizes, (1,)))
 
 
 @register(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)

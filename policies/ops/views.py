@@ -17,8 +17,8 @@ from .common import need_unsplit, read_split, register, scalar_choice, without_d
 
 aten = torch.ops.aten
 
-__all__ = ["cat", "expand", "flatten", "pad", "permute", "repeat_interleave", "reshape", "split", "squeeze", "stack",
-           "transpose", "unbind", "unsqueeze", "view_groups"]
+__all__ = ["cat", "expand", "flatten", "pad", "patch_sizes", "permute", "repeat_interleave", "reshape", "split",
+           "squeeze", "stack", "transpose", "unbind", "unsqueeze", "view_groups"]
 
 
 def view_groups(ins: tuple[int, ...], outs: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -121,7 +121,7 @@ def _is_seq_size(size: int) -> bool:
     return size % SymbolicSizes.SEQ == 0 and size % SymbolicSizes.BATCH != 0
 
 
-def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
+def patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
     """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
     (positions, never values: a -1 entry is left alone). A symbolic entry is read at run
     time from a tensor: ``sym_size(x, d)`` of a dim split over other axes than this one
@@ -161,7 +161,7 @@ def reshape(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,)))
+    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, ctx.node.args[1], (1,)))
 
 
 @register(aten.flatten.using_ints)
@@ -192,7 +192,7 @@ def expand(ctx: RuleContext) -> Choice:
     # only the dims that were split in the input need their literal patched
     keep = ShardSpec(dims=tuple(dims[j] if (j - off >= 0 and ins[j - off] == outs[j]) else ()
                                 for j in range(len(outs))))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,), keep))
+    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, ctx.node.args[1], (1,), keep))
 
 
 def _permuted(s: ShardSpec, perm) -> ShardSpec:
