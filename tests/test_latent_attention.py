@@ -124,7 +124,8 @@ class _Latent(nn.Module):
 
 def test_latent_attention_pattern_splits_by_heads():
     """The pattern on a plain module (cheap: no Hugging Face model): the up projections
-    split by heads, the down ones whole with their notes, the output projection row-split."""
+    split by heads, the down ones whole with their notes, the output projection row-split,
+    the keys' buffer split by heads and the shared rope key expanded to the local heads."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,6 +137,13 @@ def test_latent_attention_pattern_splits_by_heads():
     assert not plan.fallbacks, [n.name for n in plan.fallbacks]
     notes = {n.module: n.notes for n in plan.nodes if n.kind == "linear"}
     assert "the down half of a low-rank pair" in notes["q_a"][0] and "(8, 4)" in notes["kv_a"][0], notes
+    # the rope key is expanded to the rank's heads only (no local slice of all heads, whose backward
+    # would all-gather them): its gradient all-reduced in backward at its one-head size, the writes local
+    (ex,) = [n for n in plan.nodes if n.op == "expand"]
+    assert str(ex.out_spec) == "[R, S(tp), R, R]" and ex.local_shape[1] == 2, (ex.out_spec, ex.local_shape)
+    one_head = math.prod(ex.global_shape) // ex.global_shape[1] * 4          # [b, 1, s, rope] in fp32
+    assert [(c.phase, c.kind, c.buffer_bytes) for c in ex.comms] == [("bwd", "all_reduce", one_head)], ex.comms
+    assert [n.arg_steps for n in plan.nodes if n.op in ("new_empty", "copy_")] == [(), (), ()]
 
 
 def _check(rank, world, name, mode="1d"):

@@ -12,7 +12,7 @@ import torch
 from autoshard.ir.spec import ShardSpec
 
 from ..base import Choice, RuleContext, SymbolicSizes
-from .common import register, tensor_args
+from .common import buffer_layout, register, tensor_args
 from .views import patch_sizes
 
 aten = torch.ops.aten
@@ -41,26 +41,14 @@ def new_empty(ctx: RuleContext) -> Choice:
     writes (DeepSeek-V3's MLA builds its keys so: ``k = kv.new_empty(...)``, then
     ``k[..., :nope].copy_(k_nope)``, ``k[..., nope:].copy_(k_rot)``). Only the writes give it
     values, and each write is brought to the buffer's layout (:func:`.pointwise.inplace`),
-    so any layout is exact: a dim of the size and position of a split dim of ``x`` takes
-    that split (each rank holds the block its heads write; its literal size patched to the
-    local one), the others are laid out as :func:`creation` lays them."""
+    so any layout is exact: :func:`~.common.buffer_layout` (a dim of the size and position
+    of a split dim of ``x`` takes that split; its literal size patched to the local one),
+    else laid out as :func:`creation` lays them."""
+    out = buffer_layout(ctx, ctx.node)
+    if out is None:
+        return creation(ctx)
     x, sizes = ctx.node.args[:2]
-    s, ins, shape = ctx.spec(x), ctx.pshape(x), ctx.pshape(ctx.node)
-    if s.ndim != len(shape) or not any(s.dims):
-        return creation(ctx)
-    dims, segs = [], []
-    for d, v in enumerate(shape):
-        if s.dims[d] and ins[d] == v:
-            dims.append(s.dims[d])
-            segs.append(s.segments[d])
-        else:
-            dims.append(ctx.batch_axes if ctx.batch_axes and v == ctx.BATCH else ())
-            segs.append(1)
-    taken = [a for d in dims for a in d]
-    if len(taken) != len(set(taken)):       # the batch split taken twice (x's rows split over other axes)
-        return creation(ctx)
-    out = ShardSpec(dims=tuple(dims), segments=tuple(segs))
-    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, sizes, (1,)))
+    return Choice(out=out, inputs={(0,): ctx.spec(x)}, patches=patch_sizes(ctx, out, sizes, (1,)))
 
 
 @register(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
