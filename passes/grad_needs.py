@@ -90,12 +90,19 @@ def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
 
 def _live(gm: fx.GraphModule) -> set[str]:
     """The nodes an output depends on: backward reaches no other (LLaVA's vision
-    tower computes a last layer whose output it never reads)."""
+    tower computes a last layer whose output it never reads). An in-place write into a
+    live tensor (or a view of one) is live though nothing reads its result by name
+    (DeepSeek-V3's keys: ``k[..., nope:].copy_(k_rot)``, then ``k`` is read): found in
+    a second sweep, after the tensor it writes is known live."""
     live: set[str] = set()
-    for n in reversed(gm.graph.nodes):
-        if n.op == "output" or any(u.name in live for u in n.users):
-            live.add(n.name)
-    return live
+    while True:
+        before = len(live)
+        for n in reversed(gm.graph.nodes):
+            if n.op == "output" or any(u.name in live for u in n.users) or \
+                    (n.op == "call_function" and _writes_into(n) and any(a in live for a in _aliased(n.args[0]))):
+                live.add(n.name)
+        if len(live) == before:
+            return live
 
 
 def grad_syncs(walked: Walked) -> Walked:

@@ -310,9 +310,9 @@ class NodeContext:
                 continue
             t = u.target
             if t in _SPLITS:        # pieces along another dim keep the split (rotary halves: chunk over head_dim)
-                dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
-                rank = len(_shape(src) or ())
-                nd = d if d is not None and rank and isinstance(dim, int) and dim % rank != d else None
+                nd, stop = _split_pieces(u, src, d, blocks)
+                if stop:
+                    return stop
                 stack.extend((w, u, nd) for w in u.users)
                 continue
             if t == operator.getitem and getattr(src, "target", None) in _SPLITS | _PICKS | {aten.max.dim, aten.min.dim}:
@@ -346,6 +346,14 @@ class NodeContext:
                 continue
             if t in (aten.index_copy_.default, aten.index_copy.default):     # rows written into a cache:
                 stack.extend((w, u, d) for w in u.users)                     # the same dims, another length
+                continue
+            if t == aten.new_empty.default or (t == aten.copy_.default and d is not None):
+                # a buffer shaped like the split value (its split dim kept), or a write into a
+                # buffer (the written value lines up with the buffer's dims): docs/design.md,
+                # "Low-rank and latent projections"
+                nd = _same_dim(u, src, d) if t == aten.new_empty.default else \
+                    (d if u.args[0] is src else _broadcast_dim(u, src, d))
+                stack.extend((w, u, nd) for w in u.users)
                 continue
             if t == operator.getitem or (ann and ann.kind in ("view", "attention")):
                 nd = view_dim(u, src, d) if ann and ann.kind == "view" else None
@@ -444,6 +452,42 @@ def _contract_dim(u, src, d):
     return _broadcast_dim(u, src, d)
 
 
+def _split_pieces(u, src, d, blocks: int) -> tuple:
+    """``(nd, stop)`` for the split / chunk ``u`` of ``src``: the split dim ``d`` in each piece
+    (pieces along another dim keep it; None when the cut is along it), or a stop note where
+    the cut along it makes pieces the split cannot follow (DeepSeek-V3's
+    ``kv_a_proj_with_mqa``: a latent and a rope key every head reads), which the split
+    rule would refuse: unequal widths, or not the Linear's ``blocks`` fused blocks."""
+    dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+    rank = len(_shape(src) or ())
+    if d is None or not rank or not isinstance(dim, int):
+        return None, ""
+    if dim % rank != d:
+        return d, ""
+    widths = _piece_widths(u, d)
+    if widths and (len(set(widths)) > 1 or len(widths) != blocks):
+        return None, stop_note(u, f"a cut of the split dim into pieces of widths {widths}, not its "
+                                  f"{blocks} equal block(s)")
+    return None, ""
+
+
+def _piece_widths(u, d) -> tuple:
+    """The widths along ``d`` of the pieces ``split`` / ``chunk`` node ``u`` makes (literal
+    sizes only); empty where one is symbolic."""
+    widths = tuple(getattr(v, "shape", (None,) * (d + 1))[d] for v in u.meta.get("val", ()))
+    return widths if all(isinstance(w, int) for w in widths) else ()
+
+
+def _same_dim(u, src, d):
+    """The split dim ``d`` of ``src`` in ``u = src.new_empty(sizes)`` when ``u`` has ``src``'s
+    rank and size there (:func:`autoshard.policies.ops.creation.new_empty` then splits it
+    alike); None otherwise."""
+    a, b = _shape(src), _shape(u)
+    if d is None or a is None or b is None or len(a) != len(b) or a[d] != b[d]:
+        return None
+    return d
+
+
 def _broadcast_dim(u, src, d):
     """The split dim ``d`` of ``src`` in the output of the pointwise ``u`` (broadcasting
     prepends dims); None where unknown."""
@@ -483,6 +527,17 @@ def _view_dim_of(u, src, d):
         return d + len(b) - len(a) if b[d + len(b) - len(a)] == a[d] else None
     if u.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
+    nd = _reshaped_dim(a, b, d)
+    if nd is None and 1 in tuple(a) + tuple(b) and a[d] != 1:
+        # size-1 dims dropped or added beside the cut (DeepSeek-V3's kv_b_proj output
+        # [b, 1, s, heads·d] viewed as [b, s, heads, d]): compare the shapes without them
+        ka, kb = [i for i, x in enumerate(a) if x != 1], [i for i, x in enumerate(b) if x != 1]
+        sd = _reshaped_dim([a[i] for i in ka], [b[i] for i in kb], ka.index(d))
+        nd = None if sd is None else kb[sd]
+    return nd
+
+
+def _reshaped_dim(a, b, d):
     if a[:d] != b[:d]:
         return None
     if len(b) > d and b[d] == a[d] and a[d + 1:] == b[d + 1:]:

@@ -167,7 +167,7 @@ class OneD(Policy):
         up = _low_rank_up(ctx, node, n, k)
         if up is not None:      # the down half of a low-rank pair (LoRA's A): its up half splits instead
             return local(f"whole: the down half of a low-rank pair ({k} -> {n} -> {up} features, into "
-                         f"`{_linear_after(node).name}`): held whole, its consumer splits its out features "
+                         f"`{_up_of(node).name}`): held whole, its consumer splits its out features "
                          f"with no collective, where splitting this one would all-reduce the consumer's output")
         if wd and not stop and all(x % c == 0 for x in wd):
             return self._column(ctx, xp, wp, bp, rows, rseg, wspec(tp, (), len(wd), wd), len(wd), wd)
@@ -258,13 +258,70 @@ def _linear_after(node):
     return u
 
 
+_NORMS = {aten.mean.dim, aten.sum.dim_IntList, aten.layer_norm.default} | \
+    ({aten.rms_norm.default} if hasattr(aten, "rms_norm") else set())
+
+
+def _linear_through_norm(node, limit: int = 32):
+    """The one Linear that every path from ``node``'s output reaches, as its input, through
+    a norm (a norm op, or an inline RMSNorm: elementwise ops, casts, views and per-token
+    statistics) between a low-rank pair: DeepSeek-V3's ``q_b_proj(q_a_layernorm(q_a_proj(x)))``;
+    the other operands on the way are parameters, constants or sizes. None where a path
+    ends elsewhere, another activation joins in, no norm is on the way, or there is no
+    such Linear."""
+    chain, todo, ups = {node}, [node], set()
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.target in (aten._assert_tensor_metadata.default, aten.sym_size.int):
+                continue
+            if u.op != "call_function":
+                return None
+            if u.target in _LINEARS and get_arg(u, linear_operands(u)[0]) is cur and _weight_is_param(u):
+                ups.add(u)
+                continue
+            t = u.target
+            through = t in _VIEWS or t in _NORMS or (
+                isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags)
+            if not through:
+                return None
+            if u not in chain:
+                chain.add(u)
+                todo.append(u)
+            if len(chain) > limit:
+                return None
+    if not any(u.target in _NORMS for u in chain):
+        return None         # no norm between: a narrow MLP (fc1 -> gelu -> fc2) is a column / row pair
+    if any(a not in chain and _is_activation(a) for u in chain - {node} for a in u.all_input_nodes):
+        return None
+    return next(iter(ups)) if len(ups) == 1 else None
+
+
+def _up_of(node):
+    """The up half of a low-rank pair whose down half is ``node``: the Linear consuming its
+    output directly or through a norm; None when there is none."""
+    return _linear_after(node) or _linear_through_norm(node)
+
+
+def _weight_is_param(n) -> bool:
+    return getattr(get_arg(n, linear_operands(n)[1]), "op", None) == "get_attr"
+
+
+def _is_activation(a) -> bool:
+    """A tensor computed in the graph (not a parameter or constant, not a size)."""
+    v = a.meta.get("val")
+    return a.op != "get_attr" and isinstance(v, torch.Tensor) and v.ndim > 0
+
+
 def _low_rank_up(ctx: RuleContext, node, n: int, k: int) -> int | None:
     """The out features of the Linear that alone consumes ``node``'s output when the pair
     is low-rank (``node`` narrows ``k`` features to ``n``, its consumer widens them again:
-    LoRA's A then B); None otherwise. Splitting the narrow ``n`` would make the consumer
-    row-parallel, an all-reduce of its wide output; holding the narrow half whole costs
-    ``n × k`` replicated weights and lets the wide half split its output instead."""
-    up = _linear_after(node)
+    LoRA's A then B; a norm between them as DeepSeek-V3's ``q_a_proj`` and ``q_b_proj``
+    have, :func:`_linear_through_norm`); None otherwise. Splitting the narrow ``n`` would
+    make the consumer row-parallel, an all-reduce of its wide output; holding the narrow
+    half whole costs ``n × k`` replicated weights and lets the wide half split its output
+    instead."""
+    up = _up_of(node) if n < k else None
     if up is None or not n < k:
         return None
     _, wp, _, nd, _ = linear_operands(up)

@@ -29,8 +29,8 @@ from ..base import Choice, RuleContext, SymbolicSizes
 
 aten = torch.ops.aten
 
-__all__ = ["PACKET_RULES", "RULES", "all_replicated_or_fallback", "batch_rows", "fallback", "need_unsplit", "read_split",
-           "register", "scalar_choice", "tensor_args", "without_dim"]
+__all__ = ["PACKET_RULES", "RULES", "all_replicated_or_fallback", "batch_rows", "buffer_layout", "fallback",
+           "need_unsplit", "read_split", "register", "scalar_choice", "tensor_args", "without_dim"]
 
 
 #: ATen overload (or graph function: ``operator.getitem``, :func:`~autoshard.ir.tokens.sequence_conv`)
@@ -168,6 +168,26 @@ def fallback(ctx, reason: str) -> Choice:
         ("; batch gathered" if batch_split else "")
     return Choice(out=out, inputs=inputs, post=post, fallback=True,
                   notes=(f"fallback: {reason}; inputs gathered to replicated{rows}",))
+
+
+def buffer_layout(ctx, buf: fx.Node) -> ShardSpec | None:
+    """The layout of the ``new_empty`` buffer ``buf`` (planned, or still ahead of the walk):
+    each dim of the size and position of a split dim of its source takes that split (the
+    heads a rank writes), a batch-sized dim the batch axes; None where the source is not
+    laid out yet, has another rank or no split, or the batch split would be taken twice."""
+    x = buf.args[0]
+    s = ctx.spec(x)
+    shape = ctx.pshape(buf)
+    if s is None or s.ndim != len(shape) or not any(s.dims):
+        return None
+    ins = ctx.pshape(x)
+    dims = tuple(s.dims[d] if s.dims[d] and ins[d] == v else (ctx.batch_axes if ctx.batch_axes and v == ctx.BATCH
+                                                              else ()) for d, v in enumerate(shape))
+    segs = tuple(s.segments[d] if s.dims[d] and ins[d] == v else 1 for d, v in enumerate(shape))
+    taken = [a for d in dims for a in d]
+    if len(taken) != len(set(taken)):       # the batch split taken twice (x's rows split over other axes)
+        return None
+    return ShardSpec(dims=dims, segments=segs)
 
 
 def read_split(ctx, size) -> tuple:

@@ -13,12 +13,12 @@ from torch import fx
 from autoshard.ir.spec import ShardSpec, replicated
 
 from ..base import Choice, NeedReplicate, RuleContext, SymbolicSizes
-from .common import need_unsplit, read_split, register, scalar_choice, without_dim
+from .common import buffer_layout, need_unsplit, read_split, register, scalar_choice, without_dim
 
 aten = torch.ops.aten
 
-__all__ = ["cat", "expand", "flatten", "pad", "permute", "repeat_interleave", "reshape", "split", "squeeze", "stack",
-           "transpose", "unbind", "unsqueeze", "view_groups"]
+__all__ = ["cat", "expand", "flatten", "pad", "patch_sizes", "permute", "repeat_interleave", "reshape", "split",
+           "squeeze", "stack", "transpose", "unbind", "unsqueeze", "view_groups"]
 
 
 def view_groups(ins: tuple[int, ...], outs: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -121,7 +121,7 @@ def _is_seq_size(size: int) -> bool:
     return size % SymbolicSizes.SEQ == 0 and size % SymbolicSizes.BATCH != 0
 
 
-def _patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
+def patch_sizes(ctx, out_spec: ShardSpec, sizes, path, literal_spec: ShardSpec | None = None) -> dict:
     """Literal sizes at split positions become local: ``{path: {"at": [[pos, local], ...]}}``
     (positions, never values: a -1 entry is left alone). A symbolic entry is read at run
     time from a tensor: ``sym_size(x, d)`` of a dim split over other axes than this one
@@ -161,7 +161,7 @@ def reshape(ctx: RuleContext) -> Choice:
     x = ctx.node.args[0]
     s = ctx.spec(x)
     out, _ = _view_out_spec(ctx, s, ctx.pshape(x), ctx.pshape(ctx.node))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,)))
+    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, ctx.node.args[1], (1,)))
 
 
 @register(aten.flatten.using_ints)
@@ -188,11 +188,37 @@ def expand(ctx: RuleContext) -> Choice:
             dims[j], segs[j] = s.dims[d], s.segments[d]
         elif outs[j] == ctx.BATCH and ctx.batch_axes:
             dims[j] = ctx.batch_axes
+    written, spread = _written_buffer(ctx), set()
+    for j in range(len(outs)):
+        d = j - off
+        if written is not None and d >= 0 and ins[d] == 1 and outs[j] > 1 and not dims[j] and written.dims[j] \
+                and not set(written.dims[j]) & {a for dd in dims for a in dd}:
+            # a size-1 dim broadcast into a buffer split along it: each rank expands to its own
+            # block (DeepSeek-V3's rope key over the local heads); backward sums the input's
+            # gradient over the ranks (the copy_to grad_needs puts on a replicated input)
+            dims[j] = written.dims[j]
+            spread.add(j)
     out = ShardSpec(dims=tuple(dims), segments=tuple(segs), partial=s.partial)
-    # only the dims that were split in the input need their literal patched
-    keep = ShardSpec(dims=tuple(dims[j] if (j - off >= 0 and ins[j - off] == outs[j]) else ()
+    # only the dims that were split in the input (or broadcast into a split) need their literal patched
+    keep = ShardSpec(dims=tuple(dims[j] if (j - off >= 0 and ins[j - off] == outs[j]) or j in spread else ()
                                 for j in range(len(outs))))
-    return Choice(out=out, inputs={(0,): s}, patches=_patch_sizes(ctx, out, ctx.node.args[1], (1,), keep))
+    return Choice(out=out, inputs={(0,): s}, patches=patch_sizes(ctx, out, ctx.node.args[1], (1,), keep))
+
+
+def _written_buffer(ctx) -> ShardSpec | None:
+    """The layout of the buffer this node's one use writes it into, when that is a
+    ``copy_`` into a slice (along other dims) of a ``new_empty`` buffer laid out by
+    :func:`~.common.buffer_layout` (its source is planned before this node); None otherwise."""
+    users = [u for u in ctx.node.users if u.target != aten._assert_tensor_metadata.default]
+    if len(users) != 1 or users[0].target != aten.copy_.default or users[0].args[1] is not ctx.node:
+        return None
+    dst = users[0].args[0]
+    while isinstance(dst, fx.Node) and dst.target == aten.slice.Tensor:
+        dst = dst.args[0]
+    if not isinstance(dst, fx.Node) or dst.target != aten.new_empty.default or \
+            len(ctx.pshape(dst)) != len(ctx.pshape(ctx.node)):
+        return None
+    return buffer_layout(ctx, dst)
 
 
 def _permuted(s: ShardSpec, perm) -> ShardSpec:
