@@ -627,7 +627,8 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     widths the walk cannot follow to its contraction without a trim stays as it was
     (held whole by the planner, exact). ``storage``: the weights' out-feature split where it
     goes further (3d: ``q²``); a unit ``u`` wide pads to ``lcm(multiple, storage / gcd(u, storage))``.
-    ``copies=False``: kv heads fewer than the split are left as they are (3d, 2.5d with depth).
+    ``copies=False``: kv heads fewer than the split are left as they are. In 3d (``storage``
+    ``q²``) each of the ``q`` slots holding a kv head's copy is stored split ``q`` ways more.
 
     >>> import transformers
     >>> from autoshard.passes.capture import capture
@@ -674,6 +675,8 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
             continue
         n, hd = N // (segs * unit), unit
         if r and segs == 1 and unit > 1 and n in (heads, kv_heads):
+            if storage and (multiple * unit) % storage:
+                continue    # a copy's features would not split ``storage / multiple`` ways (3d: q² over q)
             g = heads // kv_heads
             if n == kv_heads:       # a kv head held by the r ranks whose query heads read it
                 p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
@@ -683,7 +686,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
             if not copies and unit > 1 and kv_heads and n == kv_heads < multiple:
-                continue        # no copies (3d, 2.5d with depth), and groups would multiply the query heads
+                continue        # no copies asked for, and groups would multiply the query heads
             m = math.lcm(multiple, storage // math.gcd(unit, storage)) if storage else multiple
             if n % m == 0:       # (query heads that divide while their kv heads do not: padded by group)
                 continue

@@ -240,14 +240,35 @@ class ParamPlan:
         d = self.pad_dim
         if not self.pad_copies or d is None or not self.spec.dims[d]:
             return 1
-        ways = mesh.size(self.spec.dims[d])
-        slots = self.pad_segments * self.pad_copies
-        if ways % self.pad_segments or slots % ways:
+        ways = mesh.size(self.copy_axes(mesh))
+        if ways % self.pad_segments or (self.pad_segments * self.pad_copies) % ways:
             from .errors import ShardingError
 
             raise ShardingError(f"{self.name}: {self.pad_segments} units held {self.pad_copies} times each cannot "
-                                f"split {ways} ways (each rank must hold copies of one unit)")
+                                f"split {mesh.size(self.spec.dims[d])} ways over {self.spec.dims[d]} (each rank "
+                                f"must hold copies of one unit, or a part of one copy)")
         return ways // self.pad_segments
+
+    def copy_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The axes along which :meth:`copy_group`'s ranks lie: the padded dim's axes, or,
+        where they split it into more blocks than it has copies (3d stores a kv projection's
+        out features over ``(B, A)``, ``q²`` ways, its ``q`` copies over ``B``), the leading
+        ones that split it into the copies: the trailing ones cut each copy into parts, and
+        the ranks holding the same part of a unit's copies differ on the leading axes only.
+
+            >>> from autoshard.ir.spec import ShardSpec
+            >>> pp = ParamPlan(name="k", global_shape=(32, 64), spec=ShardSpec(dims=(("y", "x"), ("z",))),
+            ...                grad_sync=(), dense_shape=(16, 64), pad_copies=2)
+            >>> mesh = Mesh(axes=("x", "y", "z"), sizes=(2, 2, 2))
+            >>> pp.copy_axes(mesh), pp.copy_group(mesh)
+            (('y',), 2)
+        """
+        axes = self.spec.dims[self.pad_dim]
+        slots = self.pad_segments * self.pad_copies
+        if mesh.size(axes) > slots:
+            lead = next((axes[:k] for k in range(1, len(axes)) if mesh.size(axes[:k]) == slots), None)
+            axes = lead or axes
+        return axes
 
     def local_bytes(self, mesh: Mesh) -> int:
         n = 1
@@ -377,7 +398,7 @@ class ShardingPlan:
 
     def _copy_sync(self, p: ParamPlan) -> list[Comm]:
         if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
-            return [Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
+            return [Comm(phase="bwd", kind="all_reduce", axes=p.copy_axes(self.mesh),
                          group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh))]
         return []
 
