@@ -125,9 +125,10 @@ class _Padder:
     entries back (a trim)."""
 
     def __init__(self, gm: fx.GraphModule, params: dict[str, _Dim], *, mask_loss: bool = False,
-                 grow: bool = False, fixed: frozenset = frozenset()):
+                 grow: bool = False, fixed: dict | None = None):
         self.gm = gm
-        self.fixed = fixed                    # parameters padded before (the vocabulary): not grown again
+        # parameters padded before (the vocabulary, heads) -> their padded dims: not grown again on those
+        self.fixed = fixed or {}
         self.grow = grow                      # a Linear on padded in features: zero columns (else a trim)
         self.trims: list[_Dim] = []           # what had to be trimmed (before the graph's output)
         self.params = params                  # get_attr target -> its padded dim
@@ -200,7 +201,7 @@ class _Padder:
                     return None
                 raise _Trim(blame=pw)
             if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
-                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or w.target in self.fixed or \
+                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or kd in self.fixed.get(w.target, ()) or \
                     _len_users(self.gm, w.target) != 1:
                 raise _Trim
             if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
@@ -444,6 +445,45 @@ class _Padder:
         self._refresh(m)
         return True
 
+    def _layer_norm(self, node: fx.Node) -> bool:
+        """A LayerNorm over a zero-padded last dim (a padded hidden size), written out with
+        its statistics over the dense entries: the mean and the variance as :meth:`_mean`'s
+        scaled means, the centred values ``x − μ`` masked to 0 on the padded columns (there
+        they would be ``−μ``), so the output is 0 there too, its weight and bias being zero
+        (docs/design.md, "Uneven widths")."""
+        x, shape, w, b, eps = (list(node.args) + [None] * 5)[:5]
+        p, v = self.padded.get(x), _val(x)
+        eps = 1e-5 if eps is None else eps
+        if p is None or not p.zero or p.fanned or p.copies or p.pu != p.unit or p.segs != 1 or p.unit != 1 or \
+                p.dim != v.dim() - 1 or len(shape) != 1 or not _same(shape[0], p.n) or \
+                any(isinstance(t, fx.Node) and (self.padded.get(t) is None or self.padded[t].family != p.family)
+                    for t in (w, b)):
+            return False
+        g = self.gm.graph
+        with g.inserting_before(node):
+            ar = g.call_function(aten.arange.default, (p.np,), {"dtype": torch.int64, "device": v.device})
+        self._refresh(ar)
+        keep = self._insert(node, aten.lt.Scalar, (ar, p.n))
+        scale = p.np / p.n
+
+        def mean(t):
+            return self._insert(node, aten.mul.Tensor, (self._insert(node, aten.mean.dim, (t, [-1], True)), scale))
+        # the mean of the masked x: the padded columns hold zeros, but x − μ must not read them (their gradient
+        # would not be 0, and the zero columns of the Linears writing the stream would take it)
+        mu = mean(self._insert(node, aten.mul.Tensor, (x, keep)))
+        xc = self._insert(node, aten.mul.Tensor, (self._insert(node, aten.sub.Tensor, (x, mu)), keep))
+        var = mean(self._insert(node, aten.mul.Tensor, (xc, xc)))
+        y = self._insert(node, aten.mul.Tensor,
+                         (xc, self._insert(node, aten.rsqrt.default, (self._insert(node, aten.add.Tensor, (var, eps)),))))
+        if isinstance(w, fx.Node):
+            y = self._insert(node, aten.mul.Tensor, (y, w))
+        if isinstance(b, fx.Node):
+            y = self._insert(node, aten.add.Tensor, (y, b))
+        node.replace_all_uses_with(y)
+        self.gm.graph.erase_node(node)
+        self.padded[y] = p.at(p.dim, zero=True)
+        return True
+
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -466,7 +506,9 @@ class _Padder:
             return
         if node.target is operator.getitem and node in self.padded:
             return
-        if node.target == aten.mean.dim and self._mean(node) or node.target == aten._assert_tensor_metadata.default \
+        if node.target == aten.mean.dim and self._mean(node) or \
+                node.target == aten.layer_norm.default and self._layer_norm(node) or \
+                node.target == aten._assert_tensor_metadata.default \
                 and len(node.args) < 2 and node.kwargs.get("size") is None and node.kwargs.get("stride") is None:
             return      # (a cast's check of dtype and device: the padding changes neither)
         if self.mask_loss and node.target in _CE:
@@ -502,6 +544,15 @@ class _Unsupported(Exception):
     def __init__(self, msg: str, family=None):
         super().__init__(msg)
         self.family = family
+
+
+def _padded_dims(cap: Captured) -> dict[str, tuple[int, ...]]:
+    """Every name of a parameter padded before -> the dims it is padded on."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in cap.padding:
+        for n in p.names:
+            out[n] = out.get(n, ()) + (p.dim,)
+    return out
 
 
 def _len_users(gm: fx.GraphModule, target: str) -> int:
@@ -645,7 +696,7 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
         heads % kv_heads == 0 and copies else 0
     for copying in ((True, False) if r else (False,)):
         seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copying else 0, storage, copies)
-        out = _pad_seeds(cap, seeds, multiple, done)
+        out = _pad_seeds(cap, seeds, multiple)
         if out is None:
             return cap
         if not copying or any(p.copies for p in out.padding):
@@ -699,18 +750,22 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
     return seeds
 
 
-def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: frozenset) -> Captured | None:
+def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int) -> Captured | None:
     """``cap`` with ``seeds`` padded and followed (families the walk must cut back left
     out, the rest padded again); None where the walk cannot follow an op at all."""
     gm = cap.module
+    tied: dict[int, list[str]] = {}
+    for name, q in gm.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(q), []).append(name)
     while seeds:
         new = copy_sharing(gm)
         for name, p in seeds.items():
             t = gm.get_parameter(name)
-            mod_path, _, attr = name.rpartition(".")
-            setattr(new.get_submodule(mod_path) if mod_path else new, attr,
-                    torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad))
-        padder = _Padder(new, dict(seeds), grow=True, fixed=done)
+            grown = torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad)
+            for alias in tied[id(t)]:       # every name of a tied tensor (the graph may read it by one only)
+                mod_path, _, attr = alias.rpartition(".")
+                setattr(new.get_submodule(mod_path) if mod_path else new, attr, grown)
+        padder = _Padder(new, dict(seeds), grow=True, fixed=_padded_dims(cap))
         try:
             padder.run()
         except _Unsupported as e:
@@ -757,7 +812,6 @@ def pad_hidden(cap: Captured, multiple: int, hidden: int | None, *, storage: int
     if multiple <= 1 or not hidden or hidden % m == 0:
         return cap
     gm, hp = cap.module, -(-hidden // m) * m
-    done = frozenset(n for p in cap.padding for n in p.names)
     seeds: dict[str, _Dim] = {}
     biases = set()
     for node in gm.graph.nodes:
@@ -778,6 +832,9 @@ def pad_hidden(cap: Captured, multiple: int, hidden: int | None, *, storage: int
         if node.op == "get_attr" and node.target not in biases and isinstance(v, torch.Tensor) and \
                 tuple(v.shape) == (hidden,):
             seeds[node.target] = _Dim(0, hidden, hp)
-    seeds = {k: p for k, p in seeds.items() if k not in done and _len_users(gm, k) <= 2}
-    out = _pad_seeds(cap, seeds, m, done) if seeds else None
+    # a weight whose heads (or vocabulary) are padded already takes the hidden size's zeros on its other dim
+    # (ParamPlan.pad_extra); not twice on one dim
+    dims = _padded_dims(cap)
+    seeds = {k: p for k, p in seeds.items() if p.dim not in dims.get(k, ()) and _len_users(gm, k) <= 2}
+    out = _pad_seeds(cap, seeds, m) if seeds else None
     return cap if out is None or len(out.padding) == len(cap.padding) else out

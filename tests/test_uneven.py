@@ -363,3 +363,18 @@ def test_kv_copies_with_data_parallel():
         assert r["ledger_calls"] == r["plan_calls"] and r["ledger_bytes"] == pytest.approx(r["plan_bytes"], rel=1e-9)
     _, kv = _kv_copy_plan("llama-mqa", "1d", 4, dp=2)
     assert kv and all(p.pad_copies == 2 and "dp" in p.grad_sync for p in kv)
+
+
+@pytest.mark.slow
+def test_layer_norm_hidden_size_no_grid_side_divides():
+    """GPT-2 with 7 heads of 9 (hidden 63) at 2d@4 (q=2): the heads padded to 8 and the hidden size
+    to 64, so c_attn and c_proj are padded on both dims (``ParamPlan.pad_extra``); each LayerNorm
+    written out with its mean and variance over the 63 dense columns (the centred values masked on
+    the padded one). Exact: loss, logits, every local gradient, 3 SGD steps (the zero columns stay
+    zero: they get no gradient)."""
+    results = get_pool(4, timeout=900).run(_sgd_check, "gpt2-d63", "2d")
+    _assert_exact(results, 4, bound=None)
+    assert all(not r["fallbacks"] for r in results), results[0]["fallbacks"]
+    rows = {p["param"]: (p["dense_shape"], p["padded_shape"]) for p in results[0]["padding"]}
+    assert rows["transformer.h.0.ln_1.weight"] == ([63], [64])
+    assert rows["transformer.h.0.attn.c_proj.weight"] == ([63, 63], [72, 64])      # heads (in), hidden (out)
