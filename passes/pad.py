@@ -46,8 +46,9 @@ from autoshard.policies.linear_ops import linear_operands
 from .annotate import LINEAR_OPS
 from .capture import Captured, copy_sharing
 from .fake_replay import run_fake
-from .pad_ops import is_pointwise as _is_pointwise, keeps_zero as _keeps_zero, node_val as _val, \
-    same_size as _same, size_ratio as _ratio, vocab_params as _vocab_params
+from .pad_ops import SPLITS as _SPLITS, VIEWS as _VIEWS, is_pointwise as _is_pointwise, keeps_zero as _keeps_zero, \
+    len_users as _len_users, node_val as _val, out_layout as _layout, same_size as _same, size_ratio as _ratio, \
+    vocab_params as _vocab_params
 
 aten = torch.ops.aten
 
@@ -103,10 +104,8 @@ class _Dim:
         return dataclasses.replace(self, dim=dim, **kw)
 
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CE = {aten.cross_entropy_loss.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 
 class _Trim(Exception):
@@ -201,8 +200,8 @@ class _Padder:
                     return None
                 raise _Trim(blame=pw)
             if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
-                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or kd in self.fixed.get(w.target, ()) or \
-                    _len_users(self.gm, w.target) != 1:
+                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or \
+                    kd in self.fixed.get(w.target, ()) or _len_users(self.gm, w.target) != 1:
                 raise _Trim
             if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
                 node.args = tuple(self._zeroed(node, x) if i == xp[0] else v for i, v in enumerate(node.args))
@@ -555,13 +554,6 @@ def _padded_dims(cap: Captured) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _len_users(gm: fx.GraphModule, target: str) -> int:
-    """How many get_attr nodes read the parameter ``target`` (or a tied name of it)."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    p = params.get(target)
-    return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
-
-
 def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
     """``t`` (detached) laid out as ``p``: each of its ``p.segs`` blocks on ``p.dim`` grown
     with zero units from ``p.n`` to ``p.np``."""
@@ -626,43 +618,6 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
     new.graph.lint()
     new.recompile()
     return dataclasses.replace(cap, module=new, padding=tuple(padding))
-
-
-def _layout(node: fx.Node) -> tuple[int, int]:
-    """``(segments, unit)`` of a Linear's out features, from what its output meets on its
-    way: a split into equal blocks on the last dim (a fused q, k, v: segments) and a
-    reshape cutting the last dim into ``[..., units, unit]`` (heads of ``unit`` features);
-    ``(1, 1)`` where neither comes (an MLP's intermediate features)."""
-    cur, segs = node, 1
-    for _ in range(16):
-        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
-        v = _val(cur)
-        if len(users) != 1 or not isinstance(v, torch.Tensor) or not v.dim():
-            break
-        u, last = users[0], v.shape[-1]
-        if u.target in _VIEWS:
-            out = list(_val(u).shape)
-            if out and _same(out[-1], last) and not (len(out) > v.dim() and _same(out[-2], 1)):   # [.., 1, hd]: 1 head
-                cur = u
-                continue
-            for k in range(2, len(out) + 1):
-                if _same(math.prod(out[-k:]), last):
-                    return segs, math.prod(out[-k + 1:])
-            break
-        if u.target in _SPLITS and segs == 1:
-            nd = v.dim()
-            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
-            parts = [g for g in u.users if g.target is operator.getitem]
-            sizes = [_val(g).shape[dim] for g in parts]
-            if dim != nd - 1 or len(parts) < 2 or len({str(x) for x in sizes}) != 1:
-                break
-            segs, cur = len(parts), min(parts, key=lambda g: g.args[1])
-            continue
-        if _is_pointwise(u.target) and len(u.all_input_nodes) == 1:
-            cur = u
-            continue
-        break
-    return segs, 1
 
 
 def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None,
