@@ -378,3 +378,38 @@ def test_layer_norm_hidden_size_no_grid_side_divides():
     rows = {p["param"]: (p["dense_shape"], p["padded_shape"]) for p in results[0]["padding"]}
     assert rows["transformer.h.0.ln_1.weight"] == ([63], [64])
     assert rows["transformer.h.0.attn.c_proj.weight"] == ([63, 63], [72, 64])      # heads (in), hidden (out)
+
+
+def _full_state_and_reload(rank, world, name, mode, tmp):
+    """full_state_dict of a module padded on two dims (heads and hidden), then a sharded
+    checkpoint saved and loaded on another mesh (2d@4 → 1d@4: each tensor trimmed to the
+    Hugging Face shape with pad_extra, then padded for 1d): the dense tensors and logits."""
+    torch.set_num_threads(1)
+    dense = models.build(name)
+    inputs = models.batch(name)
+    sharded = autoshard.shard(copy.deepcopy(dense), mode=mode, example_inputs=inputs)
+    full = sharded.full_state_dict(rank0_only=False)
+    extra = sorted(p.name for p in sharded.plan.params if p.pad_extra)
+    sharded.save_checkpoint(tmp)
+    torch.distributed.barrier()
+    other = autoshard.load_checkpoint(tmp, copy.deepcopy(dense), mode="1d", example_inputs=inputs, train=True)
+    with torch.no_grad():
+        return {"full": {k: v.clone() for k, v in full.items()}, "extra": extra,
+                "loaded": other(**inputs).logits, "logits": sharded(**inputs).logits}
+
+
+@pytest.mark.slow
+def test_two_dim_padding_keeps_the_dense_shapes(tmp_path):
+    """GPT-2 hidden 63 (7 heads) at 2d@4: c_attn and c_proj padded on both dims; full_state_dict
+    gives the dense tensors exactly, and a sharded checkpoint loads into 1d@4 to the dense logits."""
+    res = get_pool(4, timeout=900).run(_full_state_and_reload, "gpt2-d63", "2d", str(tmp_path / "ck"))
+    dense = models.build("gpt2-d63")
+    with torch.no_grad():
+        ref = dense(**models.batch("gpt2-d63")).logits
+    for r in res:
+        assert "transformer.h.0.attn.c_attn.weight" in r["extra"], r["extra"]
+        for k, v in dense.state_dict().items():
+            if k in r["full"]:
+                assert torch.equal(r["full"][k], v), k
+        torch.testing.assert_close(r["logits"], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r["loaded"], ref, atol=1e-5, rtol=1e-5)
