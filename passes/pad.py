@@ -198,15 +198,18 @@ class _Padder:
             if pw is not None:      # a contraction over zeros on both sides (a tied head over a padded hidden)
                 if pw.dim == kd and px.zero and pw.family == px.family and pw.segs == px.segs == 1 and pb is None:
                     return None
-                raise _Trim(blame=pw)
-            if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
+                if pw.dim != nd:    # (out features padded as well: a hidden → hidden Linear, grown below too)
+                    raise _Trim(blame=pw)
+            out = None if pw is None else pw.at(_val(node).dim() - 1)
+            bias_ok = pb is None if pw is None else not isinstance(b, fx.Node) or (pb is not None and pb.family == pw.family)
+            if not self.grow or px.dim != _val(x).dim() - 1 or not bias_ok or px.copies or px.pu != px.unit or \
                     not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or \
                     kd in self.fixed.get(w.target, ()) or _len_users(self.gm, w.target) != 1:
-                raise _Trim
+                raise _Trim(blame=pw)
             if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
                 node.args = tuple(self._zeroed(node, x) if i == xp[0] else v for i, v in enumerate(node.args))
             self._grow(w, px.at(kd, zero=True))
-            return None
+            return out
         if pw is None or pw.dim != nd or wv.dim() != 2:
             raise _Trim
         if isinstance(b, fx.Node) and (pb is None or pb.family != pw.family) and _val(b) is not None and _val(b).dim():
@@ -742,7 +745,7 @@ def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int) -> Captured
         padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit,
                            padded=p.size, segments=p.segs, copies=p.np if p.copies else 0,
                            unit=p.head or p.pu)
-                   for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
+                   for k, p in [*seeds.items(), *padder.grown.items()] if p.n != p.np]
         return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
     return cap
 

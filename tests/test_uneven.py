@@ -413,3 +413,18 @@ def test_two_dim_padding_keeps_the_dense_shapes(tmp_path):
                 assert torch.equal(r["full"][k], v), k
         torch.testing.assert_close(r["logits"], ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r["loaded"], ref, atol=1e-5, rtol=1e-5)
+
+
+# 9 rank processes on the 2-core machine: make test-extended
+@pytest.mark.extended
+def test_layer_norm_hidden_size_at_9_ranks():
+    """BERT with 4 heads of 25 (hidden 100) at 2d@9 (q=3): heads padded to 6, the hidden size to 102,
+    the MLM head's hidden → hidden transform padded on both dims in one walk, every LayerNorm written
+    out over the 100 dense columns. Exact: loss, logits, every local gradient, 3 SGD steps (float64,
+    as test_2d_8_heads_at_9_ranks: float32 rounding of the dense model itself, not the sharding, is
+    what 1e-5 would measure over steps at lr 0.1)."""
+    results = get_pool(9, timeout=1500).run(_sgd_check, "bert-d100", "2d", 3, 3, torch.float64)
+    _assert_exact(results, 9, bound=None)
+    assert all(not r["fallbacks"] for r in results), results[0]["fallbacks"]
+    rows = {p["param"]: (p["dense_shape"], p["padded_shape"]) for p in results[0]["padding"]}
+    assert rows["cls.predictions.transform.dense.weight"] == ([100, 100], [102, 102]), rows
