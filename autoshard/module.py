@@ -108,9 +108,12 @@ class ShardedModule(ModelFace, nn.Module):
         self._device_mesh = None     # torch's DeviceMesh over self.mesh, made on first use (autoshard.io.dtensor)
         self._blocks_split = False   # split_blocks(): the blocks run as modules, no new graph is captured
         self.block_paths: tuple[str, ...] = ()      # the blocks split_blocks() made modules the graph calls
-        self.overlap_grad_sync(GRAD_BUCKET_BYTES)   # bucketed by default (the plan's comms count buckets)
-        # a kv head held by several ranks: its copies' gradients summed (tensor hooks, kept through set_grad_sync)
+        # a kv head held by several ranks: its copies' gradients summed (tensor hooks, kept through set_grad_sync).
+        # Registered before the gradient sync's hooks, which run after them: a parameter synced over another
+        # axis too (2.5d's dep) hands the bucket its gradient and keeps zeros, so a copy sum run after the
+        # bucket's hook would sum zeros and the bucket would write back the unsummed gradient
         self._copy_hooks = copy_sync_hooks(self.plan, self.rank, dict(self.named_parameters(remove_duplicate=False)))
+        self.overlap_grad_sync(GRAD_BUCKET_BYTES)   # bucketed by default (the plan's comms count buckets)
         track(self)         # torch's clip_grad_norm_ on these parameters: the global norm (see track)
 
     def _adopt(self, gm: fx.GraphModule, model_tensors: frozenset) -> None:

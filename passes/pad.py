@@ -46,8 +46,9 @@ from autoshard.policies.linear_ops import linear_operands
 from .annotate import LINEAR_OPS
 from .capture import Captured, copy_sharing
 from .fake_replay import run_fake
-from .pad_ops import is_pointwise as _is_pointwise, keeps_zero as _keeps_zero, node_val as _val, \
-    same_size as _same, size_ratio as _ratio, vocab_params as _vocab_params
+from .pad_ops import SPLITS as _SPLITS, VIEWS as _VIEWS, is_pointwise as _is_pointwise, keeps_zero as _keeps_zero, \
+    len_users as _len_users, node_val as _val, out_layout as _layout, same_size as _same, size_ratio as _ratio, \
+    vocab_params as _vocab_params
 
 aten = torch.ops.aten
 
@@ -103,10 +104,8 @@ class _Dim:
         return dataclasses.replace(self, dim=dim, **kw)
 
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CE = {aten.cross_entropy_loss.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 
 class _Trim(Exception):
@@ -125,9 +124,10 @@ class _Padder:
     entries back (a trim)."""
 
     def __init__(self, gm: fx.GraphModule, params: dict[str, _Dim], *, mask_loss: bool = False,
-                 grow: bool = False, fixed: frozenset = frozenset()):
+                 grow: bool = False, fixed: dict | None = None):
         self.gm = gm
-        self.fixed = fixed                    # parameters padded before (the vocabulary): not grown again
+        # parameters padded before (the vocabulary, heads) -> their padded dims: not grown again on those
+        self.fixed = fixed or {}
         self.grow = grow                      # a Linear on padded in features: zero columns (else a trim)
         self.trims: list[_Dim] = []           # what had to be trimmed (before the graph's output)
         self.params = params                  # get_attr target -> its padded dim
@@ -198,15 +198,18 @@ class _Padder:
             if pw is not None:      # a contraction over zeros on both sides (a tied head over a padded hidden)
                 if pw.dim == kd and px.zero and pw.family == px.family and pw.segs == px.segs == 1 and pb is None:
                     return None
+                if pw.dim != nd:    # (out features padded as well: a hidden → hidden Linear, grown below too)
+                    raise _Trim(blame=pw)
+            out = None if pw is None else pw.at(_val(node).dim() - 1)
+            bias_ok = pb is None if pw is None else not isinstance(b, fx.Node) or (pb is not None and pb.family == pw.family)
+            if not self.grow or px.dim != _val(x).dim() - 1 or not bias_ok or px.copies or px.pu != px.unit or \
+                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or \
+                    kd in self.fixed.get(w.target, ()) or _len_users(self.gm, w.target) != 1:
                 raise _Trim(blame=pw)
-            if not self.grow or px.dim != _val(x).dim() - 1 or pb is not None or px.copies or px.pu != px.unit or \
-                    not (isinstance(w, fx.Node) and w.op == "get_attr") or wv.dim() != 2 or w.target in self.fixed or \
-                    _len_users(self.gm, w.target) != 1:
-                raise _Trim
             if not px.zero:         # padded entries that may not be zero: zeroed, so the zero columns get no gradient
                 node.args = tuple(self._zeroed(node, x) if i == xp[0] else v for i, v in enumerate(node.args))
             self._grow(w, px.at(kd, zero=True))
-            return None
+            return out
         if pw is None or pw.dim != nd or wv.dim() != 2:
             raise _Trim
         if isinstance(b, fx.Node) and (pb is None or pb.family != pw.family) and _val(b) is not None and _val(b).dim():
@@ -444,6 +447,45 @@ class _Padder:
         self._refresh(m)
         return True
 
+    def _layer_norm(self, node: fx.Node) -> bool:
+        """A LayerNorm over a zero-padded last dim (a padded hidden size), written out with
+        its statistics over the dense entries: the mean and the variance as :meth:`_mean`'s
+        scaled means, the centred values ``x − μ`` masked to 0 on the padded columns (there
+        they would be ``−μ``), so the output is 0 there too, its weight and bias being zero
+        (docs/design.md, "Uneven widths")."""
+        x, shape, w, b, eps = (list(node.args) + [None] * 5)[:5]
+        p, v = self.padded.get(x), _val(x)
+        eps = 1e-5 if eps is None else eps
+        if p is None or not p.zero or p.fanned or p.copies or p.pu != p.unit or p.segs != 1 or p.unit != 1 or \
+                p.dim != v.dim() - 1 or len(shape) != 1 or not _same(shape[0], p.n) or \
+                any(isinstance(t, fx.Node) and (self.padded.get(t) is None or self.padded[t].family != p.family)
+                    for t in (w, b)):
+            return False
+        g = self.gm.graph
+        with g.inserting_before(node):
+            ar = g.call_function(aten.arange.default, (p.np,), {"dtype": torch.int64, "device": v.device})
+        self._refresh(ar)
+        keep = self._insert(node, aten.lt.Scalar, (ar, p.n))
+        scale = p.np / p.n
+
+        def mean(t):
+            return self._insert(node, aten.mul.Tensor, (self._insert(node, aten.mean.dim, (t, [-1], True)), scale))
+        # the mean of the masked x: the padded columns hold zeros, but x − μ must not read them (their gradient
+        # would not be 0, and the zero columns of the Linears writing the stream would take it)
+        mu = mean(self._insert(node, aten.mul.Tensor, (x, keep)))
+        xc = self._insert(node, aten.mul.Tensor, (self._insert(node, aten.sub.Tensor, (x, mu)), keep))
+        var = mean(self._insert(node, aten.mul.Tensor, (xc, xc)))
+        y = self._insert(node, aten.mul.Tensor,
+                         (xc, self._insert(node, aten.rsqrt.default, (self._insert(node, aten.add.Tensor, (var, eps)),))))
+        if isinstance(w, fx.Node):
+            y = self._insert(node, aten.mul.Tensor, (y, w))
+        if isinstance(b, fx.Node):
+            y = self._insert(node, aten.add.Tensor, (y, b))
+        node.replace_all_uses_with(y)
+        self.gm.graph.erase_node(node)
+        self.padded[y] = p.at(p.dim, zero=True)
+        return True
+
     # ------------------------------------------------------------ the walk
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
@@ -466,7 +508,9 @@ class _Padder:
             return
         if node.target is operator.getitem and node in self.padded:
             return
-        if node.target == aten.mean.dim and self._mean(node) or node.target == aten._assert_tensor_metadata.default \
+        if node.target == aten.mean.dim and self._mean(node) or \
+                node.target == aten.layer_norm.default and self._layer_norm(node) or \
+                node.target == aten._assert_tensor_metadata.default \
                 and len(node.args) < 2 and node.kwargs.get("size") is None and node.kwargs.get("stride") is None:
             return      # (a cast's check of dtype and device: the padding changes neither)
         if self.mask_loss and node.target in _CE:
@@ -504,11 +548,13 @@ class _Unsupported(Exception):
         self.family = family
 
 
-def _len_users(gm: fx.GraphModule, target: str) -> int:
-    """How many get_attr nodes read the parameter ``target`` (or a tied name of it)."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    p = params.get(target)
-    return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
+def _padded_dims(cap: Captured) -> dict[str, tuple[int, ...]]:
+    """Every name of a parameter padded before -> the dims it is padded on."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in cap.padding:
+        for n in p.names:
+            out[n] = out.get(n, ()) + (p.dim,)
+    return out
 
 
 def _pad_tensor(t: torch.Tensor, p: _Dim) -> torch.Tensor:
@@ -577,43 +623,6 @@ def pad_vocab(cap: Captured, multiple: int, vocab: int | None = None) -> Capture
     return dataclasses.replace(cap, module=new, padding=tuple(padding))
 
 
-def _layout(node: fx.Node) -> tuple[int, int]:
-    """``(segments, unit)`` of a Linear's out features, from what its output meets on its
-    way: a split into equal blocks on the last dim (a fused q, k, v: segments) and a
-    reshape cutting the last dim into ``[..., units, unit]`` (heads of ``unit`` features);
-    ``(1, 1)`` where neither comes (an MLP's intermediate features)."""
-    cur, segs = node, 1
-    for _ in range(16):
-        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
-        v = _val(cur)
-        if len(users) != 1 or not isinstance(v, torch.Tensor) or not v.dim():
-            break
-        u, last = users[0], v.shape[-1]
-        if u.target in _VIEWS:
-            out = list(_val(u).shape)
-            if out and _same(out[-1], last) and not (len(out) > v.dim() and _same(out[-2], 1)):   # [.., 1, hd]: 1 head
-                cur = u
-                continue
-            for k in range(2, len(out) + 1):
-                if _same(math.prod(out[-k:]), last):
-                    return segs, math.prod(out[-k + 1:])
-            break
-        if u.target in _SPLITS and segs == 1:
-            nd = v.dim()
-            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
-            parts = [g for g in u.users if g.target is operator.getitem]
-            sizes = [_val(g).shape[dim] for g in parts]
-            if dim != nd - 1 or len(parts) < 2 or len({str(x) for x in sizes}) != 1:
-                break
-            segs, cur = len(parts), min(parts, key=lambda g: g.args[1])
-            continue
-        if _is_pointwise(u.target) and len(u.all_input_nodes) == 1:
-            cur = u
-            continue
-        break
-    return segs, 1
-
-
 def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_heads: int | None = None,
                storage: int = 0, copies: bool = True) -> Captured:
     """``cap`` with every Linear whose out features the split ``multiple`` does not cut
@@ -627,7 +636,8 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
     widths the walk cannot follow to its contraction without a trim stays as it was
     (held whole by the planner, exact). ``storage``: the weights' out-feature split where it
     goes further (3d: ``q²``); a unit ``u`` wide pads to ``lcm(multiple, storage / gcd(u, storage))``.
-    ``copies=False``: kv heads fewer than the split are left as they are (3d, 2.5d with depth).
+    ``copies=False``: kv heads fewer than the split are left as they are. In 3d (``storage``
+    ``q²``) each of the ``q`` slots holding a kv head's copy is stored split ``q`` ways more.
 
     >>> import transformers
     >>> from autoshard.passes.capture import capture
@@ -644,7 +654,7 @@ def pad_widths(cap: Captured, multiple: int, *, heads: int | None = None, kv_hea
         heads % kv_heads == 0 and copies else 0
     for copying in ((True, False) if r else (False,)):
         seeds = _seeds(cap.module, multiple, heads, kv_heads, done, r if copying else 0, storage, copies)
-        out = _pad_seeds(cap, seeds, multiple, done)
+        out = _pad_seeds(cap, seeds, multiple)
         if out is None:
             return cap
         if not copying or any(p.copies for p in out.padding):
@@ -674,6 +684,8 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
             continue
         n, hd = N // (segs * unit), unit
         if r and segs == 1 and unit > 1 and n in (heads, kv_heads):
+            if storage and (multiple * unit) % storage:
+                continue    # a copy's features would not split ``storage / multiple`` ways (3d: q² over q)
             g = heads // kv_heads
             if n == kv_heads:       # a kv head held by the r ranks whose query heads read it
                 p = _Dim(nd, 1, r, unit, kv_heads, zero=False, copies=True, fan=-(-g // r))
@@ -683,7 +695,7 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
             if heads and kv_heads and kv_heads < heads and heads % kv_heads == 0 and n == heads and unit > 1:
                 n, unit = kv_heads, unit * (heads // kv_heads)      # a query head stays with its kv head
             if not copies and unit > 1 and kv_heads and n == kv_heads < multiple:
-                continue        # no copies (3d, 2.5d with depth), and groups would multiply the query heads
+                continue        # no copies asked for, and groups would multiply the query heads
             m = math.lcm(multiple, storage // math.gcd(unit, storage)) if storage else multiple
             if n % m == 0:       # (query heads that divide while their kv heads do not: padded by group)
                 continue
@@ -696,18 +708,22 @@ def _seeds(gm: fx.GraphModule, multiple: int, heads, kv_heads, done, r: int, sto
     return seeds
 
 
-def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: frozenset) -> Captured | None:
+def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int) -> Captured | None:
     """``cap`` with ``seeds`` padded and followed (families the walk must cut back left
     out, the rest padded again); None where the walk cannot follow an op at all."""
     gm = cap.module
+    tied: dict[int, list[str]] = {}
+    for name, q in gm.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(q), []).append(name)
     while seeds:
         new = copy_sharing(gm)
         for name, p in seeds.items():
             t = gm.get_parameter(name)
-            mod_path, _, attr = name.rpartition(".")
-            setattr(new.get_submodule(mod_path) if mod_path else new, attr,
-                    torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad))
-        padder = _Padder(new, dict(seeds), grow=True, fixed=done)
+            grown = torch.nn.Parameter(_pad_tensor(t, p), requires_grad=t.requires_grad)
+            for alias in tied[id(t)]:       # every name of a tied tensor (the graph may read it by one only)
+                mod_path, _, attr = alias.rpartition(".")
+                setattr(new.get_submodule(mod_path) if mod_path else new, attr, grown)
+        padder = _Padder(new, dict(seeds), grow=True, fixed=_padded_dims(cap))
         try:
             padder.run()
         except _Unsupported as e:
@@ -729,7 +745,7 @@ def _pad_seeds(cap: Captured, seeds: dict[str, _Dim], multiple: int, done: froze
         padding = [Padding(names=tuple(aliases[id(new.get_parameter(k))]), dim=p.dim, dense=p.segs * p.n * p.unit,
                            padded=p.size, segments=p.segs, copies=p.np if p.copies else 0,
                            unit=p.head or p.pu)
-                   for k, p in {**seeds, **padder.grown}.items() if p.n != p.np]
+                   for k, p in [*seeds.items(), *padder.grown.items()] if p.n != p.np]
         return dataclasses.replace(cap, module=new, padding=tuple(cap.padding) + tuple(padding))
     return cap
 
@@ -754,7 +770,6 @@ def pad_hidden(cap: Captured, multiple: int, hidden: int | None, *, storage: int
     if multiple <= 1 or not hidden or hidden % m == 0:
         return cap
     gm, hp = cap.module, -(-hidden // m) * m
-    done = frozenset(n for p in cap.padding for n in p.names)
     seeds: dict[str, _Dim] = {}
     biases = set()
     for node in gm.graph.nodes:
@@ -775,6 +790,9 @@ def pad_hidden(cap: Captured, multiple: int, hidden: int | None, *, storage: int
         if node.op == "get_attr" and node.target not in biases and isinstance(v, torch.Tensor) and \
                 tuple(v.shape) == (hidden,):
             seeds[node.target] = _Dim(0, hidden, hp)
-    seeds = {k: p for k, p in seeds.items() if k not in done and _len_users(gm, k) <= 2}
-    out = _pad_seeds(cap, seeds, m, done) if seeds else None
+    # a weight whose heads (or vocabulary) are padded already takes the hidden size's zeros on its other dim
+    # (ParamPlan.pad_extra); not twice on one dim
+    dims = _padded_dims(cap)
+    seeds = {k: p for k, p in seeds.items() if p.dim not in dims.get(k, ()) and _len_users(gm, k) <= 2}
+    out = _pad_seeds(cap, seeds, m) if seeds else None
     return cap if out is None or len(out.padding) == len(cap.padding) else out

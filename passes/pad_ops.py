@@ -1,12 +1,16 @@
 """What the pad pass (:mod:`autoshard.passes.pad`) reads of the graph: a node's fake
-value, whether a pointwise op keeps zeros zero, ratios of (symbolic) sizes, and the
-parameters holding the vocabulary.
+value, whether a pointwise op keeps zeros zero, ratios of (symbolic) sizes, the
+parameters holding the vocabulary, how many nodes read a parameter and how a Linear's
+out features are laid out (fused blocks, heads).
 
     >>> size_ratio(12, 4), size_ratio(4, 12)
     (3, None)
 """
 
 from __future__ import annotations
+
+import math
+import operator
 
 import torch
 from torch import fx
@@ -17,7 +21,11 @@ from .annotate import LINEAR_OPS
 
 aten = torch.ops.aten
 
-__all__ = ["is_pointwise", "keeps_zero", "node_val", "same_size", "size_ratio", "vocab_params"]
+__all__ = ["SPLITS", "VIEWS", "is_pointwise", "keeps_zero", "len_users", "node_val", "out_layout", "same_size",
+           "size_ratio", "vocab_params"]
+
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 
 
 def node_val(n):
@@ -111,3 +119,48 @@ def vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dic
             bt = gm.get_parameter(b.target)
             found.setdefault(id(bt), (bt, 0))
     return V, found
+
+
+def len_users(gm: fx.GraphModule, target: str) -> int:
+    """How many get_attr nodes read the parameter ``target`` (or a tied name of it)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    p = params.get(target)
+    return sum(1 for n in gm.graph.nodes if n.op == "get_attr" and params.get(n.target) is p)
+
+
+def out_layout(node: fx.Node) -> tuple[int, int]:
+    """``(segments, unit)`` of a Linear's out features, from what its output meets on its
+    way: a split into equal blocks on the last dim (a fused q, k, v: segments) and a
+    reshape cutting the last dim into ``[..., units, unit]`` (heads of ``unit`` features);
+    ``(1, 1)`` where neither comes (an MLP's intermediate features)."""
+    cur, segs = node, 1
+    for _ in range(16):
+        users = [u for u in cur.users if u.target not in (aten._assert_tensor_metadata.default, aten.sym_size.int)]
+        v = node_val(cur)
+        if len(users) != 1 or not isinstance(v, torch.Tensor) or not v.dim():
+            break
+        u, last = users[0], v.shape[-1]
+        if u.target in VIEWS:
+            out = list(node_val(u).shape)
+            # (not [.., 1, hd]: that is one head)
+            if out and same_size(out[-1], last) and not (len(out) > v.dim() and same_size(out[-2], 1)):
+                cur = u
+                continue
+            for k in range(2, len(out) + 1):
+                if same_size(math.prod(out[-k:]), last):
+                    return segs, math.prod(out[-k + 1:])
+            break
+        if u.target in SPLITS and segs == 1:
+            nd = v.dim()
+            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
+            parts = [g for g in u.users if g.target is operator.getitem]
+            sizes = [node_val(g).shape[dim] for g in parts]
+            if dim != nd - 1 or len(parts) < 2 or len({str(x) for x in sizes}) != 1:
+                break
+            segs, cur = len(parts), min(parts, key=lambda g: g.args[1])
+            continue
+        if is_pointwise(u.target) and len(u.all_input_nodes) == 1:
+            cur = u
+            continue
+        break
+    return segs, 1

@@ -222,14 +222,16 @@ class _Engine:
             spec = self.st.param_spec.get(name, replicated(p.dim()))
             sync = tuple(a for a in self.mesh.axes if a in param_sync.get(name, set()))
             dense = ()
-            pad = next((x for x in getattr(self.cap, "padding", ()) if name in x.names), None)
+            pads = [x for x in getattr(self.cap, "padding", ()) if name in x.names]
+            pad = pads[0] if pads else None       # the width (or vocabulary); a hidden size padded after it: extra
             if pad is not None:
-                dense = tuple(pad.dense if d == pad.dim else s for d, s in enumerate(p.shape))
+                sizes = {x.dim: x.dense for x in pads}
+                dense = tuple(sizes.get(d, s) for d, s in enumerate(p.shape))
             params.append(ParamPlan(name=name, global_shape=tuple(p.shape), spec=spec, grad_sync=sync,
                                     dtype_bytes=p.element_size(), aliases=tuple(n for n in names if n != name),
                                     dense_shape=dense, trainable=not self.frozen & set(names),
                                     pad_segments=getattr(pad, "segments", 1), pad_copies=getattr(pad, "copies", 0),
-                                    pad_unit=getattr(pad, "unit", 0)))
+                                    pad_unit=getattr(pad, "unit", 0), pad_extra=tuple(x.dim for x in pads[1:])))
         return tuple(params)
 
     def _row_facts(self) -> dict:

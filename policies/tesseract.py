@@ -105,11 +105,6 @@ class Tesseract(Policy):
         "Uneven widths"); the hidden size, which the activations between the Linears split, is not."""
         return self.q
 
-    def width_copies(self) -> bool:
-        """Depth 1 (2d) only: with a depth axis the copies' gradients came out wrong at 2.5d@8
-        (gemma, one kv head), so the kv heads are left as they are there."""
-        return self.d == 1
-
     @classmethod
     def label(cls, mesh: Mesh) -> str:
         """Tesseract's own notation ``[q,q,d]`` (``[q,q]`` for 2d)."""

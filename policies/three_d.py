@@ -95,10 +95,6 @@ class ThreeD(Policy):
         """``q²``: a Linear's out features are stored split over two axes (``n/q²``)."""
         return self.q * self.q
 
-    def width_copies(self) -> bool:
-        """False: a copy group would span the weight's ``q²`` out-feature blocks."""
-        return False
-
     def vocab_multiple(self) -> int:
         """``q²``: an untied LM head splits its output features (the vocabulary) over two axes."""
         return self.q * self.q          # an untied head splits its output features over q²

@@ -118,6 +118,11 @@ TINY["llama-mqa"] = ("LlamaForCausalLM", "LlamaConfig", {**TINY["llama"][2], "nu
 # a hidden size no grid side divides (63: 2d, 2.5d and 3d at q=2), 4 heads of 16 (q_proj [64, 63]; Mistral's
 # config, unlike Llama's, lets the heads not divide the hidden size)
 TINY["mistral-d63"] = ("MistralForCausalLM", "MistralConfig", {**TINY["llama"][2], "hidden_size": 63, "head_dim": 16})
+# LayerNorm models whose hidden size no grid side divides (hidden = heads × head_dim: the heads are padded
+# too, so q/k/v and the output projection are padded on both dims): GPT-2 with 7 heads of 9 (hidden 63) at
+# q=2, BERT with 4 heads of 25 (hidden 100) at q=3
+TINY["gpt2-d63"] = ("GPT2LMHeadModel", "GPT2Config", {**TINY["gpt2"][2], "n_embd": 63, "n_head": 7})
+TINY["bert-d100"] = ("BertForMaskedLM", "BertConfig", {**TINY["bert"][2], "hidden_size": 100})
 TINY["qwen2-h28"] = ("Qwen2ForCausalLM", "Qwen2Config",
                      {**TINY["llama"][2], "hidden_size": 112, "num_attention_heads": 28, "num_key_value_heads": 4,
                       "intermediate_size": 144, "tie_word_embeddings": False})

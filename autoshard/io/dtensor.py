@@ -196,7 +196,7 @@ def to_dtensor(sharded, pp, local: torch.Tensor):
     shape = tuple(pp.global_shape)
     if pp.spec.widths:          # unequal fused blocks, presented whole (see placements): every rank gathers
         local = _whole(sharded, pp.spec, local, shape)
-    if pp.pad_dim is not None:
+    if pp.pad_dim is not None and not pp.pad_extra:     # padded on two dims: described at the padded size
         trimmed = _trim_local(pp, local, mesh, sharded.rank)
         if trimmed is not None:
             local, shape = trimmed, tuple(pp.hf_shape)

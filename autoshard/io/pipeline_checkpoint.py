@@ -77,7 +77,8 @@ def _rows(module, optimizer) -> tuple[list, dict]:
                     "dense_shape": list(dense), "dtype": str(t.dtype).removeprefix("torch."),
                     "spec": spec.to_dict(), "aliases": list(q.aliases) if kind == "param" else [],
                     **({"pad_segments": q.pad_segments, "pad_copies": q.pad_copies}
-                       if (q.pad_segments != 1 or q.pad_copies) and dense != gshape else {})}
+                       if (q.pad_segments != 1 or q.pad_copies) and dense != gshape else {}),
+                    **({"pad_extra": list(q.pad_extra)} if q.pad_extra and dense != gshape else {})}
             rows.append((key, meta, t))
     if optimizer is not None:
         name_of = {id(params[q.name]): q.name for q in module.plan.params if q.name in params}
@@ -173,7 +174,7 @@ def load_pipeline_checkpoint(module, path, optimizer=None, *, verify: bool = Tru
             raise CheckpointError(f"{path}: no tensor {q.name!r} (nor its aliases {list(q.aliases)}) in the checkpoint")
         with torch.no_grad():
             p.copy_(saved.local(key, q.spec, module.mesh, module.local_rank, p.dtype, shape=q.global_shape,
-                                segments=q.pad_segments, copies=q.pad_copies))
+                                segments=q.pad_segments, copies=q.pad_copies, extra=q.pad_extra))
         if optimizer is not None:
             _load_state(optimizer, p, q, man, saved, module)
     saved.files.close()
@@ -188,7 +189,7 @@ def _load_state(optimizer, p, q, man: dict, saved: Saved, module) -> None:
             k = ent["state_key"]
             if tuple(ent["global_shape"]) == tuple(q.global_shape):
                 v = saved.local(key, q.spec, module.mesh, module.local_rank, p.dtype, shape=q.global_shape,
-                                segments=q.pad_segments, copies=q.pad_copies)
+                                segments=q.pad_segments, copies=q.pad_copies, extra=q.pad_extra)
             else:
                 v = saved.local(key, replicated(len(ent["global_shape"])), module.mesh, module.local_rank,
                                 getattr(torch, ent["dtype"]))

@@ -230,6 +230,7 @@ def _manifest_tensors(rows: list, plan, mesh, reports: list) -> dict:
                         "dense_shape": list(dense),
                         **({"pad_segments": pp.pad_segments, "pad_copies": pp.pad_copies}
                            if (pp.pad_segments != 1 or pp.pad_copies) and dense != tuple(gshape) else {}),
+                        **({"pad_extra": list(pp.pad_extra)} if pp.pad_extra and dense != tuple(gshape) else {}),
                         "dtype": str(dtype).removeprefix("torch."), "spec": spec.to_dict(),
                         "aliases": list(aliases), "blocks": blocks}
     return tensors
@@ -399,11 +400,11 @@ class Saved:
         return t
 
     def local(self, key: str, spec: ShardSpec, mesh: Mesh, rank: int, dtype, shape=None,
-              segments: int = 1, copies: int = 0) -> torch.Tensor:
+              segments: int = 1, copies: int = 0, extra: tuple[int, ...] = ()) -> torch.Tensor:
         """``rank``'s block under ``spec`` of the tensor ``key``, whose global shape on
         ``mesh`` is ``shape`` (default: its Hugging Face shape; a padded vocabulary is
         larger; ``segments`` > 1: fused blocks padded each at its end, ``copies``: blocks
-        repeated instead, passes/pad.py)."""
+        repeated instead, passes/pad.py; ``extra``: dims padded besides, plain zeros at their end)."""
         ent = self.man["tensors"][key]
         saved_spec = ShardSpec.from_dict(ent["spec"])
         saved_shape, dense = tuple(ent["global_shape"]), dense_shape(ent)
@@ -420,17 +421,18 @@ class Saved:
             saved_spec.place(full, blk, self.mesh, b["rank"])
             del blk
         if dense != saved_shape:
-            full = _padded_plan(saved_shape, dense, ent.get("pad_segments", 1)).trim(full)
+            full = _padded_plan(saved_shape, dense, ent.get("pad_segments", 1), ent.get("pad_copies", 0),
+                                tuple(ent.get("pad_extra", ()))).trim(full)
         if (segments > 1 or copies) and shape != dense:
-            return spec.local(_padded_plan(shape, dense, segments, copies).pad(full), mesh, rank).to(dtype)
+            return spec.local(_padded_plan(shape, dense, segments, copies, extra).pad(full), mesh, rank).to(dtype)
         return read_local(full, spec, mesh, rank, dtype=dtype, padded=shape)
 
 
-def _padded_plan(shape, dense, segments: int, copies: int = 0):
+def _padded_plan(shape, dense, segments: int, copies: int = 0, extra: tuple[int, ...] = ()):
     """A :class:`~autoshard.ir.plan.ParamPlan` of ``shape`` padded from ``dense`` (its
     ``pad`` / ``trim``: each of ``segments`` fused blocks padded at its own end)."""
     return ParamPlan(name="", global_shape=tuple(shape), spec=replicated(len(shape)), grad_sync=(),
-                     dense_shape=tuple(dense), pad_segments=segments, pad_copies=copies)
+                     dense_shape=tuple(dense), pad_segments=segments, pad_copies=copies, pad_extra=extra)
 
 
 def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, progress, stats) -> None:
@@ -443,7 +445,7 @@ def fill_from_checkpoint(gm, plan, rank, saved: Saved, built: Built | None, prog
         if key is None:
             raise CheckpointError(f"{saved.path / MANIFEST}: no tensor for parameter {pp.name!r}")
         local = saved.local(key, pp.spec, plan.mesh, rank, cur.dtype, shape=pp.global_shape, segments=pp.pad_segments,
-                            copies=pp.pad_copies)
+                            copies=pp.pad_copies, extra=pp.pad_extra)
         set_param(gm, (pp.name, *pp.aliases), nn.Parameter(local, requires_grad=cur.requires_grad))
     fill_buffers(gm, built)
     saved.files.close()

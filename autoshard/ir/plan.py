@@ -180,6 +180,9 @@ class ParamPlan:
     # heads read it), not zeros; their gradients are summed over the ranks holding them (docs/design.md, "Uneven widths")
     pad_copies: int = 0
     pad_unit: int = 0             # > 0: a width padded in units this wide (a head's features; 1), not the vocabulary
+    # dims padded besides :attr:`pad_dim`, each with plain zeros at its end (a padded hidden size's in or out
+    # features of a weight whose heads or vocabulary are padded too: docs/design.md, "Uneven widths")
+    pad_extra: tuple[int, ...] = ()
     # False: ``requires_grad=False`` in the model at planning time, a constant for the backward
     # (no gradient, no gradient collective, no optimizer state; docs/design.md, frozen parameters)
     trainable: bool = True
@@ -198,16 +201,23 @@ class ParamPlan:
         """The padded dim, or None."""
         if not self.dense_shape or tuple(self.dense_shape) == tuple(self.global_shape):
             return None
-        return next(d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape)) if a != b)
+        return next((d for d, (a, b) in enumerate(zip(self.dense_shape, self.global_shape))
+                     if a != b and d not in self.pad_extra), None)
 
     def pad(self, t):
         """A tensor of :attr:`hf_shape` grown with zeros to ``global_shape`` (each of the
         ``pad_segments`` blocks of the padded dim at its own end)."""
-        d = self.pad_dim
-        if d is None or tuple(t.shape) == tuple(self.global_shape):
+        if tuple(t.shape) == tuple(self.global_shape) or not self.dense_shape:
             return t
         import torch
 
+        for e in self.pad_extra:        # plain zeros at the end (the hidden size)
+            shape = list(t.shape)
+            shape[e] = self.global_shape[e] - shape[e]
+            t = torch.cat([t, t.new_zeros(shape)], dim=e)
+        d = self.pad_dim
+        if d is None:
+            return t
         m = self.pad_segments
         parts = []
         for b in t.chunk(m, d) if m > 1 else (t,):
@@ -221,9 +231,13 @@ class ParamPlan:
 
     def trim(self, t):
         """A tensor of ``global_shape`` cut back to :attr:`hf_shape`."""
-        d = self.pad_dim
-        if d is None or tuple(t.shape) == tuple(self.dense_shape):
+        if not self.dense_shape or tuple(t.shape) == tuple(self.dense_shape):
             return t
+        for e in self.pad_extra:
+            t = t.narrow(e, 0, self.dense_shape[e])
+        d = self.pad_dim
+        if d is None:
+            return t.contiguous()
         m = self.pad_segments
         if m > 1:
             import torch
@@ -245,14 +259,35 @@ class ParamPlan:
         d = self.pad_dim
         if not self.pad_copies or d is None or not self.spec.dims[d]:
             return 1
-        ways = mesh.size(self.spec.dims[d])
-        slots = self.pad_segments * self.pad_copies
-        if ways % self.pad_segments or slots % ways:
+        ways = mesh.size(self.copy_axes(mesh))
+        if ways % self.pad_segments or (self.pad_segments * self.pad_copies) % ways:
             from .errors import ShardingError
 
             raise ShardingError(f"{self.name}: {self.pad_segments} units held {self.pad_copies} times each cannot "
-                                f"split {ways} ways (each rank must hold copies of one unit)")
+                                f"split {mesh.size(self.spec.dims[d])} ways over {self.spec.dims[d]} (each rank "
+                                f"must hold copies of one unit, or a part of one copy)")
         return ways // self.pad_segments
+
+    def copy_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """The axes along which :meth:`copy_group`'s ranks lie: the padded dim's axes, or,
+        where they split it into more blocks than it has copies (3d stores a kv projection's
+        out features over ``(B, A)``, ``q²`` ways, its ``q`` copies over ``B``), the leading
+        ones that split it into the copies: the trailing ones cut each copy into parts, and
+        the ranks holding the same part of a unit's copies differ on the leading axes only.
+
+            >>> from autoshard.ir.spec import ShardSpec
+            >>> pp = ParamPlan(name="k", global_shape=(32, 64), spec=ShardSpec(dims=(("y", "x"), ("z",))),
+            ...                grad_sync=(), dense_shape=(16, 64), pad_copies=2)
+            >>> mesh = Mesh(axes=("x", "y", "z"), sizes=(2, 2, 2))
+            >>> pp.copy_axes(mesh), pp.copy_group(mesh)
+            (('y',), 2)
+        """
+        axes = self.spec.dims[self.pad_dim]
+        slots = self.pad_segments * self.pad_copies
+        if mesh.size(axes) > slots:
+            lead = next((axes[:k] for k in range(1, len(axes)) if mesh.size(axes[:k]) == slots), None)
+            axes = lead or axes
+        return axes
 
     def local_bytes(self, mesh: Mesh) -> int:
         n = 1
@@ -382,7 +417,7 @@ class ShardingPlan:
 
     def _copy_sync(self, p: ParamPlan) -> list[Comm]:
         if p.pad_copies and p.copy_group(self.mesh) > 1 and not p.is_buffer and p.trainable:
-            return [Comm(phase="bwd", kind="all_reduce", axes=p.spec.dims[p.pad_dim],
+            return [Comm(phase="bwd", kind="all_reduce", axes=p.copy_axes(self.mesh),
                          group_size=p.copy_group(self.mesh), buffer_bytes=p.local_bytes(self.mesh))]
         return []
 
@@ -686,7 +721,8 @@ class ShardingPlan:
                         "aliases": list(p.aliases), "dense_shape": list(p.dense_shape), "trainable": p.trainable,
                         **({"pad_segments": p.pad_segments} if p.pad_segments != 1 else {}),
                         **({"pad_copies": p.pad_copies} if p.pad_copies else {}),
-                        **({"pad_unit": p.pad_unit} if p.pad_unit else {})}
+                        **({"pad_unit": p.pad_unit} if p.pad_unit else {}),
+                        **({"pad_extra": list(p.pad_extra)} if p.pad_extra else {})}
                        for p in self.params],
         })
 
@@ -717,7 +753,8 @@ class ShardingPlan:
                                  dtype_bytes=p["dtype_bytes"], is_buffer=p["is_buffer"],
                                  aliases=tuple(p.get("aliases", ())), dense_shape=tuple(p.get("dense_shape", ())),
                                  trainable=p.get("trainable", True), pad_segments=p.get("pad_segments", 1),
-                                 pad_copies=p.get("pad_copies", 0), pad_unit=p.get("pad_unit", 0))
+                                 pad_copies=p.get("pad_copies", 0), pad_unit=p.get("pad_unit", 0),
+                                 pad_extra=tuple(p.get("pad_extra", ())))
                        for p in d["params"])
         return cls(model=d["model"], mode=d["mode"], mesh=Mesh.from_dict(d["mesh"]), tp_axes=tuple(d["tp_axes"]),
                    batch_axes=tuple(d["batch_axes"]), batch_size=d["batch_size"], seq_len=d["seq_len"],

@@ -187,6 +187,11 @@ def uneven_shares(n: int, c: int) -> str:
     return ", ".join(str(max(0, min(k, n - r * k))) for r in range(c))
 
 
+#: config fields naming a norm's epsilon: RMSNorm (``rms_norm_eps``) or LayerNorm, whose statistics
+#: the pad pass takes over the dense hidden size (:func:`autoshard.passes.pad.pad_hidden`)
+_NORM_EPS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+
 def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True) -> list[Problem]:
     """Heads / kv heads / hidden / intermediate / vocab against ``policy``'s split.
 
@@ -225,10 +230,11 @@ def check_dims(config, policy, mesh: Mesh | None = None, *, strict: bool = True)
                                f"padded to {-(-n // c) * c}, each rank holds {uneven_shares(n, c)} of them "
                                f"(exact; the largest share sets the memory and time per rank)", error=False))
             continue
-        if pads and what == "hidden_size" and getattr(config, "rms_norm_eps", None) is not None:
-            # passes/pad.py, pad_hidden: an RMSNorm's mean is rescaled to the dense width; a LayerNorm's is not
+        if pads and what == "hidden_size" and any(getattr(config, k, None) is not None for k in _NORM_EPS):
+            # passes/pad.py, pad_hidden: an RMSNorm's mean rescaled to the dense width, a LayerNorm's mean and
+            # variance taken over the dense columns only
             out.append(Problem(what, f"{what}={n} does not divide the {policy.name} split {c} ({label}): padded with "
-                               f"zero columns to {-(-n // c) * c}, the RMSNorms' mean taken over the dense {n} "
+                               f"zero columns to {-(-n // c) * c}, the norms' statistics taken over the dense {n} "
                                f"(exact)", error=False))
             continue
         worlds = policy.valid_world_sizes(n)

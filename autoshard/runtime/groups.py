@@ -156,9 +156,10 @@ def copy_sync_hooks(plan, rank: int, params: dict) -> list:
             continue
         d, group = pp.pad_dim, pp.copy_group(plan.mesh)
         local = pp.local_shape(plan.mesh)[d]
-        ways = plan.mesh.size(pp.spec.dims[d]) if pp.spec.dims[d] else 1
-        held = pp.pad_copies // group        # copies of one unit on this rank, side by side
-        name = copy_group(plan.mesh, pp.spec.dims[d], group, rank) if group > 1 else None
+        axes = pp.copy_axes(plan.mesh) if pp.spec.dims[d] else ()
+        ways = plan.mesh.size(axes) if axes else 1
+        held = pp.pad_copies // group        # copies of one unit on this rank, side by side (or a part of one)
+        name = copy_group(plan.mesh, axes, group, rank) if group > 1 else None
         units = pp.pad_segments // ways if ways <= pp.pad_segments else 1
 
         def hook(grad, d=d, held=held, units=units, name=name, local=local):
