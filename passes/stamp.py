@@ -326,33 +326,13 @@ def capture_stamped(full: nn.Module, *, build: Callable, capture_fn: Callable = 
 @dataclasses.dataclass(frozen=True)
 class Shallow:
     """The export a stamped capture grew from: ``base`` holds ``KEEP`` layers of each stack
-    of ``lengths`` (list prefix -> full length). Every figure the cost model sums over a
-    plan's nodes and parameters (FLOPs, collectives, bytes, saved activations) grows by the
-    same amount per stamped layer, since the copies are one layer repeated; so the full
-    graph's figure is a weighted sum of the figures of :meth:`rungs`' shallow graphs
-    (docs/design.md, "Pricing the search")."""
+    of ``lengths`` (list prefix -> full length). The stamped layers are copies of one layer,
+    so every figure the cost model sums over a plan's rows grows by the same amount per
+    stamped layer: the search prices a candidate from ``base``'s plan alone, with and without
+    each stack's middle layer (docs/design.md, "Pricing the search")."""
 
     base: Captured
     lengths: dict
-
-    def rungs(self) -> list[tuple[Captured, int]]:
-        """``(capture, weight)``: ``base`` and, per stack, ``base`` with that stack one layer
-        deeper; ``f(full) = Σ weight · f(capture)`` for a figure ``f`` linear in the layers:
-        ``f(base) + Σ_stack (length − KEEP) · (f(deeper) − f(base))``.
-
-            >>> import transformers
-            >>> from autoshard.io.builder import model_from
-            >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-            ...                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-            >>> rungs = capture_stamped(model_from(cfg).train(), build=model_from).shallow.rungs()
-            >>> [(sum("down_proj.weight" in k for k, _ in c.module.named_parameters()), w) for c, w in rungs]
-            [(3, -2), (4, 3)]
-        """
-        out = [(self.base, 1 - sum(n - KEEP for n in self.lengths.values()))]
-        for prefix, n in self.lengths.items():
-            deeper = dataclasses.replace(self.base, module=copy_sharing(self.base.module))
-            out.append((stamp(deeper, {prefix: KEEP + 1}), n - KEEP))
-        return out
 
 
 def _tensors(m: nn.Module) -> set:

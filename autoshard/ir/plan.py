@@ -289,11 +289,24 @@ class ParamPlan:
             axes = lead or axes
         return axes
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_local_bytes"}     # (local_bytes' memo)
+
     def local_bytes(self, mesh: Mesh) -> int:
+        # remembered per mesh: the cost model asks it of every parameter several times per
+        # estimate, and a search estimates hundreds of plans (docs/design.md, "Pricing the
+        # search"); a copy made without __init__ (passes.walked.evolve) with another shape,
+        # spec or dtype does not match the remembered inputs and computes its own
+        memo = self.__dict__.get("_local_bytes")
+        if memo is not None and memo[0] is mesh and memo[1] is self.spec and memo[2] is self.global_shape \
+                and memo[3] == self.dtype_bytes:
+            return memo[4]
         n = 1
         for s in self.local_shape(mesh):
             n *= s
-        return n * self.dtype_bytes
+        n *= self.dtype_bytes
+        object.__setattr__(self, "_local_bytes", (mesh, self.spec, self.global_shape, self.dtype_bytes, n))
+        return n
 
 
 #: ``shard()`` warns when the parameter bytes per rank exceed this many times the

@@ -601,20 +601,9 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         what = "reduce-scatter(s)" if plan.mode == "1d-sp" else "all-reduce(s)"
         notes.append(f"asynchronous TP: {chunked} row-parallel {what}"
                      + (f" and {gathers} sequence all-gather(s)" if gathers else "") + f" in {async_tp} chunks")
-    for c in plan.grad_sync_buckets():       # as a ShardedModule runs them: bucketed
-        t, link = collective_time(c, mesh, cluster)
-        timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
-    for c in plan.copy_sync_comms():         # kv-head copies' gradient sums: per parameter
-        t, link = collective_time(c, mesh, cluster)
-        timed.append(CommTime(comm=c, seconds=t, link=link, node="copy grad sync"))
-    extra = _dp_grad_comms(plan)
-    if extra:
-        notes.append("dp gradient all-reduce added by the cost model (the plan does not list it)")
-    for c in extra:
-        t, link = collective_time(c, mesh, cluster)
-        timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
-    pbytes = plan.param_bytes_per_rank
-    gbytes, obytes = _state_bytes(plan, optimizer, zero, notes)
+    synced, said, pbytes, gbytes, obytes = _param_part(plan, cluster, optimizer, zero)
+    timed += synced
+    notes += said
     if plan.fallbacks:
         notes.append(f"{len(plan.fallbacks)} fallback node(s)")
     return CostEstimate(
@@ -627,6 +616,38 @@ def estimate(plan: ShardingPlan, cluster: Cluster | str = "dgx-a100", *, optimiz
         activation_bytes=activation_bytes(plan, activation_dtype_bytes, cluster.device),
         memory_limit=cluster.memory_bytes,
         notes=tuple(notes), comms=tuple(timed))
+
+
+_PARAM_PART: list = [None]      # (key, figures) of the last _param_part
+
+
+def _param_part(plan: ShardingPlan, cluster: Cluster, optimizer: str | None, zero: int) -> tuple:
+    """What :func:`estimate` reads of ``plan``'s parameters alone: ``(the timed gradient
+    syncs, the notes on them, parameter, gradient and optimizer bytes)``. The last one is
+    remembered: a search estimates one candidate's parameter list (the full graph's, 720
+    parameters for 70B) with and without a layer's rows, at each async-TP chunk count
+    (docs/design.md, "Pricing the search")."""
+    key = (plan.mesh, plan.dp, cluster, optimizer, zero)
+    last = _PARAM_PART[0]
+    if last is not None and last[0] is plan.params and last[1] == key:
+        return last[2]
+    mesh, timed, notes = plan.mesh, [], []
+    for c in plan.grad_sync_buckets():       # as a ShardedModule runs them: bucketed
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="grad sync"))
+    for c in plan.copy_sync_comms():         # kv-head copies' gradient sums: per parameter
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="copy grad sync"))
+    extra = _dp_grad_comms(plan)
+    if extra:
+        notes.append("dp gradient all-reduce added by the cost model (the plan does not list it)")
+    for c in extra:
+        t, link = collective_time(c, mesh, cluster)
+        timed.append(CommTime(comm=c, seconds=t, link=link, node="dp grad sync"))
+    gbytes, obytes = _state_bytes(plan, optimizer, zero, notes)
+    out = (tuple(timed), tuple(notes), plan.param_bytes_per_rank, gbytes, obytes)
+    _PARAM_PART[0] = (plan.params, key, out)
+    return out
 
 
 def _state_bytes(plan: ShardingPlan, optimizer: str | None, zero: int, notes: list) -> tuple[int, int]:

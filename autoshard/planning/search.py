@@ -347,7 +347,7 @@ _SUMS = ("flops_fwd", "compute_s", "comm_s_fwd", "comm_s_bwd", "comm_bytes", "in
 
 
 def _weighted(costs: list[CostEstimate], weights: list[int], fallbacks: int) -> CostEstimate:
-    """The full graph's estimate from its shallow graphs' (:meth:`~autoshard.passes.stamp.Shallow.rungs`):
+    """The full graph's estimate from estimates of the 3-layer graph's plan (:func:`_price`):
     each summed figure ``Σ weight · figure``; the per-collective times are left out."""
     base = costs[0]
     sums = {}
@@ -359,48 +359,101 @@ def _weighted(costs: list[CostEstimate], weights: list[int], fallbacks: int) -> 
                                **sums)
 
 
-class _Rungs:
-    """A stamped capture's shallow graphs with their weights (:meth:`~autoshard.passes.stamp.Shallow.rungs`),
-    each prepared once per layout that changes it (:meth:`prepared`): candidates that fold,
-    pad the vocabulary and pad widths alike share one prepared graph, planned as it is
+class _Prepared:
+    """A stamped capture's 3-layer export (:class:`~autoshard.passes.stamp.Shallow`), prepared once
+    per layout that changes it (:meth:`prepared`): candidates that fold, pad the vocabulary and
+    pad widths alike share one prepared graph, planned as it is
     (:func:`~autoshard.passes.pipeline.plan_prepared`: ``prepare()`` of a prepared capture
     finds nothing to do, but reading each graph again to say so cost a millisecond per
-    Linear per candidate)."""
+    Linear per candidate). The cp layouts' token flattens are folded once for all of them."""
 
-    def __init__(self, rungs: list) -> None:
-        self.rungs, self._prepared = rungs, {}
+    def __init__(self, shallow) -> None:
+        self.base, self.lengths, self._prepared, self._tokens = shallow.base, dict(shallow.lengths), {}, None
 
-    def prepared(self, pol) -> list:
-        """The rungs as :func:`~autoshard.passes.pipeline.prepare` makes them for ``pol``."""
+    def prepared(self, pol):
+        """The 3-layer graph as :func:`~autoshard.passes.pipeline.prepare` makes it for ``pol``."""
         from ..passes.pipeline import prepare
 
         key = (pol.cp > 1, pol.vocab_multiple(), pol.width_multiple(), pol.width_storage(), pol.width_copies(),
                pol.dim_splits()[0].get("hidden_size", 1))      # pad_hidden: the modes splitting the stream
         if key not in self._prepared:
-            self._prepared[key] = [(prepare(c, pol), w) for c, w in self.rungs]
+            base = self.base
+            if pol.cp > 1:          # prepare() finds these folds done and pads the folded graph
+                if self._tokens is None:
+                    from ..passes.linear_fold import fold_transposed_weights
+                    from ..passes.token_fold import fold_token_flattens
+
+                    self._tokens = fold_token_flattens(fold_transposed_weights(base))
+                base = self._tokens
+            self._prepared[key] = prepare(base, pol)
         return self._prepared[key]
 
 
-def _price(cap, rungs: _Rungs | None, pol, *, batch_size: int, seq_len: int, estimate_kw: dict):
+_MID = 1        # of the KEEP = 3 layers exported per stack, the one the stamped copies are like
+
+
+def _in_layer(name: str, prefix: str, i: int) -> bool:
+    return name == f"{prefix}.{i}" or name.startswith(f"{prefix}.{i}.")
+
+
+def _full_params(base: ShardingPlan, lengths: dict) -> tuple:
+    """The full graph's parameter plans from the 3-layer graph's: per stack of ``lengths``,
+    layer 0's as they are, the middle layer's once for every layer up to the last but one,
+    the last layer's for the last (renamed to their layers), the rest as they are, in order.
+    The figures of parameters alone (their bytes, the gradient sync's buckets, whose count is
+    not linear in the layers) are then those of the full plan."""
+    from ..passes.walked import evolve
+    from ..passes.stamp import KEEP
+
+    def renamed(pp, prefix: str, i: int, k: int):
+        old, new = f"{prefix}.{i}.", f"{prefix}.{k}."
+        return evolve(pp, name=new + pp.name[len(old):],
+                      aliases=tuple(new + a[len(old):] if a.startswith(old) else a for a in pp.aliases))
+
+    out = list(base.params)
+    for prefix, n in lengths.items():
+        mid = [pp for pp in out if _in_layer(pp.name, prefix, _MID)]
+        grown = []
+        for pp in out:
+            if pp is (mid[0] if mid else None):         # the middle layer's block: once per layer 1 .. n-2
+                grown += [x if k == _MID else renamed(x, prefix, _MID, k) for k in range(1, n - 1) for x in mid]
+            elif _in_layer(pp.name, prefix, KEEP - 1):
+                grown.append(renamed(pp, prefix, KEEP - 1, n - 1))
+            elif not _in_layer(pp.name, prefix, _MID):
+                grown.append(pp)
+        out = grown
+    return tuple(out)
+
+
+def _price(cap, shallow: _Prepared | None, pol, *, batch_size: int, seq_len: int, estimate_kw: dict):
     """``(plan, fallbacks, estimate(async_tp=c) for c in 1, *ASYNC_TP_CHUNKS)`` of ``pol``:
-    planned on ``cap`` itself, or where ``rungs`` is given (a stamped capture's shallow
-    graphs) priced from theirs, with no plan (docs/design.md, "Pricing the search")."""
+    planned on ``cap`` itself, or where ``shallow`` is given (a stamped capture's 3-layer graph)
+    priced from that graph's plan, with no plan of the full graph (docs/design.md, "Pricing the
+    search"): the full graph's parameters (:func:`_full_params`) with the 3-layer graph's rows,
+    and again without the rows of each stack's middle layer; a figure ``f`` summed over rows
+    is ``f(3 layers) + Σ_stack (L − 3)·(f(3 layers) − f(without the middle layer))``, the
+    middle layer's rows being those of every stamped copy."""
     from ..passes.pipeline import plan_captured, plan_prepared
+    from ..passes.stamp import KEEP
 
     chunks = (1,) + (ASYNC_TP_CHUNKS if pol.name in ("1d", "1d-sp") else ())
-    if rungs is None:
+    if shallow is None:
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
         return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
-    rungs = rungs.prepared(pol)         # prepared for pol's layout already: planned as they are
-    plans = [plan_prepared(c, pol, batch_size=batch_size, seq_len=seq_len) for c, _ in rungs]
-    weights = [w for _, w in rungs]
+    base = plan_prepared(shallow.prepared(pol), pol, batch_size=batch_size, seq_len=seq_len)
+    params = _full_params(base, shallow.lengths)
+    plans = [dataclasses.replace(base, params=params)] + [
+        dataclasses.replace(base, params=params, nodes=tuple(n for n in base.nodes if not _in_layer(n.module, p, _MID)))
+        for p in shallow.lengths]
+    extra = [n - KEEP for n in shallow.lengths.values()]
+    weights = [1 + sum(extra)] + [-e for e in extra]
     fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
     return None, fallbacks, [_weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans], weights, fallbacks)
                              for c in chunks]
 
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
-              static: int, zero: int = 0, rungs=None) -> Evaluated:
+              static: int, zero: int = 0, shallow=None) -> Evaluated:
     from .validate import check_dims
 
     tp = cand.mesh.world_size // cand.dp // cand.cp
@@ -422,7 +475,7 @@ def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: C
         return Evaluated(candidate=cand, reason=f"batch {batch_size} does not split over "
                                                 f"{'·'.join(axes)}={cand.mesh.size(axes)}")
     try:
-        plan, fallbacks, costs = _price(cap, rungs, pol, batch_size=batch_size, seq_len=seq_len,
+        plan, fallbacks, costs = _price(cap, shallow, pol, batch_size=batch_size, seq_len=seq_len,
                                         estimate_kw=dict(cluster=cluster, optimizer=optimizer, zero=zero))
     except AutoshardError as e:
         return Evaluated(candidate=cand, reason=f"{type(e).__name__}: {str(e).splitlines()[0]}")
@@ -552,11 +605,11 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
     cluster = Cluster.preset(cluster)
     cap = _captured(model_or_config, example_inputs)
     static = _static_bytes(cap, optimizer)
-    # a stamped capture: every candidate priced on its shallow graphs, the chosen one planned whole
+    # a stamped capture: every candidate priced on its 3-layer graph, the chosen one planned whole
     priced = os.environ.get("AUTOSHARD_SEARCH_PRICED", "1").strip().lower() not in ("0", "off", "false", "no")
-    rungs = _Rungs(cap.shallow.rungs()) if priced and getattr(cap, "shallow", None) is not None else None
+    shallow = _Prepared(cap.shallow) if priced and getattr(cap, "shallow", None) is not None else None
     kw = dict(batch_size=batch_size, seq_len=seq_len, cluster=cluster, optimizer=optimizer, static=static, zero=zero,
-              rungs=rungs)
+              shallow=shallow)
     if ep is None and not _has_experts(cap):
         ep = 1
     cands = candidates(world_size, modes=modes, depth=depth, dp=dp, cp=cp, cp_attention=cp_attention,
@@ -571,7 +624,7 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
 
     with remember_row_facts():          # one graph (or two, priced) planned per candidate
         results = _rank(_evaluate_all(cap, cands, kw))
-        if rungs is not None:
+        if shallow is not None:
             results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
                                    optimizer=optimizer, zero=zero)
     results = _note_ep_verdict(results)

@@ -99,3 +99,15 @@ def test_a_split_that_pads_the_heads_twice_over_is_not_priced_while_another_fits
     assert all(e.candidate.q < 8 for e in res.ranked) and res.ranked
     alone = search(llama6, world_size=8, modes=("1d",), dp=1, batch_size=8, seq_len=32)
     assert alone.best.candidate.label == "1d [8]" and alone.best.cost is not None
+
+
+def test_priced_search_counts_the_full_graphs_gradient_buckets(llama6, monkeypatch):
+    """Gradient buckets that span layers (30 kB here, a layer holding 19 kB): their count is not linear in the
+    layers, so the parameters' figures are taken from the full graph's parameter list,
+    not extrapolated; every figure as if each candidate were planned whole."""
+    from autoshard.ir.plan import ShardingPlan
+
+    buckets = ShardingPlan.grad_sync_buckets
+    monkeypatch.setattr(ShardingPlan, "grad_sync_buckets", lambda self, bucket_bytes=30000: buckets(self, bucket_bytes))
+    res = _same_search(llama6, world_size=4, batch_size=4, seq_len=16, modes=("1d",))
+    assert any(e.cost.collective_calls > 0 for e in res.ranked)
