@@ -446,7 +446,13 @@ def _check_run(rank: int, out, out_d, sharded, dense, dense32, inputs: dict, row
     for pp in plan.params:
         if pp.is_buffer or not pp.trainable:
             continue
-        g = sparams[pp.name].grad
+        g, dg = sparams[pp.name].grad, dparams[pp.name].grad
+        if dg is None:
+            # unused by the dense forward too (DINOv2's mask_token without bool_masked_pos):
+            # the sharded side may hold no gradient or zeros, nothing else
+            if g is not None:
+                check("gradients", g, torch.zeros_like(g), None)
+            continue
         if g is None:
             missing.append(pp.name)
             continue
