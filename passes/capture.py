@@ -276,15 +276,28 @@ def _no_cache(model, params, kwargs):
 
 
 @contextlib.contextmanager
-def _bound(model, bound: dict):
-    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export."""
-    if not bound:
-        yield
+def _bound(model, bound: dict, inputs: dict | None = None, params=None):
+    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export; yields
+    the parameters the export matches its inputs to. A tensor ``forward`` takes only
+    through ``**kwargs`` (sentence-transformers hands DistilBERT ``token_type_ids``) gets
+    a parameter of its own: torch.export cannot match dynamic shapes inside ``**kwargs``."""
+    loose = [k for k, v in (inputs or {}).items() if params is not None and k not in params
+             and isinstance(v, torch.Tensor)]
+    if not bound and not loose:
+        yield params
         return
     own = model.__dict__.get("forward")
-    model.forward = functools.partial(model.forward, **bound)
+    call = fixed = functools.partial(model.forward, **bound)
+    if loose:
+        def named(**kw):
+            return fixed(**kw)
+
+        named.__signature__ = inspect.Signature([inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                                 for k in inputs])
+        call = named
+    model.forward = call
     try:
-        yield
+        yield inspect.signature(call).parameters
     finally:
         if own is None:
             del model.forward
@@ -413,9 +426,9 @@ def _export(model, params, kwargs: dict, inputs: dict, bound: dict, b: int, s: i
     t = _Tries(lo=2, hi=_max_positions(model), deferred=_DEFER_GUARDS)
     for _ in range(6):
         try:
-            with _no_cache(model, params, kwargs), _bound(model, bound):
+            with _no_cache(model, params, kwargs), _bound(model, bound, inputs, params) as sig:
                 ep = torch.export.export(model, (), inputs, strict=False, dynamic_shapes=_as_signature(_dynamic(
-                    inputs, None if t.static_batch else b, None if t.static_seq else s, t.lo, t.hi), params),
+                    inputs, None if t.static_batch else b, None if t.static_seq else s, t.lo, t.hi), sig),
                     prefer_deferred_runtime_asserts_over_guards=t.deferred)
             return ep, t
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
