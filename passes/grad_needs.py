@@ -90,11 +90,19 @@ def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
 
 def _live(gm: fx.GraphModule) -> set[str]:
     """The nodes an output depends on: backward reaches no other (LLaVA's vision
-    tower computes a last layer whose output it never reads)."""
+    tower computes a last layer whose output it never reads). An in-place write whose
+    own result nothing reads is live when the tensor it writes (or that tensor's base) is:
+    DeepSeek-V2 fills two slices of a ``new_empty`` key with ``copy_`` and reads the key."""
+    nodes = list(gm.graph.nodes)
     live: set[str] = set()
-    for n in reversed(gm.graph.nodes):
-        if n.op == "output" or any(u.name in live for u in n.users):
-            live.add(n.name)
+    grew = True
+    while grew:         # a write found live makes what it reads live: walk again
+        grew = False
+        for n in reversed(nodes):
+            if n.name not in live and (n.op == "output" or any(u.name in live for u in n.users) or (
+                    _writes_into(n) and any(x in live for x in _aliased(n.args[0])))):
+                live.add(n.name)
+                grew = True
     return live
 
 
