@@ -166,7 +166,9 @@ def sft_trainer(rank: int, world: int, mode: str, out: str, steps: int = 3) -> d
         trainer = Trainer(model=sharded, args=args, train_dataset=ds, processing_class=tok)
         trainer.train()
         res = {"trainer": losses, "tags": sharded.model_tags, "checkpointing": sharded.is_gradient_checkpointing,
-               "keys": sorted(batches[0]), "signatures": sharded.signatures}
+               "keys": sorted(batches[0]), "signatures": sharded.signatures,
+               # TRL's num_tokens metric against the tokens of the batches this replica trained on
+               "num_tokens": (trainer._total_train_tokens, sum(int(b["attention_mask"].sum()) for b in batches))}
         # the same batches on the dense model: the loss TRL computes, AdamW, the global norm clipped at 1
         opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, weight_decay=0.0)
         ref = []

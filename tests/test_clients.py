@@ -48,6 +48,7 @@ def test_sft_trainer_steps_equal_dense(mode, world, tmp_path):
     assert r["weights_err"] <= 1e-5, r
     assert all(x["trainer"] == r["trainer"] for x in res)        # one loss on every rank
     assert r["tags"] == ["trl", "sft"] and r["checkpointing"], r   # add_model_tags, gradient checkpointing
+    assert r["num_tokens"][0] == r["num_tokens"][1], r              # not counted once per tensor-parallel rank
 
 
 def test_token_log_probs_match_the_models_loss():
