@@ -68,6 +68,7 @@ class VerifyReport:
     reason: str = ""                        # refused: the error; mismatch: what differs first
     first_node: str = ""                    # mismatch: the first node (graph order) that differs
     shrunk: list = field(default_factory=list)      # [(attribute, real, shrunk)]
+    shrink_note: str = ""                   # why the widths were kept (shrink_that_runs)
     batch: tuple = (0, 0)                   # global batch × sequence
     batch_note: str = ""
     nodes: list = field(default_factory=list)       # [NodeDiff as dict], graph order
@@ -104,8 +105,9 @@ class VerifyReport:
         console.print(head, markup=False)
         if self.shrunk:
             console.print("shrunk: " + ", ".join(f"{k} {a}→{b}" for k, a, b in self.shrunk), markup=False)
-        if self.batch_note:
-            console.print(self.batch_note, markup=False)
+        for note in (self.shrink_note, self.batch_note):
+            if note:
+                console.print(note, markup=False)
         if self.nodes:
             console.print(self.comparison().table(top))
         if self.checks:
@@ -446,7 +448,13 @@ def _check_run(rank: int, out, out_d, sharded, dense, dense32, inputs: dict, row
     for pp in plan.params:
         if pp.is_buffer or not pp.trainable:
             continue
-        g = sparams[pp.name].grad
+        g, dg = sparams[pp.name].grad, dparams[pp.name].grad
+        if dg is None:
+            # unused by the dense forward too (DINOv2's mask_token without bool_masked_pos):
+            # the sharded side may hold no gradient or zeros, nothing else
+            if g is not None:
+                check("gradients", g, torch.zeros_like(g), None)
+            continue
         if g is None:
             missing.append(pp.name)
             continue
@@ -650,10 +658,10 @@ def _job(model_or_config, report: VerifyReport, cfg, cls, model, pol, *, full: b
                         f"sharded copies of {n / 1e6:,.0f}M parameters; this machine has "
                         f"{have / 2**30:.1f} GiB: run without --full (a shrunk copy)")
     else:
-        from .planning.shrink import shrink
+        from .planning.shrink import shrink_that_runs
 
-        small = shrink(cfg, pol)
-        report.shrunk = [tuple(c) for c in small.changes]
+        small = shrink_that_runs(cfg, pol, cls)
+        report.shrunk, report.shrink_note = [tuple(c) for c in small.changes], small.note
         cfg = small.config
         model = None        # rebuilt from the shrunk config on every rank
         folder = None

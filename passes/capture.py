@@ -216,14 +216,9 @@ def _outside_torch(path: str) -> bool:
                 or ("/lib/python3" in path and not lib))
 
 
-def model_line(e: BaseException, msg: str, inputs=()) -> str:
-    """``file:line (`code`)``, the construct export cannot trace and a way around it, for a
-    failed capture: the innermost frame of the traceback in the model's code (not torch's,
-    not autoshard's), else the line torch names in its message; '' when neither is known.
-
-    >>> msg = 'File "/m/modeling_x.py", line 3, in forward' + chr(10) + '    n = lengths.tolist()'
-    >>> print(model_line(ValueError(), msg, ("lengths",)))
-    /m/modeling_x.py:3 (`n = lengths.tolist()`): reads a tensor's values as Python numbers (.tolist() / .item()); the line reads input lengths: call the model without it, or give the values as a non-tensor argument"""
+def _where(e: BaseException, msg: str) -> tuple:
+    """``(file, line, code)`` of the innermost frame in the model's code (not torch's, not
+    autoshard's), else of the line torch names in ``msg``; ``(None, None, "")`` when neither."""
     import linecache
 
     hits = [(f, n) for f, n in _frames(e) if _outside_torch(f)]
@@ -232,9 +227,23 @@ def model_line(e: BaseException, msg: str, inputs=()) -> str:
     if named and (path is None or not any(f == named[-1][0] for f, _ in hits)):
         path, line = named[-1][0], int(named[-1][1])
     if path is None:
-        return ""
+        return None, None, ""
     code = (linecache.getline(path, line).strip() if os.path.exists(path) else "") or \
         next((c.strip() for f, n, c in named if f == path and int(n) == line), "")
+    return path, line, code
+
+
+def model_line(e: BaseException, msg: str, inputs=()) -> str:
+    """``file:line (`code`)``, the construct export cannot trace and a way around it, for a
+    failed capture: the innermost frame of the traceback in the model's code (not torch's,
+    not autoshard's), else the line torch names in its message; '' when neither is known.
+
+    >>> msg = 'File "/m/modeling_x.py", line 3, in forward' + chr(10) + '    n = lengths.tolist()'
+    >>> print(model_line(ValueError(), msg, ("lengths",)))
+    /m/modeling_x.py:3 (`n = lengths.tolist()`): reads a tensor's values as Python numbers (.tolist() / .item()); the line reads input lengths: call the model without it, or give the values as a non-tensor argument"""
+    path, line, code = _where(e, msg)
+    if path is None:
+        return ""
     if re.search(r"\.(tolist|item)\(\)|\bint\(|\bfloat\(", code):
         construct = "reads a tensor's values as Python numbers (.tolist() / .item())"
     elif re.search(r"\b(if|while|assert)\b", code) or "data-dependent" in msg or "GuardOnDataDependent" in msg:
@@ -267,15 +276,28 @@ def _no_cache(model, params, kwargs):
 
 
 @contextlib.contextmanager
-def _bound(model, bound: dict):
-    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export."""
-    if not bound:
-        yield
+def _bound(model, bound: dict, inputs: dict | None = None, params=None):
+    """``model.forward`` with the keyword arguments ``bound`` fixed, for the export; yields
+    the parameters the export matches its inputs to. A tensor ``forward`` takes only
+    through ``**kwargs`` (sentence-transformers hands DistilBERT ``token_type_ids``) gets
+    a parameter of its own: torch.export cannot match dynamic shapes inside ``**kwargs``."""
+    loose = [k for k, v in (inputs or {}).items() if params is not None and k not in params
+             and isinstance(v, torch.Tensor)]
+    if not bound and not loose:
+        yield params
         return
     own = model.__dict__.get("forward")
-    model.forward = functools.partial(model.forward, **bound)
+    call = fixed = functools.partial(model.forward, **bound)
+    if loose:
+        def named(**kw):
+            return fixed(**kw)
+
+        named.__signature__ = inspect.Signature([inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                                 for k in inputs])
+        call = named
+    model.forward = call
     try:
-        yield
+        yield inspect.signature(call).parameters
     finally:
         if own is None:
             del model.forward
@@ -404,15 +426,41 @@ def _export(model, params, kwargs: dict, inputs: dict, bound: dict, b: int, s: i
     t = _Tries(lo=2, hi=_max_positions(model), deferred=_DEFER_GUARDS)
     for _ in range(6):
         try:
-            with _no_cache(model, params, kwargs), _bound(model, bound):
+            with _no_cache(model, params, kwargs), _bound(model, bound, inputs, params) as sig:
                 ep = torch.export.export(model, (), inputs, strict=False, dynamic_shapes=_as_signature(_dynamic(
-                    inputs, None if t.static_batch else b, None if t.static_seq else s, t.lo, t.hi), params),
+                    inputs, None if t.static_batch else b, None if t.static_seq else s, t.lo, t.hi), sig),
                     prefer_deferred_runtime_asserts_over_guards=t.deferred)
             return ep, t
         except Exception as e:  # noqa: BLE001 - re-raised with the model and torch's explanation
             if not _narrow(t, str(e), s):
+                eager = _eager_failure(model, params, kwargs, inputs, bound)
+                if eager is not None:
+                    raise CaptureError(_eager_message(name, eager)) from eager
                 raise CaptureError(_capture_failure(name, e, t.lo, t.hi, tuple(inputs))) from e
     raise CaptureError(f"torch.export could not capture {name} for any sequence range tried (last {t.lo}..{t.hi})")
+
+
+def _eager_failure(model, params, kwargs: dict, inputs: dict, bound: dict) -> Exception | None:
+    """The error ``model`` raises run eagerly (no grad) on the inputs export failed on, or
+    None when it runs: a model that fails eagerly too is not export's limitation (a
+    config whose sizes do not fit together). On meta weights an error about meta
+    tensors themselves (``.item()`` on meta) is export's case, not the model's."""
+    try:
+        with torch.no_grad(), _no_cache(model, params, kwargs), _bound(model, bound):
+            model(**inputs)
+    except Exception as e:  # noqa: BLE001 - reported, with the model's line, by the caller
+        return None if "meta" in str(e) else e
+    return None
+
+
+def _eager_message(name: str, e: Exception) -> str:
+    """The message of a capture whose model fails eagerly as well: the model's line and
+    its error, named as the model's own (not what export cannot trace)."""
+    path, line, code = _where(e, str(e))
+    first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+    return (f"{name} fails when run eagerly on its example inputs too (not a torch.export limitation): "
+            + (f"{path}:{line} (`{code}`): " if path else "") + f"{type(e).__name__}: {first}; check that the config's sizes "
+            "fit together (heads · head width against the hidden or inner width)")
 
 
 def _narrow(t: _Tries, msg: str, s: int | None) -> bool:

@@ -19,6 +19,7 @@ from autoshard.policies.base import Policy
 from .capture import Captured
 from .experts import count_on_floats, fold_grouped_weights, plan_expert_parallel
 from .linear_fold import fold_transposed_weights
+from .squeeze_fold import fold_bare_squeezes
 from .pad import pad_hidden, pad_vocab, pad_widths
 from .token_fold import fold_token_flattens
 from .propagate import propagate
@@ -34,10 +35,11 @@ def prepare(captured: Captured, policy: Policy, *, vocab: int | None = None) -> 
     parameter as a direct operand (:mod:`~autoshard.passes.experts`), the vocabulary
     padded to the mode's split, and heads and widths the split does not divide padded
     with zero units (:func:`~autoshard.passes.pad.pad_widths`; the same object where
-    nothing changes). Plan and
+    nothing changes), ``squeeze()`` naming the dims it drops
+    (:mod:`~autoshard.passes.squeeze_fold`). Plan and
     rewrite this one. ``vocab``: the vocabulary's size, where the graph has no head to
     tell it (:func:`~autoshard.passes.pad.pad_vocab`)."""
-    folded = fold_transposed_weights(captured)
+    folded = fold_bare_squeezes(fold_transposed_weights(captured))
     if policy.cp > 1:       # a split sequence cannot merge into a whole batch: tokens kept apart
         folded = fold_token_flattens(folded)
     padded = pad_vocab(fold_grouped_weights(count_on_floats(folded)), policy.vocab_multiple(), vocab)

@@ -60,21 +60,28 @@ def shared_folder(make):
             shutil.rmtree(path[0], ignore_errors=True)
 
 
-def sentence_transformer(rank: int, world: int, mode: str, depth=None) -> dict:
+def sentence_transformer(rank: int, world: int, mode: str, depth=None, body: str = "bert") -> dict:
     """``SentenceTransformer([Transformer(tiny BERT), Pooling])``: its BERT sharded, then
     ``encode()`` (batches of other sizes and lengths than the capture's) against the dense
     model's; and a training step through the sharded module (the client's features, a
-    cosine loss on the pooled embeddings): loss and every local gradient."""
+    cosine loss on the pooled embeddings): loss and every local gradient. ``body="distilbert"``:
+    a DistilBERT, whose forward takes the ``token_type_ids`` the client hands it only
+    through ``**kwargs``."""
     import autoshard
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel
+    from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 
     torch.set_num_threads(1)
 
     def make(d):
         tokenizer_folder(d, "bert")
         torch.manual_seed(0)
+        if body == "distilbert":
+            DistilBertModel(DistilBertConfig(vocab_size=len(WORDS) + 5, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                             max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                             pad_token_id=0)).save_pretrained(d)
+            return
         BertModel(BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0)).save_pretrained(d)
@@ -159,7 +166,9 @@ def sft_trainer(rank: int, world: int, mode: str, out: str, steps: int = 3) -> d
         trainer = Trainer(model=sharded, args=args, train_dataset=ds, processing_class=tok)
         trainer.train()
         res = {"trainer": losses, "tags": sharded.model_tags, "checkpointing": sharded.is_gradient_checkpointing,
-               "keys": sorted(batches[0]), "signatures": sharded.signatures}
+               "keys": sorted(batches[0]), "signatures": sharded.signatures,
+               # TRL's num_tokens metric against the tokens of the batches this replica trained on
+               "num_tokens": (trainer._total_train_tokens, sum(int(b["attention_mask"].sum()) for b in batches))}
         # the same batches on the dense model: the loss TRL computes, AdamW, the global norm clipped at 1
         opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, weight_decay=0.0)
         ref = []

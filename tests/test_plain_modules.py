@@ -117,6 +117,35 @@ def test_keyword_flags_through_kwargs_are_bound_not_inputs():
     assert g.accepts({"x": x, "return_dict": True}) is None
 
 
+class _LooseTensors(torch.nn.Module):
+    """Takes a tensor only through ``**kwargs``: one it reads (a bias per token) and one it
+    ignores (sentence-transformers hands DistilBERT ``token_type_ids`` so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, **kwargs):
+        return self.lin(x) + kwargs["bias"].unsqueeze(-1)
+
+
+def test_tensors_through_kwargs_are_inputs_with_dynamic_dims():
+    """torch.export cannot match dynamic shapes to a tensor inside ``**kwargs``: capture gives
+    each such tensor a parameter of its own, and the graph answers another batch size as
+    the module does."""
+    from autoshard.passes.capture import capture
+
+    torch.manual_seed(0)
+    m = _LooseTensors()
+    ex = {"x": torch.randn(2, 5, 8), "bias": torch.randn(2, 5), "token_type_ids": torch.zeros(2, 5, dtype=torch.long),
+          "return_dict": True}
+    cap = capture(m, example_inputs=ex)
+    assert cap.input_names == ("x", "bias", "token_type_ids") and cap.constants == {"return_dict": True}
+    x, bias = torch.randn(3, 5, 8), torch.randn(3, 5)
+    torch.testing.assert_close(cap.module(x=x, bias=bias, token_type_ids=torch.zeros(3, 5, dtype=torch.long)),
+                               m(x, bias=bias))
+
+
 class _Branches(torch.nn.Module):
     """The constructs the issue met in models torch.export cannot capture: wav2vec2's
     ``if labels.max() >= vocab_size``, DETR's ``isfinite(...).all()``, Qwen2-VL's

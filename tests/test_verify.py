@@ -151,6 +151,19 @@ def test_verify_a_function_and_a_folder_with_weights(tmp_path, monkeypatch):
     assert r.checks["loss"][2] and r.dtype == "bf16"
 
 
+@pytest.mark.slow      # ~20 s: a verify run on 2 ranks
+def test_verify_a_parameter_the_forward_never_reads_is_exact(monkeypatch):
+    """A parameter no forward reads has no gradient on either side: exact, not "no gradient
+    on the sharded side" (DINOv2's mask_token without bool_masked_pos was reported so)."""
+    from autoshard import verify
+
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.syspath_prepend(HERE)
+    r = verify("verify_plants:llama_with_an_unused_parameter", world_size=2, mode="1d", full=True)
+    assert r.exit_code == 0, r.reason
+    assert r.checks["gradients"][2]
+
+
 @pytest.mark.slow      # 21 s of `make test`
 def test_plan_and_check_choose_the_smallest_batch(capsys):
     from autoshard.cli import main

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..ir.errors import ConfigError
@@ -41,7 +41,7 @@ from .validate import check_dims
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["Shrunk", "shrink"]
+__all__ = ["Shrunk", "shrink", "shrink_that_runs"]
 
 # Hugging Face attribute names, canonical first; aliases resolve through config.attribute_map.
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")
@@ -75,16 +75,18 @@ class Shrunk:
 
     config: "PretrainedConfig"
     changes: tuple[tuple[str, object, object], ...]
+    note: str = ""
 
     def describe(self) -> str:
         """One line: ``hidden_size 4096→64, num_hidden_layers 32→2, ...`` (lists by their length)."""
         def show(v):
             return f"[{len(v)} entries]" if isinstance(v, (list, tuple)) else repr(v) if isinstance(v, str) else str(v)
 
-        return ", ".join(f"{a} {show(old)}→{show(new)}" for a, old, new in self.changes) or "nothing changed"
+        line = ", ".join(f"{a} {show(old)}→{show(new)}" for a, old, new in self.changes) or "nothing changed"
+        return line + (f" ({self.note})" if self.note else "")
 
 
-def shrink(config, policy, *, min_layers: int = 2) -> Shrunk:
+def shrink(config, policy, *, min_layers: int = 2, widths: bool = True) -> Shrunk:
     """A copy of ``config`` with tiny sizes that ``policy`` splits as it splits ``config``.
 
     Args:
@@ -93,6 +95,9 @@ def shrink(config, policy, *, min_layers: int = 2) -> Shrunk:
             with (:func:`autoshard.policies.make_policy`); its :meth:`dim_splits` and
             :meth:`vocab_multiple` fix the residues the shrunk sizes keep.
         min_layers: the fewest layers kept (never more than the real count).
+        widths: shrink heads, head widths, hidden and MLP widths too; False keeps them
+            (only layers, vocabulary and experts shrink) for modelling code that ties
+            widths in ways no config attribute states (:func:`shrink_that_runs`).
 
     Returns:
         :class:`Shrunk`: the copy and the list of changes. :func:`check_dims` finds the
@@ -106,15 +111,75 @@ def shrink(config, policy, *, min_layers: int = 2) -> Shrunk:
         raise ConfigError(f"min_layers={min_layers} must be >= 1")
     new = copy.deepcopy(config)
     changes: list[tuple[str, object, object]] = []
-    _shrink_into(config, new, policy, min_layers, changes, prefix="")
+    _shrink_into(config, new, policy, min_layers, changes, prefix="", widths=widths)
     text = getattr(config, "text_config", None)
     if text is not None and hasattr(text, "attribute_map"):
-        sub = shrink(text, policy, min_layers=min_layers)
+        sub = shrink(text, policy, min_layers=min_layers, widths=widths)
         new.text_config = sub.config
         changes += [(f"text_config.{a}", old, v) for a, old, v in sub.changes]
         if getattr(config, "vocab_size", None) is None and getattr(text, "vocab_size", None):
             _remap_tokens(config, new, sub.config.vocab_size, changes, "")
     return Shrunk(config=new, changes=tuple(changes))
+
+
+def shrink_that_runs(config, policy, cls=None, *, min_layers: int = 2) -> Shrunk:
+    """:func:`shrink`, checked by running the shrunk model: a copy that does not run keeps
+    the real widths.
+
+    Modelling code ties sizes together in ways no config attribute states: CodeGen
+    splits its heads over 4 fixed groups, a Mamba-2 mixer's heads · head width is
+    ``expand · hidden``, PaliGemma's projector maps to the text model's hidden size.
+    The shrunk model is built (on CPU: it is small) and run once on
+    :func:`~autoshard.passes.capture.default_example_inputs`; when that fails, the
+    shrink keeps heads, head widths, hidden and MLP widths (``widths=False``: layers,
+    vocabulary and experts still shrink) and says why in :attr:`Shrunk.note`.
+
+    Args:
+        config: a Hugging Face ``PretrainedConfig`` (not modified).
+        policy: the layout, as for :func:`shrink`.
+        cls: the model class (None: the config's ``architectures`` or an Auto class).
+        min_layers: as for :func:`shrink`.
+
+    Example:
+        >>> from transformers import Mamba2Config
+        >>> from autoshard.policies import make_policy
+        >>> s = shrink_that_runs(Mamba2Config(hidden_size=64, num_heads=8, head_dim=16, n_groups=1,
+        ...     num_hidden_layers=2, vocab_size=64, state_size=8), make_policy("1d", 2))
+        >>> s.config.hidden_size, s.config.num_heads * s.config.head_dim
+        (64, 128)
+    """
+    small = shrink(config, policy, min_layers=min_layers)
+    err = _run_error(small.config, cls)
+    if err is None:
+        return small
+    kept = shrink(config, policy, min_layers=min_layers, widths=False)
+    first = next((ln for ln in str(err).splitlines() if ln.strip()), "")
+    return replace(kept, note=f"widths kept: with them shrunk the model fails: {type(err).__name__}: "
+                                          f"{first[:160]}")
+
+
+def _run_error(config, cls) -> Exception | None:
+    """What building ``config``'s model and running it once on its default inputs raises, or None."""
+    import inspect
+
+    import torch
+
+    from ..io.builder import construct, resolve_class
+    from ..passes.capture import default_example_inputs
+
+    try:
+        config = copy.deepcopy(config)
+        if getattr(config, "use_cache", None):      # as capture runs it: no cache object
+            config.use_cache = False
+        model = construct(config, cls or resolve_class(config))
+        inputs = default_example_inputs(model)
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            inputs["use_cache"] = False
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as e:  # noqa: BLE001 - the caller keeps the widths and says why
+        return e
+    return None
 
 
 # ------------------------------------------------------------------ reading and writing attributes
@@ -165,10 +230,11 @@ def _keeps(v: int, real: int, s: int) -> bool:
 
 
 # ------------------------------------------------------------------ the rules
-def _shrink_into(config, new, policy, min_layers: int, changes: list, prefix: str) -> None:
+def _shrink_into(config, new, policy, min_layers: int, changes: list, prefix: str, widths: bool = True) -> None:
     splits = policy.dim_splits()[0]
-    scale = _shrink_attention(config, new, splits, changes, prefix)
-    _shrink_widths(config, new, splits, scale, changes, prefix)
+    if widths:
+        scale = _shrink_attention(config, new, splits, changes, prefix)
+        _shrink_widths(config, new, splits, scale, changes, prefix)
     vocab = _ints(config, ("vocab_size",)).get("vocab_size")
     if vocab:
         m = math.lcm(splits.get("vocab_size", 1), policy.vocab_multiple())

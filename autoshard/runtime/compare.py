@@ -112,7 +112,7 @@ class _Comparer(fx.Interpreter):
         out = super().run_node(n)
         tag = n.meta.get(META)
         if tag is not None:
-            if op_name(n) in _UNINITIALISED:     # memory not yet written: nothing to compare
+            if _uninitialised(n):               # memory not yet written: nothing to compare
                 self.rows.append(NodeDiff(tag[0], op_name(n), str(tag[1]), len(self.rows), "uninitialised"))
             elif tag[0] in self.local_rows:     # a rank-local row order: compared where it is undone
                 self.rows.append(NodeDiff(tag[0], op_name(n), str(tag[1]), len(self.rows), "local rows"))
@@ -185,6 +185,23 @@ def compare(gm: fx.GraphModule, mesh, inputs: dict, dense: dict, *, rank: int, a
 _RANK = {"shape": 7, "mismatch": 6, "ok": 5, "partial": 4, "index": 3, "local rows": 2, "uninitialised": 1,
          "missing": 0}
 _UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided"}
+# a view made before its base is written holds the same unwritten memory (DeepSeek-V2 fills
+# the slices of a new_empty key with copy_ after slicing it)
+_VIEWS = {"slice", "select", "narrow", "view", "_unsafe_view", "reshape", "as_strided", "alias", "unsqueeze",
+          "squeeze", "transpose", "t", "permute", "expand", "unflatten", "split", "split_with_sizes", "chunk",
+          "unbind", "getitem"}
+
+
+def _uninitialised(n: fx.Node) -> bool:
+    """An ``empty``-like node, or a view of one (through views only; one taken after the
+    writes is skipped too: never compared, never a false mismatch)."""
+    while True:
+        op = op_name(n)
+        if op in _UNINITIALISED:
+            return True
+        if op not in _VIEWS or not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
 
 
 def merge(per_rank: list[list[NodeDiff]]) -> list[NodeDiff]:

@@ -95,6 +95,9 @@ class ShardedTrainer(Trainer):
         _show_model_signature(model)
         super().__init__(model, *args, **kwargs)
         self.model_accepts_loss_kwargs = False      # the module's loss is already the global mean
+        if hasattr(self, "_tp_size"):   # TRL's SFTTrainer: the tokens it gathers from every process,
+            # divided by this, are its num_tokens; every rank of a replica sees the same rows
+            self._tp_size = max(1, self.accelerator.num_processes // model.mesh.dp)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return _Owned(self.model) if training else self.model

@@ -115,6 +115,30 @@ def test_uncapturable_model_raises_capture_error_naming_it():
     assert "torch.export" in str(ei.value)
 
 
+class _MisSized(nn.Module):
+    """A view whose sizes do not fit its input (heads · head width != the width, as a
+    config whose sizes do not fit together makes): it fails eagerly too."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 12)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        return x.view(x.shape[0], x.shape[1], 4, 4)
+
+
+def test_a_model_that_fails_eagerly_is_named_so_not_as_an_export_limitation():
+    with pytest.raises(CaptureError, match="fails when run eagerly") as ei:
+        capture(_MisSized(), example_inputs={"input_ids": torch.zeros(2, 5, dtype=torch.long)})
+    msg = str(ei.value)
+    assert f"{__file__}:" in msg and "x.view(x.shape[0], x.shape[1], 4, 4)" in msg, msg
+    assert "export cannot trace" not in msg
+    with pytest.raises(CaptureError) as ei:        # runs eagerly: export's limitation, as before
+        capture(_DataDependent())
+    assert "fails when run eagerly" not in str(ei.value) and "branches on a tensor's values" in str(ei.value)
+
+
 def test_capture_error_is_an_autoshard_error():
     import autoshard
 

@@ -251,3 +251,39 @@ def test_a_derived_head_dim_is_left_to_its_config():
         assert "head_dim" not in {k for k, _, _ in small.changes}
         assert [(p.what, p.error) for p in check_dims(small.config, pol)] == \
             [(p.what, p.error) for p in check_dims(cfg, pol)]
+
+
+def _codegen():
+    return tf.CodeGenConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=128, vocab_size=128,
+                            architectures=["CodeGenForCausalLM"])         # heads split over 4 fixed groups
+
+
+def _mamba2():
+    return tf.Mamba2Config(hidden_size=64, num_heads=8, head_dim=16, n_groups=1, state_size=8, num_hidden_layers=2,
+                           vocab_size=64, architectures=["Mamba2ForCausalLM"])    # heads · head_dim = 2 · hidden
+
+
+@pytest.mark.parametrize("make", [_codegen, _mamba2], ids=["codegen", "mamba2"])
+def test_a_shrunk_model_that_does_not_run_keeps_its_widths(make):
+    """Sizes tied by the modelling code, not by an attribute shrink knows: the plain shrink
+    builds a model that fails; shrink_that_runs keeps the widths (layers, vocabulary still
+    shrink), says why, and its model runs."""
+    from autoshard.planning.shrink import _run_error, shrink_that_runs
+
+    real, pol = make(), make_policy("1d", 2)
+    assert _run_error(real, None) is None
+    assert _run_error(shrink(real, pol).config, None) is not None
+    out = shrink_that_runs(real, pol)
+    assert _run_error(out.config, None) is None
+    assert "widths kept" in out.note and "widths kept" in out.describe()
+    widths = {"n_embd", "n_head", "n_inner", "rotary_dim", "hidden_size", "num_heads", "head_dim"}
+    assert not {a for a, _, _ in out.changes} & widths, out.changes
+
+
+def test_a_shrunk_model_that_runs_is_the_plain_shrink():
+    from autoshard.planning.shrink import shrink_that_runs
+
+    real, pol = llama2_7b(), make_policy("1d", 2)
+    real.architectures = ["LlamaForCausalLM"]
+    out = shrink_that_runs(real, pol)
+    assert out.changes == shrink(real, pol).changes and out.note == ""
