@@ -69,9 +69,9 @@ def _computed_expert_weight(node: fx.Node) -> str:
     '' for any other node. Only a grouped matmul whose weight is a parameter (or its
     transpose) is folded into ``grouped_linear`` and runs on the sorted rows (docs/design.md,
     "Expert parallelism")."""
-    from autoshard.ir.grouped import grouped_ops
+    from autoshard.ir.grouped import grouped_targets
 
-    if node.target not in set(grouped_ops().values()) or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+    if node.target not in grouped_targets() or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
         return ""
     seen, todo, params = set(), [node.args[1]], []
     while todo:

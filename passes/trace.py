@@ -117,6 +117,33 @@ def _record(out, inputs: list, pending: list):
     return (None if isinstance(out, torch.Tensor) else type(out), tuple(geo), tuple(saved))
 
 
+def _empty(outs) -> tuple:
+    return tuple(torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype, _ in outs)
+
+
+class _Made(torch.autograd.Function):
+    """A replayed op's outputs, made new on meta with an autograd history where the op's
+    own had one: an output that requires grad is a non-leaf, as the op's is. A leaf would
+    make the next in-place op on it fail (``div_`` of Mixtral's router weights: "a leaf
+    Variable that requires grad is being used in an in-place operation"), so a replay would
+    note a failure that running the op does not, and the second plan of a model in one
+    process (the replay table filled by the first) would differ from the first."""
+
+    @staticmethod
+    def forward(ctx, anchor, outs):
+        made = _empty(outs)
+        ctx.mark_non_differentiable(*(t for t, (*_, grad) in zip(made, outs) if not grad))
+        return made
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None
+
+
+#: the input that gives :class:`_Made` an autograd history (it saves nothing, reads nothing)
+_ANCHOR = torch.empty((), device="meta", requires_grad=True)
+
+
 class _Trace:
     def __init__(self, plan: ShardingPlan, gm: fx.GraphModule, local_shape):
         self.plan, self.gm, self.local_shape = plan, gm, local_shape
@@ -311,10 +338,8 @@ class _Trace:
 
     def _replay(self, rec, inputs):
         structure, outs, saved = rec
-        made = []
+        made = list(_Made.apply(_ANCHOR, outs) if any(g for *_, g in outs) else _empty(outs))
         with torch.no_grad():
-            for shape, stride, dtype, grad in outs:
-                made.append(torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(grad))
             for kind, x in saved:
                 t = inputs[x] if kind == "in" else made[x] if kind == "out" else \
                     torch.empty_strided(x[0], x[1], dtype=x[2], device="meta")

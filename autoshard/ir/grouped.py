@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_linear", "grouped_ops", "grouped_weight_dims", "run_impl"]
+__all__ = ["grouped_linear", "grouped_ops", "grouped_targets", "grouped_weight_dims", "run_impl"]
 
 
 def grouped_ops() -> dict:
@@ -32,6 +32,18 @@ def grouped_ops() -> dict:
     except (AttributeError, RuntimeError):      # transformers' MoE code not imported
         pass
     return ops
+
+
+def grouped_targets(folded: bool = False) -> frozenset:
+    """The call targets a grouped matmul has in a graph: the ops of :func:`grouped_ops`,
+    and :func:`grouped_linear` too with ``folded`` (a graph after
+    :mod:`autoshard.passes.experts`).
+
+    >>> grouped_linear in grouped_targets(folded=True), grouped_linear in grouped_targets()
+    (True, False)
+    """
+    ops = frozenset(grouped_ops().values())
+    return ops | {grouped_linear} if folded else ops
 
 
 def run_impl(impl: str, device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:

@@ -663,9 +663,9 @@ def _nothing_fits(cap, res: SearchResult, *, modes, depth, dp, static, kw, cp: d
 def _has_experts(cap) -> bool:
     """Whether ``cap``'s graph runs a grouped matmul (a mixture-of-experts layer's experts):
     the ops expert parallelism is planned from (docs/design.md, "Expert parallelism")."""
-    from ..ir.grouped import grouped_linear, grouped_ops
+    from ..ir.grouped import grouped_targets
 
-    ops = set(grouped_ops().values()) | {grouped_linear}
+    ops = grouped_targets(folded=True)
     return any(n.op == "call_function" and n.target in ops for n in cap.module.graph.nodes)
 
 

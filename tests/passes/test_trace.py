@@ -5,6 +5,7 @@ from the plan's local shape makes the plan a ShardingError naming that node."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 import models
@@ -116,3 +117,44 @@ def test_replayed_ops_save_what_running_them_saves(monkeypatch):
         ran, replayed = plans
         assert [(n.name, n.saved, n.notes) for n in replayed.nodes] == [(n.name, n.saved, n.notes) for n in ran.nodes]
         assert sum(len(n.saved) for n in ran.nodes) > 0
+
+
+class _Routers(torch.nn.Module):
+    """Two like blocks, each normalising a softmax in place (``w /= w.sum()``, as Mixtral's
+    and DeBERTa's layers do): the second block's softmax is replayed from the first's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        for lin in (self.a, self.b):
+            w = lin(x).softmax(-1)
+            w /= w.sum(-1, keepdim=True)
+            x = x + w
+        return x
+
+
+def test_an_in_place_op_on_a_replayed_output_runs_and_a_second_plan_equals_the_first(monkeypatch):
+    """A replayed op's output that requires grad is a non-leaf, as the op's own is: an in-place
+    op on it runs on meta as it does after the op. A leaf there failed ("a leaf Variable that
+    requires grad is being used in an in-place operation"), noted on the node: the second
+    block's in the first plan, both blocks' in a second plan of the same model in the same
+    process (the replay table filled by the first): the plan depended on what ran before it."""
+    from autoshard.passes import trace as trace_mod
+    from autoshard.passes.capture import capture
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    cap = capture(_Routers().train(), example_inputs={"x": torch.randn(4, 8, 16)})
+    monkeypatch.setattr(trace_mod, "_REPLAY", {})
+    plans = [plan_captured(cap, make_policy("1d", 2), batch_size=4, seq_len=8) for _ in range(3)]
+    monkeypatch.setattr(trace_mod, "_REPLAY_ON", False)
+    ran = plan_captured(cap, make_policy("1d", 2), batch_size=4, seq_len=8)   # every op run: the reference
+
+    def rows(p):
+        return [(n.name, n.saved, n.notes) for n in p.nodes]
+
+    assert not [n.name for p in plans for n in p.nodes if any("activation trace" in x for x in n.notes)]
+    assert rows(plans[0]) == rows(plans[1]) == rows(plans[2]) == rows(ran)
+    assert [n.name for n in ran.nodes if n.op == "div_.Tensor" and n.saved]     # the in-place ops saved
