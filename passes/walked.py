@@ -40,9 +40,17 @@ def evolve(obj, **changes):
     every visit, the trace every row, and a search plans hundreds of graphs: replace()'s
     generic ``__init__`` call was a tenth of its time (docs/design.md, "Pricing the search").
 
-        >>> from autoshard.ir.plan import Step
-        >>> evolve(Step(op="gather", axes=("tp",), dim=0), dim=1) == Step(op="gather", axes=("tp",), dim=1)
-        True
+        >>> import dataclasses
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Row:
+        ...     name: str
+        ...     dim: int = 0
+        >>> evolve(Row("linear"), dim=1)
+        Row(name='linear', dim=1)
+        >>> from autoshard.ir.plan import Step       # validates its segments: not copied blindly
+        >>> evolve(Step(op="gather", axes=("tp",), dim=0), dim=1)
+        Traceback (most recent call last):
+        TypeError: evolve() copies plain frozen dataclasses; Step validates or has slots: use dataclasses.replace
     """
     cls = type(obj)
     names = _FIELDS.get(cls)

@@ -43,9 +43,9 @@ def _bloom_config():
 
 @pytest.fixture(scope="module")
 def bloom():
-    """Layers no 1d rule splits: the fused QKV interleaved per head is read back through
-    `select` (no rule keeps a feature split), and the attention output meets the
-    residual's LayerNorm: 1.32x the 1d ideal."""
+    """Layers no 1d rule splits: the fused QKV interleaved per head is reshaped with the heads
+    merged under the batch for ALiBi's baddbmm (a rank's heads would be one block per sample),
+    and the attention output meets the residual's LayerNorm: 1.32x the 1d ideal."""
     return _plan(_bloom_config())
 
 
@@ -124,7 +124,8 @@ def test_warning_names_the_largest_whole_weights(bloom):
     assert f["vs_ideal"] > WHOLE_LIMIT
     report = bloom.whole_report()
     assert f"{f['vs_ideal']:.2f}× the 1d ideal" in report
-    assert "self_attention.query_key_value.weight" in report and "`aten.select.int`" in report
+    assert "self_attention.query_key_value.weight" in report and "`aten.reshape.default`" in report
+    assert "merges the split dim 1 under dim 0" in report
     with pytest.warns(AutoshardWarning, match=r"held whole: transformer\.h\.\d\.self_attention\.query_key_value\.weight"):
         pipeline._warn_whole(bloom)
 
@@ -145,4 +146,4 @@ def test_check_shows_the_warning(tmp_path, capsys):
         main(["check", str(path), "-w", "2", "-m", "1d"])
     out = capsys.readouterr().out
     assert "warning: parameter bytes per rank are" in out and "query_key_value.weight" in out
-    assert "could not pass `aten.select.int` (an op with no rule that keeps a feature split)" in out   # grouped
+    assert "could not pass `aten.reshape.default` (reshape (s43, 4, s38, 16)->(4*s43, s38, 16)" in out   # grouped
