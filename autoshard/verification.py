@@ -36,7 +36,6 @@ import copy
 import datetime
 import importlib
 import os
-import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -213,12 +212,6 @@ def _no_dropout(config) -> list:
 
 # --------------------------------------------------------------------------- ranks
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _describe(e: BaseException) -> dict:
     from .ir.errors import CaptureError, ShardingError
     from .runtime.selfcheck import PlanCheckError
@@ -236,17 +229,19 @@ def _describe(e: BaseException) -> dict:
             "traceback": traceback.format_exc()}
 
 
-def _rank_entry(rank: int, world: int, port: int, folder: str, job: dict) -> None:
+def _rank_entry(rank: int, world: int, folder: str, job: dict) -> None:
     """One rank, forked by :func:`_serve`: writes its result or its error to
     ``FOLDER/rank<RANK>.pt`` (whole or absent)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+                      MASTER_ADDR="127.0.0.1", CUDA_VISIBLE_DEVICES="")
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=job["pg_timeout"]))
+        timeout = datetime.timedelta(seconds=job["pg_timeout"])
+        store = _store(rank, world, folder, timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         result = run_rank(rank, world, job)
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
         result = (rank, "error", _describe(e))
@@ -258,14 +253,39 @@ def _rank_entry(rank: int, world: int, port: int, folder: str, job: dict) -> Non
             pass
 
 
+def _store(rank: int, world: int, folder: str, timeout: datetime.timedelta):
+    """The ranks' rendezvous store. Rank 0 binds a port the OS picks at that moment and
+    writes it to ``FOLDER/port``; the others read it. A port picked ahead (when the
+    server starts, seconds before the ranks) could be taken meanwhile by a socket of
+    another job on the host, gloo's own pairs included (the suspected cause of a rank losing
+    its store connection mid-run, "Broken pipe", twice under a loaded full test run)."""
+    import torch.distributed as dist
+
+    path = os.path.join(folder, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no store port to {path} within {timeout.total_seconds():.0f} s")
+        time.sleep(0.02)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+
+
 def _write(folder: str, rank: int, result) -> None:
     tmp = os.path.join(folder, f".rank{rank}.pt")
     torch.save(result, tmp)
     os.replace(tmp, os.path.join(folder, f"rank{rank}.pt"))
 
 
-def _serve(world: int, port: int, folder: str) -> None:
-    """``python -m autoshard.verification WORLD PORT FOLDER``: import what a rank needs once, wait
+def _serve(world: int, folder: str) -> None:
+    """``python -m autoshard.verification WORLD FOLDER``: import what a rank needs once, wait
     for ``FOLDER/job.pt`` (or ``FOLDER/cancel``), then fork the ``world`` ranks (this process
     has run no parallel op, so forking it is safe) and wait for them; a rank that dies
     without a result gets an error record."""
@@ -285,7 +305,7 @@ def _serve(world: int, port: int, folder: str) -> None:
         if pid == 0:
             code = 0
             try:
-                _rank_entry(r, world, port, folder, job)
+                _rank_entry(r, world, folder, job)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
@@ -509,10 +529,8 @@ class _Ranks:
         self.world = world
         self._tmp = tempfile.TemporaryDirectory(prefix="autoshard-verify-")
         self.folder = self._tmp.name
-        self.port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "autoshard.verification", str(world), str(self.port),
-                                      self.folder], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "autoshard.verification", str(world), self.folder], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
 
     def run(self, job: dict, timeout: float, progress) -> list:
@@ -778,7 +796,7 @@ def _has_weights(folder) -> bool:
     return bool(folder) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
 
 
-if __name__ == "__main__":          # the ranks of verify(): python -m autoshard.verification WORLD PORT FOLDER
+if __name__ == "__main__":          # the ranks of verify(): python -m autoshard.verification WORLD FOLDER
     import sys
 
-    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _serve(int(sys.argv[1]), sys.argv[2])
