@@ -236,10 +236,12 @@ def _rank_entry(rank: int, world: int, folder: str, job: dict) -> None:
                       MASTER_ADDR="127.0.0.1", CUDA_VISIBLE_DEVICES="")
     import torch.distributed as dist
 
+    from .runtime.rendezvous import folder_store
+
     torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=job["pg_timeout"])
-        store = _store(rank, world, folder, timeout)
+        store = folder_store(rank, world, folder, timeout)
         os.environ["MASTER_PORT"] = str(store.port)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         result = run_rank(rank, world, job)
@@ -251,31 +253,6 @@ def _rank_entry(rank: int, world: int, folder: str, job: dict) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _store(rank: int, world: int, folder: str, timeout: datetime.timedelta):
-    """The ranks' rendezvous store. Rank 0 binds a port the OS picks at that moment and
-    writes it to ``FOLDER/port``; the others read it. A port picked ahead (when the
-    server starts, seconds before the ranks) could be taken meanwhile by a socket of
-    another job on the host, gloo's own pairs included (the suspected cause of a rank losing
-    its store connection mid-run, "Broken pipe", twice under a loaded full test run)."""
-    import torch.distributed as dist
-
-    path = os.path.join(folder, "port")
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        with open(path + ".tmp", "w") as f:
-            f.write(str(store.port))
-        os.replace(path + ".tmp", path)
-        return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 wrote no store port to {path} within {timeout.total_seconds():.0f} s")
-        time.sleep(0.02)
-    with open(path) as f:
-        port = int(f.read())
-    return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
 
 def _write(folder: str, rank: int, result) -> None:
