@@ -176,7 +176,7 @@ def test_mla_2d_equals_dense():
         assert all(abs(a - b) <= 1e-5 for a, b in zip(r["losses"], r["dense_losses"])), r
 
 
-@pytest.mark.slow       # 4 ranks, a DeepSeek-V2 export and 3 AdamW steps (~60 s)
+@pytest.mark.slow       # 4 ranks, a DeepSeek-V2 export and 3 AdamW steps (~20 s)
 def test_deepseek_v2_2d_ledger_is_the_plan():
     """DeepSeek-V2 (its rotary embedding complex: ``view_as_complex``, a complex product,
     ``view_as_real``) at 2d@4: exact with 3 AdamW steps, and the ledger's collectives the
