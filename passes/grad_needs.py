@@ -60,15 +60,22 @@ def _aliased(a: fx.Node) -> list[str]:
     return names
 
 
+def _carries_grad(t) -> bool:
+    """Whether autograd can give tensor value ``t`` a gradient: a floating or a complex
+    dtype (a rotary embedding through ``view_as_complex``/``view_as_real``, DeepSeek-V2's,
+    is complex between the two; its values need gradients as the real ones do)."""
+    return is_tensor_val(t) and (t.is_floating_point() or t.is_complex())
+
+
 def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
-    """Names of the values whose gradient backward computes: floating values that
+    """Names of the values whose gradient backward computes: floating (or complex) values that
     depend on a trainable floating parameter (``params`` less ``frozen``) through ops
     that carry gradients, and that some output depends on."""
     out: set[str] = set()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if n.op == "get_attr":
-            if n.target in params and n.target not in frozen and is_tensor_val(v) and v.is_floating_point():
+            if n.target in params and n.target not in frozen and _carries_grad(v):
                 out.add(n.name)
             continue
         if n.op != "call_function":
@@ -79,8 +86,7 @@ def needs_grad(gm: fx.GraphModule, params, frozen) -> frozenset[str]:
             continue
         if getattr(n.target, "_overloadpacket", None) in _FRESH:
             continue        # a fresh tensor: a gradient reaches it only through an in-place write (below)
-        floating = any(is_tensor_val(t) and t.is_floating_point()
-                       for t in (v if isinstance(v, (list, tuple)) else [v]))
+        floating = any(_carries_grad(t) for t in (v if isinstance(v, (list, tuple)) else [v]))
         if floating and any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
             if _writes_into(n):     # later users may read the written tensor (or its base) by name

@@ -84,6 +84,12 @@ TINY["deepseekv3"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config",
                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
 # DeepSeek-V3's query as the full model has it (q_lora_rank set): q_a_proj, an RMSNorm, q_b_proj
 TINY["deepseekv3-q"] = ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(TINY["deepseekv3"][2], q_lora_rank=16))
+# DeepSeek-V2: MLA with a complex rotary embedding (view_as_complex, a complex product,
+# view_as_real), a dense first layer and an MoE second (first_k_dense_replace=1)
+TINY["deepseekv2"] = ("DeepseekV2ForCausalLM", "DeepseekV2Config",
+                      dict(_MOE, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                           first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, output_router_logits=False))
 # a fused Wqkv viewed as [.., 3, heads, head_dim] and unbound (split per block: each rank its heads of
 # q, k and v), an encoder with rotary, local and global attention layers and a fused gated MLP
 TINY["modernbert"] = ("ModernBertForMaskedLM", "ModernBertConfig",

@@ -174,3 +174,17 @@ def test_mla_2d_equals_dense():
         assert r["failures"] == [], f"rank {rank}: {r['failures'][:5]}"
         assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
         assert all(abs(a - b) <= 1e-5 for a, b in zip(r["losses"], r["dense_losses"])), r
+
+
+@pytest.mark.slow       # 4 ranks, a DeepSeek-V2 export and 3 AdamW steps (~20 s)
+def test_deepseek_v2_2d_ledger_is_the_plan():
+    """DeepSeek-V2 (its rotary embedding complex: ``view_as_complex``, a complex product,
+    ``view_as_real``) at 2d@4: exact with 3 AdamW steps, and the ledger's collectives the
+    plan's. Before, the complex values were not known to need a gradient, so the plan left
+    out the backward all-gather of each complex fallback's row-scattered output: 8 calls
+    more in the ledger than in the plan (tests/passes/test_grad_needs.py has the pattern)."""
+    for rank, r in enumerate(get_pool(4, timeout=900).run(_check, "deepseekv2", "2d")):
+        assert r["failures"] == [], f"rank {rank}: {r['failures'][:5]}"
+        assert (r["ledger_bytes"], r["ledger_calls"]) == (r["plan_bytes"], r["plan_calls"]), f"rank {rank}"
+        assert len(r["losses"]) == 3 and abs(r["dense_losses"][-1] - r["dense_losses"][0]) > 1e-3
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(r["losses"], r["dense_losses"])), r
