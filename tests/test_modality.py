@@ -244,7 +244,9 @@ def test_a_state_space_model_is_captured_with_a_static_sequence():
                                              pytest.param("falconh1", "2.5d", 8, id="falconh1-2.5d",
                                                           marks=pytest.mark.extended),
                                              pytest.param("bamba", "1d", 2, id="bamba-1d", marks=pytest.mark.slow),
-                                             pytest.param("bamba", "2d", 4, id="bamba-2d", marks=pytest.mark.slow)])
+                                             pytest.param("bamba", "2d", 4, id="bamba-2d", marks=pytest.mark.slow),
+                                             pytest.param("bamba", "2.5d", 8, id="bamba-2.5d",
+                                                          marks=pytest.mark.extended)])
 def test_state_space_models_equal_dense(arch, mode, world):
     """Mamba (selective scan: ``dt_proj.weight @ x``, a parameter on the left of a matmul,
     is a plain matmul, not a Linear), Jamba (scan, attention and expert layers), Falcon-H1
