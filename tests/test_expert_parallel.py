@@ -479,3 +479,33 @@ def test_expert_count_ep_does_not_divide(name, ep, dp):
     both, padded ones the router never picks): exact against dense, 3 AdamW steps exact, the
     all-to-all bytes those of the dense routing, full_state_dict the dense experts (unpadded)."""
     _assert_exact(get_pool(4, timeout=600).run(_ep_check, name, ep, 3, None, 1e-5, dp), ep)
+
+
+def test_plan_pads_experts_ep_does_not_divide():
+    """6 experts at ep=4 (dp4, tp1; issue 59): each expert weight zero-padded to 8 experts, 2 per
+    rank (the fourth rank's both padded), no copies; the counts exchange carries 2 integers per
+    peer; the padding holds zeros and trims back to the Hugging Face shape."""
+    p = autoshard.plan(models.build("mixtral-e6"), world_size=4, mode="1d", dp=4, ep=4, batch_size=8, seq_len=8,
+                       example_inputs=models.batch("mixtral-e6"))
+    experts = [pp for pp in p.params if ".experts." in pp.name]
+    assert len(experts) == 4
+    for pp in experts:
+        assert (pp.global_shape[0], pp.hf_shape[0], pp.pad_copies) == (8, 6, 0), pp
+        assert pp.spec.dims[0] == ("dp",) and pp.grad_sync == () and pp.local_shape(p.mesh)[0] == 2
+    w = torch.arange(1.0, 7.0).view(6, 1, 1).expand(6, *experts[0].hf_shape[1:])
+    assert [experts[0].spec.local(experts[0].pad(w), p.mesh, r)[:, 0, 0].tolist() for r in range(4)] == \
+        [[1, 2], [3, 4], [5, 6], [0, 0]]
+    assert torch.equal(experts[0].trim(experts[0].pad(w)), w)
+    a2a = [c for c in p.comms() if c.kind == "all_to_all"]
+    assert sorted(c.buffer_bytes for c in a2a)[:2] == [3 * 2 * 8] * 2      # (ep - 1) peers × 2 counts × int64
+
+
+def test_uneven_experts_below_dp_refused_naming_the_choices():
+    """3 experts at ep=2 of dp=4: the blocks would be held in copies, which the zero-padding does not
+    compose with yet: a ConfigError at planning naming the valid ep and expert-TP (ep=1)."""
+    with pytest.raises(ConfigError) as e:
+        autoshard.plan(models.build("mixtral-e3"), world_size=4, mode="1d", dp=4, ep=2, batch_size=8, seq_len=8,
+                       example_inputs=models.batch("mixtral-e3"))
+    msg = str(e.value)
+    assert "ep=2 does not divide the 3 experts" in msg and "valid ep: [1, 4]" in msg, msg
+    assert "expert-TP, ep=1, takes any expert count" in msg, msg
