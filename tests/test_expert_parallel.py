@@ -473,12 +473,13 @@ def test_lora_on_the_experts_without_a_batch_split():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ep,dp", [("mixtral-e3", 2, 2),
                                         pytest.param("mixtral-e6", 4, 4, marks=pytest.mark.extended)])
-def test_expert_count_ep_does_not_divide(name, ep, dp):
+def test_expert_count_ep_does_not_divide(name, ep, dp, tmp_path):
     """3 experts at ep=2 (tp2 × dp2) and 6 at ep=4 (tp1 × dp4), 4 ranks (issue 59): the experts
     zero-padded to ep · ceil(E / ep) (2 per rank; the last rank's second, or the fourth rank's
     both, padded ones the router never picks): exact against dense, 3 AdamW steps exact, the
-    all-to-all bytes those of the dense routing, full_state_dict the dense experts (unpadded)."""
-    _assert_exact(get_pool(4, timeout=600).run(_ep_check, name, ep, 3, None, 1e-5, dp), ep)
+    all-to-all bytes those of the dense routing, full_state_dict the dense experts (unpadded), saved
+    under their Hugging Face shapes (loading in transformers) and loaded back at the same ep."""
+    _assert_exact(get_pool(4, timeout=600).run(_ep_check, name, ep, 3, str(tmp_path / "saved"), 1e-5, dp), ep)
 
 
 def test_plan_pads_experts_ep_does_not_divide():
