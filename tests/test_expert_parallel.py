@@ -422,7 +422,7 @@ def _generate(rank, world, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "gptoss"])
+@pytest.mark.parametrize("name", ["mixtral", "gptoss", pytest.param("mixtral-e3", marks=pytest.mark.extended)])
 def test_generate_with_ep(name):
     """generate() on a module sharded with ep=2: the prefill and decode steps are planned with
     the module's layouts (experts split over dp; gpt-oss's gate_up bias too) and dispatch their
