@@ -113,7 +113,8 @@ class ShardConfig:
 
     ``ep=E`` (expert parallelism; ``mode="1d"``, ``E = dp × cp``) spreads each
     mixture-of-experts layer's experts over the data-parallel (and context-parallel) ranks:
-    each rank holds ``num_experts / E`` of them (split over ``tp`` as in 1d), its token
+    each rank holds ``ceil(num_experts / E)`` of them (zero-padded experts, never routed to, where
+    ``E`` does not divide them; split over ``tp`` as in 1d), its token
     rows travel to their experts' ranks and back by all-to-all (dropless), and the
     experts' gradients are summed by that exchange instead of a dp all-reduce
     (docs/design.md, "Expert parallelism").

@@ -318,7 +318,10 @@ def _row_bytes(plan, nodes: dict, seg: ExpertSegment, n: fx.Node) -> int:
 
 def _split_experts(p, axes: tuple[str, ...], ep: int, size: int):
     """An expert weight's plan cut on its expert dim over ``axes`` (``size`` ranks) for ``ep``
-    ranks, its gradient sync over ``axes`` dropped. Where ``copies = size / ep > 1``, each
+    ranks, its gradient sync over ``axes`` dropped. Where ``ep`` does not divide the ``E``
+    experts (``ep = size`` then: :func:`_check_uneven`), the expert dim is zero-padded to
+    ``ep · ceil(E / ep)``: padded experts the router never picks, so they get no row, no
+    gradient and stay zero (docs/design.md, "Expert parallelism"). Where ``copies = size / ep > 1``, each
     block of ``E / ep`` experts is held by ``copies`` consecutive ranks along ``axes``: the
     padded-copies layout of docs/design.md, "Uneven widths" (the ``ep`` blocks each repeated
     ``copies`` times, ``E · copies`` rows split ``size`` ways), whose gradients the copies'
@@ -329,6 +332,10 @@ def _split_experts(p, axes: tuple[str, ...], ep: int, size: int):
         raise ShardingError(f"expert parallelism: the expert dim of `{p.name}` is already split over "
                             f"{p.spec.dims[0]}; valid here: ep=1")
     spec, sync, copies = p.spec.with_dim(0, axes), tuple(a for a in p.grad_sync if a not in axes), size // ep
+    e = p.global_shape[0]
+    if e % ep:
+        return dataclasses.replace(p, spec=spec, grad_sync=sync, dense_shape=tuple(p.global_shape),
+                                   global_shape=(-(-e // ep) * ep, *p.global_shape[1:]))
     if copies == 1:
         return dataclasses.replace(p, spec=spec, grad_sync=sync)
     if p.dense_shape:
@@ -337,6 +344,25 @@ def _split_experts(p, axes: tuple[str, ...], ep: int, size: int):
     return dataclasses.replace(p, spec=spec, grad_sync=sync, global_shape=(p.global_shape[0] * copies,
                                *p.global_shape[1:]), dense_shape=tuple(p.global_shape), pad_segments=ep,
                                pad_copies=copies)
+
+
+def _check_uneven(seg: ExpertSegment, ep: int, size: int, params: dict) -> None:
+    """Refuse an ``ep`` that does not divide ``seg``'s experts where zero-padding them is not
+    implemented: below the ep ranks' number (the blocks held in copies, :func:`_split_experts`)
+    or on a weight padded already (an uneven width under tp); the message names the valid ep."""
+    from autoshard.ir.errors import ConfigError
+
+    e = seg.num_experts
+    if not e % ep:
+        return
+    padded = [w for w in seg.weights if w in params and params[w].dense_shape]
+    if ep == size and not padded:
+        return
+    why = (f"their weight `{padded[0]}` is padded already (an uneven width under tp)" if padded else
+           f"ep={ep} is below the {size} data-parallel (× context-parallel) ranks (blocks held in copies)")
+    valid = [d for d in range(1, size + 1) if size % d == 0 and (e % d == 0 or (d == size and not padded))]
+    raise ConfigError(f"ep={ep} does not divide the {e} experts of `{seg.grouped[0].name}` and they cannot be "
+                      f"zero-padded: {why}; valid ep: {valid} (expert-TP, ep=1, takes any expert count)")
 
 
 def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
@@ -351,7 +377,8 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
     Raises:
         ConfigError: ``ep`` does not divide the plan's data-parallel (× context-parallel)
             ranks, the model has no grouped expert matmul, or ``ep`` does not divide the
-            experts; the message names the valid choices.
+            experts where they cannot be zero-padded (:func:`_check_uneven`); the message
+            names the valid choices.
         ShardingError: an expert segment's rows are not split over those axes.
     """
     from autoshard.ir.errors import ConfigError, ShardingError
@@ -372,9 +399,8 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
     memo: dict = {}
     for seg in segs:
         e = seg.num_experts
-        if e % ep:
-            raise ConfigError(f"ep={ep} does not divide the {e} experts of `{seg.grouped[0].name}`; valid ep: "
-                              f"{[d for d in range(1, e + 1) if e % d == 0 and size % d == 0]}")
+        _check_uneven(seg, ep, size, orig)
+        local = -(-e // ep)         # experts per rank; the last zero-padded where ep does not divide e
         first = nodes[seg.grouped[0].name]
         if tuple(first.out_spec.dims[0]) != axes:
             raise ShardingError(f"expert parallelism over {axes}: the token rows of `{first.name}` are split over "
@@ -389,19 +415,20 @@ def plan_expert_parallel(plan, gm: fx.GraphModule, ep: int):
         def both(v):
             return [a2a("fwd", v)] + ([a2a("bwd", v)] if _needs_grad(v, trainable, memo) else [])
 
-        counts = Comm(phase="fwd", kind="all_to_all", axes=axes, group_size=ep, buffer_bytes=(ep - 1) * (e // ep) * 8)
+        counts = Comm(phase="fwd", kind="all_to_all", axes=axes, group_size=ep, buffer_bytes=(ep - 1) * local * 8)
         gathered = {v: expert_param_rows(seg, v) for v in seg.rows[1:]}
         moved = [v for v in seg.rows if gathered.get(v) is None]
         out = [counts] + [a2a("fwd", v) for v in moved] + [a2a("bwd", v) for v in moved
                                                           if _needs_grad(v, trainable, memo)]
         nodes[first.name] = dataclasses.replace(first, comms=first.comms + tuple(out), notes=first.notes + (
-            f"expert parallelism: {e // ep} of {e} experts per rank; token rows dispatched to them by all-to-all "
+            f"expert parallelism: {local} of {e} experts per rank" + (f" (zero-padded to {local * ep})" if e % ep else "")
+            + "; token rows dispatched to them by all-to-all "
             f"over {','.join(axes)}" + (f" (groups of {ep})" if ep < size else ""),))
         for x in seg.exits:
             nodes[x.name] = dataclasses.replace(nodes[x.name], comms=nodes[x.name].comms + tuple(both(x)))
         for g in seg.grouped:
             nodes[g.name] = dataclasses.replace(nodes[g.name], weight=f"{nodes[g.name].weight} · experts / {ep}",
-                                                param_bytes=nodes[g.name].param_bytes // ep)
+                                                param_bytes=nodes[g.name].param_bytes * local // e)
         for name in seg.weights + tuple(w.target for w in gathered.values() if w is not None):
             params[name] = _split_experts(orig[name], axes, ep, size)
     return dataclasses.replace(plan, nodes=tuple(nodes[n.name] for n in plan.nodes),

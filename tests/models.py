@@ -141,6 +141,9 @@ TINY["phi3-kv2"] = ("Phi3ForCausalLM", "Phi3Config",
 # the architecture matrix (tests/arch_models.py) adds its tiny configs (gptneo, debertav2, qwen3,
 # mixtral: local attention, relative attention, per-head q/k norms, mixture of experts, ...)
 TINY.update({k: v[:3] for k, v in ARCHS.items() if k not in TINY})
+# expert counts that expert parallelism does not divide (3 experts at ep=2, 6 at ep=4): zero-padded experts
+TINY["mixtral-e3"] = ("MixtralForCausalLM", "MixtralConfig", {**TINY["mixtral"][2], "num_local_experts": 3})
+TINY["mixtral-e6"] = ("MixtralForCausalLM", "MixtralConfig", {**TINY["mixtral"][2], "num_local_experts": 6})
 
 
 def build(name: str, seed: int = 0):

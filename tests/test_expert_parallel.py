@@ -101,8 +101,8 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
     segs = expert_segments(cap.module)
     for layer, seg in enumerate(segs):
         e = counts[0][layer].numel()
-        block = me // copies
-        mine = slice(block * e // ep, (block + 1) * e // ep)
+        block, per = me // copies, -(-e // ep)      # per rank: ceil(e / ep) experts, the last zero-padded
+        mine = slice(block * per, (block + 1) * per)
         sent = int(counts[me][layer].sum() - counts[me][layer][mine].sum())
         came = sum(int(counts[d][layer][mine].sum()) for d in peers)
         # a row's bytes: the hidden state out (and back) -- plus, where the model gathers a per-row
@@ -111,7 +111,7 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
         hidden = dense.config.hidden_size * 4
         extra = sum(v.meta["val"].shape[-1] * 4 // tp for v in seg.rows[1:] if expert_param_rows(seg, v) is None)
         # counts; rows out (sent) and results back (came) in forward, the reverse for their gradients
-        expect += (ep - 1) * (e // ep) * 8 + (sent + came) * (2 * hidden + extra)
+        expect += (ep - 1) * per * 8 + (sent + came) * (2 * hidden + extra)
     a2a = [c for c in led.calls if c.kind == "all_to_all"]
     res = {"failures": failures, "a2a_calls": len(a2a), "a2a_bytes": sum(c.buffer_bytes for c in a2a),
            "expected_a2a_bytes": expect, "ledger_calls": led.count(), "plan_calls": len(plan.comms()),
@@ -121,6 +121,9 @@ def _ep_check(rank, world, name, ep, steps, save_to=None, logits_atol=1e-5, dp=N
                                if ".experts." in n and p.dim() == 3),
            "dense_expert_bytes": sum(p.numel() * p.element_size() for n, p in dense.named_parameters()
                                      if ".experts." in n and p.dim() == 3),
+           # the experts' count padded to a multiple of ep (ep · ceil(E / ep)) over the dense one
+           "expert_pad": (-(-dense.config.num_local_experts // ep) * ep, dense.config.num_local_experts)
+           if hasattr(dense.config, "num_local_experts") else (1, 1),
            # per-expert biases (gpt-oss): the gate_up bias, gathered by expert id, split over ep
            # (whole over tp); the down bias, added after the combine, whole
            "bias_bytes": {n: (p.numel() * p.element_size(), dict(dense.named_parameters())[n].numel() * p.element_size())
@@ -191,7 +194,9 @@ def _assert_exact(results, ep):
         assert r["a2a_bytes"] == r["expected_a2a_bytes"], (rank, r["a2a_bytes"], r["expected_a2a_bytes"])
         assert r["param_bytes"] == r["plan_param_bytes"]
         # each rank: E/ep experts, each split over tp
-        assert r["expert_bytes"] * ep * r["tp"] == r["dense_expert_bytes"], (r["expert_bytes"], r["dense_expert_bytes"])
+        padded, experts = r["expert_pad"]
+        assert r["expert_bytes"] * ep * r["tp"] * experts == r["dense_expert_bytes"] * padded, \
+            (r["expert_bytes"], r["dense_expert_bytes"], padded, experts)
         for name, (mine, whole) in r["bias_bytes"].items():
             assert mine * (ep if "gate_up" in name else 1) == whole, (name, mine, whole)
         if "losses" in r:
@@ -417,7 +422,7 @@ def _generate(rank, world, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "gptoss"])
+@pytest.mark.parametrize("name", ["mixtral", "gptoss", pytest.param("mixtral-e3", marks=pytest.mark.extended)])
 def test_generate_with_ep(name):
     """generate() on a module sharded with ep=2: the prefill and decode steps are planned with
     the module's layouts (experts split over dp; gpt-oss's gate_up bias too) and dispatch their
@@ -463,3 +468,45 @@ def test_lora_on_the_experts_without_a_batch_split():
     expert-TP) equals dense peft (loss, logits, every adapter's local gradient)."""
     for rank, r in enumerate(get_pool(2, timeout=600).run(_lora_experts_dp1)):
         assert r["failures"] == [], (rank, r["failures"][:6])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,ep,dp", [("mixtral-e3", 2, 2),
+                                        pytest.param("mixtral-e6", 4, 4, marks=pytest.mark.extended)])
+def test_expert_count_ep_does_not_divide(name, ep, dp, tmp_path):
+    """3 experts at ep=2 (tp2 × dp2) and 6 at ep=4 (tp1 × dp4), 4 ranks (issue 59): the experts
+    zero-padded to ep · ceil(E / ep) (2 per rank; the last rank's second, or the fourth rank's
+    both, padded ones the router never picks): exact against dense, 3 AdamW steps exact, the
+    all-to-all bytes those of the dense routing, full_state_dict the dense experts (unpadded), saved
+    under their Hugging Face shapes (loading in transformers) and loaded back at the same ep."""
+    _assert_exact(get_pool(4, timeout=600).run(_ep_check, name, ep, 3, str(tmp_path / "saved"), 1e-5, dp), ep)
+
+
+def test_plan_pads_experts_ep_does_not_divide():
+    """6 experts at ep=4 (dp4, tp1; issue 59): each expert weight zero-padded to 8 experts, 2 per
+    rank (the fourth rank's both padded), no copies; the counts exchange carries 2 integers per
+    peer; the padding holds zeros and trims back to the Hugging Face shape."""
+    p = autoshard.plan(models.build("mixtral-e6"), world_size=4, mode="1d", dp=4, ep=4, batch_size=8, seq_len=8,
+                       example_inputs=models.batch("mixtral-e6"))
+    experts = [pp for pp in p.params if ".experts." in pp.name]
+    assert len(experts) == 4
+    for pp in experts:
+        assert (pp.global_shape[0], pp.hf_shape[0], pp.pad_copies) == (8, 6, 0), pp
+        assert pp.spec.dims[0] == ("dp",) and pp.grad_sync == () and pp.local_shape(p.mesh)[0] == 2
+    w = torch.arange(1.0, 7.0).view(6, 1, 1).expand(6, *experts[0].hf_shape[1:])
+    assert [experts[0].spec.local(experts[0].pad(w), p.mesh, r)[:, 0, 0].tolist() for r in range(4)] == \
+        [[1, 2], [3, 4], [5, 6], [0, 0]]
+    assert torch.equal(experts[0].trim(experts[0].pad(w)), w)
+    a2a = [c for c in p.comms() if c.kind == "all_to_all"]
+    assert sorted(c.buffer_bytes for c in a2a)[:2] == [3 * 2 * 8] * 2      # (ep - 1) peers × 2 counts × int64
+
+
+def test_uneven_experts_below_dp_refused_naming_the_choices():
+    """3 experts at ep=2 of dp=4: the blocks would be held in copies, which the zero-padding does not
+    compose with yet: a ConfigError at planning naming the valid ep and expert-TP (ep=1)."""
+    with pytest.raises(ConfigError) as e:
+        autoshard.plan(models.build("mixtral-e3"), world_size=4, mode="1d", dp=4, ep=2, batch_size=8, seq_len=8,
+                       example_inputs=models.batch("mixtral-e3"))
+    msg = str(e.value)
+    assert "ep=2 does not divide the 3 experts" in msg and "valid ep: [1, 4]" in msg, msg
+    assert "expert-TP, ep=1, takes any expert count" in msg, msg

@@ -3,7 +3,8 @@
 A mixture-of-experts layer hands its grouped matmuls the routed token rows sorted by
 expert, with the group offsets ``offs`` (``offs[e]``: the rows of experts ``0..e``).
 Under expert parallelism the ``E`` experts are cut into ``p`` contiguous blocks of
-``L = E / p``, one per rank of the ep group, so the rows a rank sends to group rank
+``L = ceil(E / p)`` (zero-padded experts that get no row complete the last ones where ``p``
+does not divide ``E``), one per rank of the ep group, so the rows a rank sends to group rank
 ``j`` are one contiguous run of its sorted rows (experts ``jL .. jL+L-1``):
 
 1. :func:`ep_route`: the per-expert counts go to the expert owners (one
@@ -63,13 +64,14 @@ def ep_route(offs: torch.Tensor, group: str) -> Route:
     """Exchange the per-expert row counts over the ep ``group`` (one all-to-all).
 
     ``offs`` are this rank's group offsets over all ``E`` experts; the group's ``p``
-    ranks own ``E / p`` experts each, in order."""
+    ranks own ``ceil(E / p)`` experts each, in order, the last ones zero-padded experts
+    where ``p`` does not divide ``E`` (the router never picks them: they get no row)."""
     me, p = C.group_rank_size(group)
     counts = _counts(offs)
     e = counts.numel()
-    if e % p:
-        raise ValueError(f"{e} experts do not split over {p} expert-parallel ranks")
-    local = e // p
+    local = -(-e // p)
+    if e < local * p:       # experts zero-padded to p blocks of ceil(E / p) (passes.experts): no row picks a padded one
+        counts = torch.cat([counts, counts.new_zeros(local * p - e)])
     mine = counts.view(p, local)                       # [destination, its local expert]
     got = C.all_to_all_rows(mine, [1] * p, [1] * p, group) if p > 1 else mine   # [source, my local expert]
     send = tuple(int(v) for v in mine.sum(1).tolist())
