@@ -554,7 +554,17 @@ def _merged_under(u, src, d) -> str:
     """What a reshape that merges the split dim ``d`` into the dim before it does to the
     split (Bloom's ``[b, heads, s, hd] → [b·heads, s, hd]``): each rank's heads would be
     ``b`` blocks of the merged dim, one per outer index, a split no spec expresses (its
-    segment count would be the batch); empty for any other op."""
+    segment count would be the batch); empty for any other op, and where sizes that depend
+    on data (Idefics3's connector) leave it undecided."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return _merged_text(u, src, d)
+    except GuardOnDataDependentSymNode:
+        return ""
+
+
+def _merged_text(u, src, d) -> str:
     a, b = _shape(src), _shape(u)
     if u.target not in _VIEWS or d is None or not d or a is None or b is None or len(a) != len(b) + 1:
         return ""

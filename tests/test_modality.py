@@ -309,3 +309,15 @@ def test_a_static_sequence_gets_one_graph_per_length():
         assert r[s][0] < 1e-5 and r[s][1] < 1e-5, r
     assert ["input_ids[b,8]:int64" in r["signatures"][0], "input_ids[b,6]:int64" in r["signatures"][1]] == [True] * 2
     assert len(r["signatures"]) == 2, r       # the second call at 8 reuses the first graph
+
+
+def test_idefics3_plans_in_1d_with_data_dependent_sizes():
+    """Idefics3's connector reshapes by an image count read from the data (unbacked ``u``):
+    every look-ahead that compares its sizes (the fused-block and merged-heads checks of
+    passes/rule_context.py) must treat them as undecided, not crash the Linear's rule
+    (GuardOnDataDependentSymNode on ``Eq(u4, 4*u4)``, once a regression)."""
+    import autoshard
+
+    model = modality.build_meta("idefics3")
+    plan = autoshard.plan(model, world_size=4, mode="1d", example_inputs=modality.inputs("idefics3", model, b=4))
+    assert any(n.name == "linear_12" for n in plan.nodes)
