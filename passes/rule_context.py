@@ -503,12 +503,18 @@ def view_dim(u, src, d):
     is cut in two (``[.., heads·hd] → [.., heads, hd]``) or merged with its inner neighbour
     (and back); None where unknown (the caller then stops at the next norm), sizes that
     depend on data (an unbacked ``u8`` no comparison can decide: Idefics3's connector) too."""
+    return _undecided_on_data(_view_dim_of, None, u, src, d)
+
+
+def _undecided_on_data(fn, default, *args):
+    """``fn(*args)``, or ``default`` where a comparison of sizes that depend on data (an
+    unbacked ``u``: Idefics3's connector) cannot be decided."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
-        return _view_dim_of(u, src, d)
+        return fn(*args)
     except GuardOnDataDependentSymNode:
-        return None
+        return default
 
 
 def _view_dim_of(u, src, d):
@@ -556,12 +562,7 @@ def _merged_under(u, src, d) -> str:
     ``b`` blocks of the merged dim, one per outer index, a split no spec expresses (its
     segment count would be the batch); empty for any other op, and where sizes that depend
     on data (Idefics3's connector) leave it undecided."""
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    try:
-        return _merged_text(u, src, d)
-    except GuardOnDataDependentSymNode:
-        return ""
+    return _undecided_on_data(_merged_text, "", u, src, d)
 
 
 def _merged_text(u, src, d) -> str:
