@@ -77,21 +77,14 @@ class Folded:
 
 
 def _blocks(tags: list) -> list[tuple[int, int, tuple[str, int]]]:
-    """``(start, end, tag)`` of each maximal run of consecutive rows in one layer; a layer
-    split over several runs (rows of another stack between its rows) is in none of them:
-    it is shown in full."""
-    runs, i = [], 0
-    while i < len(tags):
-        j = i
-        while j < len(tags) and tags[j] == tags[i]:
-            j += 1
-        if tags[i] is not None:
-            runs.append((i, j, tags[i]))
-        i = j
-    seen: dict = {}
-    for r in runs:
-        seen[r[2]] = seen.get(r[2], 0) + 1
-    return [r for r in runs if seen[r[2]] == 1]
+    """``(start, end, tag)`` of each layer's rows, in order: from its first row to its last,
+    with the rows in between that belong to no layer (a node a pass added without a module
+    path); a layer with another layer's row in between is in none of them: it is shown in full."""
+    span: dict = {}
+    for i, t in enumerate(tags):
+        if t is not None:
+            span[t] = (span[t][0] if t in span else i, i + 1)
+    return sorted((s, e, t) for t, (s, e) in span.items() if all(x is None or x == t for x in tags[s:e]))
 
 
 def _normal(cells: tuple, tag: tuple[str, int], names: set) -> tuple:

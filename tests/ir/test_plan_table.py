@@ -100,15 +100,42 @@ def test_all_layers_and_all_nodes_compose(plan7):
     assert len(every) < len(plan7.nodes) / 3
 
 
-def test_fold_abstracts_numbering_and_refuses_split_layers():
-    names = {"a", "a_1", "a_2", "b", "x"}
-    # a note naming a node of its own layer, and a path one layer up: same up to numbering
+def _covered(out, modules) -> list[int]:
+    """The row indices ``fold``'s output stands for, in order (a folded layer: its rows)."""
+    got = []
+    for x in out:
+        if isinstance(x, Folded):
+            got += [i for i, m in enumerate(modules) if layer_of(m) and layer_of(m)[0] == x.prefix
+                    and x.first <= layer_of(m)[1] <= x.last]
+        else:
+            got.append(x)
+    return got
+
+
+def test_fold_abstracts_numbering_and_keeps_every_row_once():
+    names = {"a", "a_1", "a_2", "a_3", "b", "b_1", "y", "y_1"}
+    # a note naming a node of its own layer, and a path one layer up: the same up to numbering
     rows = [("a", "s.0.f", "from a"), ("a_1", "s.1.f", "from a_1, s.0.f"), ("a_2", "s.2.f", "from a_2, s.1.f")]
     out = fold([r[1] for r in rows], rows, names)
     assert out[:2] == [0, 1] and out[2] == Folded("s", 1, 2, 2)
-    # a layer whose rows sit on both sides of another row is never folded (its rows would hide x)
-    rows = [("a", "s.0.f", ""), ("a_1", "s.1.f", ""), ("x", "t", ""), ("a_2", "s.1.f", "")]
-    assert fold([r[1] for r in rows], rows, names) == [0, 1, 2, 3]
+    # a row of no layer (a node a pass added) inside a layer is part of it, compared with the rest
+    rows = [("a", "s.0.f", ""), ("b", "", ""), ("a_1", "s.0.g", ""),
+            ("a_2", "s.1.f", ""), ("b_1", "", ""), ("a_3", "s.1.g", "")]
+    assert fold([r[1] for r in rows], rows, names) == [0, 1, 2, Folded("s", 0, 1, 1)]
+    rows[4] = ("b_1", "", "other")
+    assert fold([r[1] for r in rows], rows, names) == [0, 1, 2, 3, 4, 5]
+    # two stacks interleaved: no layer is a run of its own rows, nothing folds
+    rows = [("a", "s.0.f", ""), ("y", "t.0.g", ""), ("a_1", "s.0.f", ""), ("y_1", "t.0.g", ""),
+            ("a_2", "s.1.f", ""), ("b", "t.1.g", ""), ("a_3", "s.1.f", ""), ("b_1", "t.1.g", "")]
+    assert fold([r[1] for r in rows], rows, names) == list(range(8))
+    rows = [("a", "s.0.f", ""), ("y", "t.5.g", ""), ("a_1", "s.0.f", ""),
+            ("a_2", "s.1.f", ""), ("y_1", "t.5.g", ""), ("a_3", "s.1.f", "")]
+    assert fold([r[1] for r in rows], rows, names) == list(range(6))
+    # whatever folds, every row is shown or folded exactly once, in order
+    for rows in ([("a", "s.0.f", ""), ("a_1", "s.1.f", ""), ("x", "u", ""), ("a_2", "s.2.f", ""), ("a_3", "s.3.f", "")],
+                 [("a", "s.0.f", ""), ("a_1", "s.1.f", "n"), ("a_2", "s.2.f", ""), ("a_3", "s.3.f", "")]):
+        modules = [r[1] for r in rows]
+        assert _covered(fold(modules, rows, names), modules) == list(range(len(rows)))
     # the outermost integer is the layer: an expert index inside a layer stays part of it
     assert layer_of("model.layers.3.mlp.experts.7.w1") == ("model.layers", 3)
     assert layer_of("encoder.block.0.layer.1.DenseReluDense") == ("encoder.block", 0)
