@@ -3,14 +3,15 @@ node, each run of repeated layers shown once.
 
 A deep model's plan is mostly one layer repeated: Llama-7B's 32 decoder layers give
 ~300 rows, ~1,600 terminal lines, of which nobody reads 31 copies (and rich spends most
-of ``autoshard plan``'s printing time laying them out). By default a layer whose rows
-equal the rows of the layer before it, once the layer index in module paths and the
-numbering of node names are abstracted, is folded into one row saying which layers are
-the same as which. A layer is a module-path prefix ending in an integer (``<prefix>.<i>``,
-the repeated stacks :mod:`autoshard.passes.stamp` grows): the structure of the path,
-never a model's names. A layer that differs in any column (the first layer that
-gathers the mask once, a layer with another kernel, collective or note) is shown in
-full and starts the next run. ``all_layers=True`` lists every row.
+of ``autoshard plan``'s printing time laying them out). By default a run of consecutive
+layers whose rows equal those of a layer shown above, once the layer index in module
+paths and the numbering of node names are abstracted, is folded into one row saying
+which layers are the same as which. A layer is a module-path prefix ending in an integer
+(``<prefix>.<i>``, the repeated stacks :mod:`autoshard.passes.stamp` grows): the
+structure of the path, never a model's names. A layer that differs in any column (the
+first layer that gathers the mask once, a layer with another kernel, collective or
+note) is shown in full, and the layers after it that repeat it fold into it.
+``all_layers=True`` lists every row.
 
     >>> rows = [("linear", "model.layers.0.q"), ("linear_1", "model.layers.1.q"),
     ...         ("linear_2", "model.layers.2.q"), ("lm", "lm_head")]
@@ -107,10 +108,10 @@ def _index_in(prefix: str) -> re.Pattern:
 
 def fold(modules: list[str], rows: list[tuple], names: set) -> list:
     """The rows to show, in order: a row's index, or a :class:`Folded` standing for a run
-    of consecutive layers whose ``rows`` equal those of a layer shown above (the latest
-    such; ``modules``: each row's module path; ``names``: the plan's node names, whose
-    numbering is abstracted). A layer that matches none is shown and may be the next one's
-    reference, so one odd layer amid a stack costs only its own rows."""
+    of consecutive layers whose ``rows`` equal those of a layer shown above (``modules``:
+    each row's module path; ``names``: the plan's node names, whose numbering is
+    abstracted). A layer that matches none is shown and may be the reference of later
+    ones, so one odd layer amid a stack costs only its own rows."""
     blocks = _blocks([layer_of(m) for m in modules])
     keys = [(p, tuple(_normal(r, (p, i), names) for r in rows[s:e])) for s, e, (p, i) in blocks]
     shown: dict = {}                # a shown layer's key -> its index
