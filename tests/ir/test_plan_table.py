@@ -139,3 +139,23 @@ def test_fold_abstracts_numbering_and_keeps_every_row_once():
     # the outermost integer is the layer: an expert index inside a layer stays part of it
     assert layer_of("model.layers.3.mlp.experts.7.w1") == ("model.layers", 3)
     assert layer_of("encoder.block.0.layer.1.DenseReluDense") == ("encoder.block", 0)
+
+
+def test_cli_folds_by_default_and_all_layers_lists_every_layer(plan7, tmp_path, capsys, monkeypatch):
+    import json
+
+    import autoshard.cli.plan as cli_plan
+    from autoshard.cli import main
+
+    # the command's own flags and printing, on the module's plan (planning it again is tested above)
+    monkeypatch.setattr(cli_plan, "_plan_or_search", lambda args, cluster: (plan7, None))
+    out = tmp_path / "plan.json"
+    args = ["plan", "llama:tiny", "-w", "2", "-m", "1d", "-b", "2", "-s", "16", "--width", "400"]
+    assert main(args + ["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "same as model.layers.0 (6 layers)" in text and "model.layers.6." not in text
+    assert len(json.loads(out.read_text())["plan"]["nodes"]) == len(plan7.nodes)      # --json keeps every node
+    assert main(args + ["--all-layers", "--all-nodes"]) == 0
+    text = capsys.readouterr().out
+    assert "same as model.layers" not in text and "model.layers.6." in text
+    assert all(f" {n.name} " in text for n in plan7.nodes)                             # every node, every layer
