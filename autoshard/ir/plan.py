@@ -628,7 +628,16 @@ class ShardingPlan:
     def table(self, *, all_nodes: bool = False, all_layers: bool = False):
         """A ``rich.table.Table`` with one row per annotated node, fallback or kernel (all
         nodes with ``all_nodes=True``); each run of layers the same as the layer before it
-        is one row (every layer with ``all_layers=True``; :mod:`autoshard.ir.plan_table`)."""
+        is one row (every layer with ``all_layers=True``; :mod:`autoshard.ir.plan_table`).
+
+            >>> from autoshard.ir.mesh import Mesh
+            >>> fc = [NodePlan(name=f"linear_{i}", op="linear", kind="linear", module=f"m.layers.{i}.fc",
+            ...                out_spec=None) for i in range(3)]
+            >>> p = ShardingPlan(model="toy", mode="1d", mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
+            ...                  batch_axes=(), batch_size=1, seq_len=1, nodes=tuple(fc), params=())
+            >>> p.table().row_count, p.table(all_layers=True).row_count   # layer 0 + "same as" row; all 3
+            (2, 3)
+        """
         from .plan_table import table
 
         return table(self, all_nodes=all_nodes, all_layers=all_layers)
