@@ -46,7 +46,7 @@ def test_help_explains_every_flag(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--world-size", "--mode", "--depth", "--dp", "--batch-size", "--seq-len", "--cluster", "--json",
-                 "--all-nodes", "examples:", "llama:7b"):
+                 "--all-nodes", "--all-layers", "examples:", "llama:7b"):
         assert flag in text, flag
     with pytest.raises(SystemExit):
         main(["check", "--help"])

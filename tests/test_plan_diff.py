@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -83,6 +84,8 @@ def test_cli_diff_lists_every_changed_node(one_d_two_d, tmp_path, capsys):
     pa.write_text(json.dumps({"summary": {}, "plan": json.loads(a.to_json())}))   # `autoshard plan --json` form
     pb.write_text(b.to_json())                                                   # ShardingPlan.to_json() form
     assert main(["diff", str(pa), str(pb), "--width", "400"]) == 1
+    assert "same as model.layers.0 (1 layer)" in capsys.readouterr().out      # layer 1 folded by default
+    assert main(["diff", str(pa), str(pb), "--width", "400", "--all-layers"]) == 1
     out = capsys.readouterr().out
     names = [c.name for c in diff(a, b) if c.what == "node"]
     for name in names:
@@ -93,3 +96,33 @@ def test_cli_diff_lists_every_changed_node(one_d_two_d, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["diff", str(pa), str(tmp_path / "bad.json")]) == 2
     assert "cannot read a plan" in capsys.readouterr().err
+
+
+def _span(changes, layer: str, modules: dict) -> list:
+    """The changes of one section from the first naming ``layer`` to the last (a node by its
+    module, a parameter by its name)."""
+    where = [c.name if c.what == "param" else modules.get(c.name, "") for c in changes]
+    at = [i for i, m in enumerate(where) if m == layer or m.startswith(layer + ".")]
+    return changes[at[0]:at[-1] + 1]
+
+
+def test_a_layer_whose_changes_repeat_the_layer_before_is_one_row(one_d_two_d):
+    a, b = one_d_two_d
+    changes = diff(a, b)
+    modules = {n.name: n.module for p in (b, a) for n in p.nodes}
+    hidden = []
+    for what in ("node", "param"):
+        sec = [c for c in changes if c.what == what]
+        l0, l1 = _span(sec, "model.layers.0", modules), _span(sec, "model.layers.1", modules)
+
+        def plain(c):       # what may differ between two copies of a layer: numbering, the index
+            return (re.sub(r"_\d+$", "", c.name).replace("layers.1.", "layers.0."), c.status, c.fields)
+
+        assert [plain(c) for c in l1] == [plain(c) for c in l0] and l1     # the premise, checked here
+        hidden += l1
+    folded, every = table(a, b, changes), table(a, b, changes, all_layers=True)
+    rows = list(zip(*[c._cells for c in folded.columns]))
+    assert [(r[1], r[3]) for r in rows if r[0] == "…"] == [("model.layers.1", "same as model.layers.0 (1 layer)")] * 2
+    assert every.row_count == sum(len(c.fields) for c in changes)
+    assert every.row_count - folded.row_count == sum(len(c.fields) for c in hidden) - 2
+    assert not {c.name for c in hidden} & {r[1] for r in rows}

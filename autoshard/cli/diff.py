@@ -21,6 +21,9 @@ def add_diff(sub) -> None:
     dp.add_argument("plan_a", metavar="PLAN_A.json", help="a plan: `autoshard plan --json` output or "
                                                          "ShardingPlan.to_json()")
     dp.add_argument("plan_b", metavar="PLAN_B.json", help="the plan to compare it with")
+    dp.add_argument("--all-layers", action="store_true",
+                    help="list every layer's changes; by default a run of layers whose changes are those of a "
+                         "layer above (up to the layer index and node numbering) is one 'same as' row")
     dp.add_argument("--width", type=int, default=None, metavar="COLS",
                     help="console width for the table (default: terminal width, at least 220)")
 
@@ -46,7 +49,7 @@ def cmd_diff(args) -> int:
     console = console_for(args.width)
     changes = diff(a, b)
     if changes:
-        console.print(table(a, b, changes))
+        console.print(table(a, b, changes, all_layers=args.all_layers))
     n = counts(changes)
     console.print(" · ".join(f"{k}: {v}" for k, v in n.items()) if changes else "the plans are equal")
     return 1 if changes else 0

@@ -25,7 +25,7 @@ examples:
   autoshard plan llama:7b --world-size 64 --mode 2.5d --depth 4 --batch-size 64 --seq-len 2048
   autoshard plan llama:7b --world-size 64 --mode auto --cluster dgx-a100 --batch-size 64 --seq-len 2048
   autoshard plan ./config.json --world-size 4 --mode 2d --batch-size 4 --seq-len 16 --json plan.json
-  autoshard plan gpt2:small --world-size 8 --mode 1d --all-nodes
+  autoshard plan gpt2:small --world-size 8 --mode 1d --all-nodes --all-layers
   autoshard plan llama:7b --world-size 8 --mode 1d --batch-size 8 --seq-len 2048 --step decode --no-table
 
 Numbers are per rank and per training step (forward + backward). The predicted
@@ -104,6 +104,9 @@ def add_plan(sub, known: str) -> None:
     pp.add_argument("--all-nodes", action="store_true",
                     help="list every graph node in the plan table, not only linear/norm/attention/"
                          "embedding/loss and fallbacks")
+    pp.add_argument("--all-layers", action="store_true",
+                    help="list every layer in the plan table; by default a run of layers whose rows equal the "
+                         "layer's before them (up to the layer index and node numbering) is one 'same as' row")
     pp.add_argument("--no-table", action="store_true", help="skip the per-node plan table")
     pp.add_argument("--svg", metavar="PATH", default=None,
                     help="also draw the plan as SVG: which block of each weight (stem, head, first block) "
@@ -226,7 +229,7 @@ def cmd_plan(args) -> int:
         from ..planning.cost import forward_latency
 
         if not args.no_table:
-            console.print(plan.table(all_nodes=args.all_nodes))
+            console.print(plan.table(all_nodes=args.all_nodes, all_layers=args.all_layers))
         n = max((x.global_shape[2] for x in plan.nodes if x.kind == "state"), default=0)
         console.print(f"[bold]{args.step} step[/bold] ({plan.mode}, {plan.mesh}; batch {plan.batch_size}, KV cache "
                       f"of {n} positions): KV cache {plan.state_bytes_per_rank:,} B per rank · "
@@ -241,7 +244,7 @@ def cmd_plan(args) -> int:
     if res is not None:
         res.show(console, top=args.top or None)
     if not args.no_table:
-        console.print(plan.table(all_nodes=args.all_nodes))
+        console.print(plan.table(all_nodes=args.all_nodes, all_layers=args.all_layers))
     print_summary(console, plan, cost, cluster)
     if args.svg:
         console.print(f"wrote {plan.draw(args.svg)}")
@@ -270,7 +273,7 @@ def _plan_pipeline(args, cluster, console) -> int:
         console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {e}", markup=True, highlight=False)
         return 1
     if not args.no_table:
-        console.print(pl.plan.table(all_nodes=args.all_nodes))
+        console.print(pl.plan.table(all_nodes=args.all_nodes, all_layers=args.all_layers))
     print_summary(console, pl.plan, estimate(pl.plan, cluster), cluster)
     console.print(str(pl), markup=False, highlight=False)
     return 0

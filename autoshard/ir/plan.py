@@ -625,38 +625,34 @@ class ShardingPlan:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # --------------------------------------------------------------- printing
-    def table(self, *, all_nodes: bool = False):
+    def table(self, *, all_nodes: bool = False, all_layers: bool = False):
         """A ``rich.table.Table`` with one row per annotated node, fallback or kernel (all
-        nodes with ``all_nodes=True``)."""
-        from rich.markup import escape
-        from rich.table import Table
+        nodes with ``all_nodes=True``); each run of layers the same as the layer before it
+        is one row (every layer with ``all_layers=True``; :mod:`autoshard.ir.plan_table`).
 
-        t = Table(title=f"autoshard plan · {self.model} · {self.mode} · mesh {self.mesh}",
-                  show_lines=False, header_style="bold")
-        for col in ("node", "op", "module", "kernel", "global shape", "per-rank shape", "weight slice",
-                    "collectives (fwd / bwd)", "comm B/rank", "param B/rank", "notes"):
-            t.add_column(col, overflow="fold")
-        for n in self.nodes:
-            # an op kept for its kernel (a synced BatchNorm: samples meet there) has its row
-            if not all_nodes and n.kind == "other" and not n.fallback and n.kernel is None:
-                continue
-            fwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "fwd") or "-"
-            bwd = ", ".join(f"{c.kind}({','.join(c.axes)})" for c in n.comms if c.phase == "bwd") or "-"
-            row = (n.name, n.op, n.module, n.kernel.name if n.kernel else "-", _shape(n.global_shape), _shape(n.local_shape),
-                   n.weight or "-", f"{fwd} / {bwd}", f"{n.comm_bytes:,.0f}", f"{n.param_bytes:,}", "; ".join(n.notes))
-            t.add_row(*(escape(str(c)) for c in row), style="yellow" if n.fallback else None)
-        return t
+            >>> from autoshard.ir.mesh import Mesh
+            >>> fc = [NodePlan(name=f"linear_{i}", op="linear", kind="linear", module=f"m.layers.{i}.fc",
+            ...                out_spec=None) for i in range(3)]
+            >>> p = ShardingPlan(model="toy", mode="1d", mesh=Mesh(axes=("tp",), sizes=(2,)), tp_axes=("tp",),
+            ...                  batch_axes=(), batch_size=1, seq_len=1, nodes=tuple(fc), params=())
+            >>> p.table().row_count, p.table(all_layers=True).row_count   # layer 0 + "same as" row; all 3
+            (2, 3)
+        """
+        from .plan_table import table
 
-    def show(self, console=None, *, all_nodes: bool = False, node_size: int | None = None) -> None:
-        """Print the table and a summary. ``node_size``: ranks per node (default: torchrun's
-        ``LOCAL_WORLD_SIZE`` when this plan's world is the job's) adds which axes' groups
-        stay inside a node and which cross nodes."""
+        return table(self, all_nodes=all_nodes, all_layers=all_layers)
+
+    def show(self, console=None, *, all_nodes: bool = False, all_layers: bool = False,
+             node_size: int | None = None) -> None:
+        """Print the table (``all_nodes``, ``all_layers``: as :meth:`table`) and a summary.
+        ``node_size``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE`` when this
+        plan's world is the job's) adds which axes' groups stay inside a node and which cross nodes."""
         import os
 
         from rich.console import Console
 
         console = console or Console(width=220)
-        console.print(self.table(all_nodes=all_nodes))
+        console.print(self.table(all_nodes=all_nodes, all_layers=all_layers))
         s = self.summary()
         console.print(
             f"[bold]per rank:[/bold] parameters {s['param_bytes_per_rank']:,} B"
@@ -774,10 +770,3 @@ class ShardingPlan:
                    nodes=tuple(nodes), params=params, dp=d.get("dp", 1),
                    cp_order=d.get("cp_order", "balanced"), cp_attention=d.get("cp_attention", "ring"))
 
-
-def _shape(s) -> str:
-    if not s:
-        return "-"
-    if isinstance(s[0], (tuple, list)):
-        return " ".join(_shape(x) for x in s)
-    return "[" + ", ".join(str(x) for x in s) + "]"

@@ -109,23 +109,49 @@ def _label(plan) -> str:
     return f"{plan.mode} · {plan.mesh}"
 
 
-def table(plan_a, plan_b, changes: list[Change] | None = None):
-    """A ``rich.table.Table`` of :func:`diff`: one row per changed field."""
+def table(plan_a, plan_b, changes: list[Change] | None = None, *, all_layers: bool = False):
+    """A ``rich.table.Table`` of :func:`diff`: one row per changed field. A run of layers whose
+    changes are those of a layer above, up to the layer index and node numbering, is one
+    "same as" row, as in the plan table (:mod:`autoshard.ir.plan_table`); ``all_layers=True``
+    lists every change."""
     from rich.markup import escape
     from rich.table import Table
+
+    from ..ir.plan_table import Folded
 
     changes = diff(plan_a, plan_b) if changes is None else changes
     t = Table(title=f"plan diff · {plan_a.model} · A: {_label(plan_a)} → B: {_label(plan_b)}", header_style="bold")
     for col in ("what", "name", "change", "field", "A", "B"):
         t.add_column(col, overflow="fold")
     style = {"added": "green", "removed": "red", "changed": None}
-    for c in changes:
+    items = range(len(changes)) if all_layers else _folded(plan_a, plan_b, changes)
+    for it in items:
+        if isinstance(it, Folded):
+            t.add_row("…", escape(it.span), "", escape(it.same), "", "", style="italic", end_section=True)
+            continue
+        c = changes[it]
         for i, (field, a, b) in enumerate(c.fields):
             first = i == 0
             t.add_row(c.what if first else "", escape(c.name) if first else "", c.status if first else "",
                       escape(field), escape(_value_text(a)), escape(_value_text(b)), style=style[c.status],
                       end_section=i == len(c.fields) - 1)
     return t
+
+
+def _folded(plan_a, plan_b, changes: list[Change]) -> list:
+    """:func:`~autoshard.ir.plan_table.fold` over the node changes, then over the parameter
+    changes: a node's layer is its module's, a parameter's its own name's."""
+    from ..ir.plan_table import Folded, fold
+
+    nodes = {n.name: n.module for p in (plan_b, plan_a) for n in p.nodes}
+    out: list = []
+    for what in ("plan", "node", "param"):
+        idx = [i for i, c in enumerate(changes) if c.what == what]
+        where = [changes[i].name if what == "param" else nodes.get(changes[i].name, "") for i in idx]
+        rows = [(changes[i].status, changes[i].name,
+                 *(f"{f}: {_value_text(a)} → {_value_text(b)}" for f, a, b in changes[i].fields)) for i in idx]
+        out += [x if isinstance(x, Folded) else idx[x] for x in fold(where, rows, set(nodes))]
+    return out
 
 
 def _value_text(v) -> str:
