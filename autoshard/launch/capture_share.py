@@ -437,12 +437,21 @@ def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = No
     from ..passes.stamp import capture_stamped
 
     if os.environ.get("AUTOSHARD_STAMP", "1").strip().lower() in ("0", "off", "false", "no"):
-        return capture_cached(model, example_inputs=example_inputs)
+        return capture_cached(model, example_inputs=example_inputs, capture_fn=_capture_to_plan)
 
     def build(config):
         return model_from(config).train(model.training)
 
-    return capture_stamped(model, build=build, capture_fn=capture_cached, example_inputs=example_inputs)
+    def cached(m, **kw):
+        return capture_cached(m, capture_fn=_capture_to_plan, **kw)
+
+    return capture_stamped(model, build=build, capture_fn=cached, example_inputs=example_inputs)
+
+
+def _capture_to_plan(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
+    """:func:`~autoshard.passes.capture.capture` without the nodes' source lines: a capture on
+    meta is planned, never run (its own cache entries: :func:`_fn_tag`)."""
+    return capture(model, example_inputs=example_inputs, stack_traces=False)
 
 
 def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
