@@ -156,8 +156,7 @@ def stamp(cap: Captured, lists: dict[str, int]) -> Captured:
     gm = cap.module
     g = _Stamper(gm, _find_stacks(list(gm.graph.nodes), lists)).emit()
     g.lint()
-    gm.graph = g
-    gm.recompile()
+    gm.graph = g            # the setter recompiles (its code): once, not twice for a 32-layer graph
     return dataclasses.replace(cap, module=gm, program=None, stamped=True)
 
 

@@ -133,6 +133,59 @@ def test_the_disk_cache_hits_misses_and_rebuilds(tmp_path, monkeypatch):
     assert len(calls) == 4
 
 
+def test_a_capture_made_here_is_not_read_back_and_plans_as_its_load(tmp_path, monkeypatch):
+    """capture_cached packs and stores a new capture but does not unpickle it again: the
+    module it pickled stands for the load. It has what a load from the cache has (module
+    paths as text, no provenance, no program, the model's own tensors, a fake mode without
+    fallback kernels) and plans the same; an entry that unpickles but whose graph does not
+    load is rebuilt."""
+    import pickle
+
+    from torch.fx._graph_pickler import GraphPickler
+
+    from autoshard.launch import cache_dir
+    from autoshard.launch.capture_share import cache_key, capture_cached, forget_loaded
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+
+    monkeypatch.setenv("AUTOSHARD_CACHE", str(tmp_path))
+    exports, loads = [], []
+    real_export, real_loads = torch.export.export, GraphPickler.loads
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: (exports.append(1), real_export(*a, **k))[1])
+    monkeypatch.setattr(GraphPickler, "loads", lambda *a, **k: (loads.append(1), real_loads(*a, **k))[1])
+    model, inputs = models.build("gpt2"), models.batch("gpt2")
+    cold = capture_cached(model, example_inputs=inputs)
+    assert (len(exports), len(loads)) == (1, 0)
+    forget_loaded()
+    warm = capture_cached(model, example_inputs=inputs)
+    assert (len(exports), len(loads)) == (1, 1)
+
+    def shape(cap):
+        stacks = [v for n in cap.module.graph.nodes for v in n.meta.get("nn_module_stack", {}).values()]
+        vals = [n.meta["val"] for n in cap.module.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        return (cap.module.code, [(n.name, n.target, str(n.meta.get("val"))) for n in cap.module.graph.nodes],
+                all(isinstance(x, str) for v in stacks for x in v), any("from_node" in n.meta for n in cap.module.graph.nodes),
+                cap.program, cap.input_names, cap.seq_range, cap.guards, str(cap.batch_symbol), str(cap.seq_symbol),
+                sorted(cap.example_inputs), vals[0].fake_mode.allow_fallback_kernels)
+
+    assert shape(cold) == shape(warm)
+    assert shape(cold)[2:5] == (True, False, None) and not shape(cold)[-1]
+    for cap in (cold, warm):
+        assert all(p is q for (_, p), (_, q) in zip(sorted(cap.module.named_parameters()), sorted(model.named_parameters())))
+        assert all(cap.example_inputs[k] is not v and torch.equal(cap.example_inputs[k], v) for k, v in inputs.items())
+    pol = make_policy("1d", 2, None, 1)
+    assert plan_captured(cold, pol, batch_size=4, seq_len=8).to_json() == \
+        plan_captured(warm, pol, batch_size=4, seq_len=8).to_json()
+    # an entry that unpickles but whose graph does not load: rebuilt, not raised
+    key = cache_key(model, inputs)
+    facts = pickle.loads(cache_dir.load("capture", key))["facts"]
+    cache_dir.store("capture", key, pickle.dumps({"graph": b"not a graph", "facts": facts}))
+    forget_loaded()
+    again = capture_cached(model, example_inputs=inputs)
+    assert len(exports) == 2 and again.module.code == cold.module.code
+    assert pickle.loads(cache_dir.load("capture", key))["graph"] != b"not a graph"
+
+
 def _run(module, inputs):
     out = module(**inputs, use_cache=False)
     return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
@@ -185,12 +238,12 @@ def _unshippable(rank, world):
     import autoshard.launch.capture_share as cs
 
     torch.set_num_threads(1)
-    real, cache = cs.pack, os.environ.get("AUTOSHARD_CACHE")
+    real, cache = cs._pack, os.environ.get("AUTOSHARD_CACHE")
 
     def refuse(cap):
         raise cs.Unshippable(cap, RuntimeError("Failed serializing node flat_apply"))
 
-    cs.pack, os.environ["AUTOSHARD_CACHE"] = refuse, "off"
+    cs._pack, os.environ["AUTOSHARD_CACHE"] = refuse, "off"
     try:
         dense = models.build("gpt2")
         inputs = models.batch("gpt2")
@@ -198,7 +251,7 @@ def _unshippable(rank, world):
         out, ref = sharded(**inputs), dense(**inputs)
         return (out.loss - ref.loss).abs().item(), (out.logits - ref.logits).abs().max().item()
     finally:
-        cs.pack = real
+        cs._pack = real
         if cache is None:
             os.environ.pop("AUTOSHARD_CACHE", None)
         else:

@@ -130,6 +130,11 @@ def pack(cap: Captured) -> bytes:
     and the shape environment, :class:`torch.fx._graph_pickler.GraphPickler`) and the
     capture's facts. A graph that does not pickle so (an op it cannot name) goes as
     ``torch.export.save`` of the program."""
+    return _pack(cap)[0]
+
+
+def _pack(cap: Captured) -> tuple[bytes, fx.GraphModule | None]:
+    """``(pack(cap), the portable graph module it pickled)``; None for the program format."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     facts = {"model_name": cap.model_name, "input_names": cap.input_names, "constants": cap.constants,
@@ -138,9 +143,10 @@ def pack(cap: Captured) -> bytes:
              "training": cap.training, "seq_range": cap.seq_range, "guards": cap.guards,
              "stamped": cap.stamped}
     try:
+        portable = _portable(cap.module, {})
         with _quiet_treespecs():
-            data = GraphPickler.dumps(_portable(cap.module, {}), Options(ops_filter=None, node_metadata_key_filter=None))
-        return pickle.dumps({"graph": data, "facts": facts})
+            data = GraphPickler.dumps(portable, Options(ops_filter=None, node_metadata_key_filter=None))
+        return pickle.dumps({"graph": data, "facts": facts}), portable
     except Exception:  # noqa: BLE001 - the program's own format carries what the graph pickler cannot
         if cap.program is None:
             raise
@@ -151,7 +157,20 @@ def pack(cap: Captured) -> bytes:
         torch.export.save(ep, buf)
     except Exception as e:  # noqa: BLE001 - neither format carries it: each rank captures its own
         raise Unshippable(cap, e) from e
-    return pickle.dumps({"program": buf.getvalue(), "facts": facts})
+    return pickle.dumps({"program": buf.getvalue(), "facts": facts}), None
+
+
+def _as_loaded(portable: fx.GraphModule) -> fx.GraphModule:
+    """``portable`` (:func:`pack`'s copy of a fresh capture) as its load would be: the
+    fake mode export left on its values runs no fallback kernels, as the mode
+    :func:`_load_graph` loads into (an op without a fake implementation fails the same
+    on a capture made in this process and on one read from the cache)."""
+    for n in portable.graph.nodes:
+        mode = getattr(n.meta.get("val"), "fake_mode", None)
+        if mode is not None:
+            mode.allow_fallback_kernels = False
+            break
+    return portable
 
 
 class Unshippable(Exception):
@@ -242,7 +261,6 @@ def _load_graph(data: bytes, guards: tuple) -> fx.GraphModule:
     graph and tensors to bind; the fake values shared, as ``ep.module()`` shares an
     exported program's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.export import _unlift
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -253,6 +271,14 @@ def _load_graph(data: bytes, guards: tuple) -> fx.GraphModule:
         with _quiet_treespecs():
             base = GraphPickler.loads(data, mode)
         _remember(key, base)
+    return _from_base(base, guards)
+
+
+def _from_base(base: fx.GraphModule, guards: tuple) -> fx.GraphModule:
+    """A :func:`_portable` copy of ``base`` (a load, or the module :func:`pack` pickled)
+    with export's input guards rebuilt."""
+    from torch.export import _unlift
+
     gm = _portable(base, {})
     build = getattr(_unlift, "_convert_guards_code_to_fn", None)
     for node in gm.graph.find_nodes(op="call_module", target="_guards_fn"):
@@ -265,11 +291,15 @@ def _load_graph(data: bytes, guards: tuple) -> fx.GraphModule:
     return gm
 
 
-def unpack(blob: bytes, model: torch.nn.Module) -> Captured:
-    """The :class:`Captured` of :func:`pack`'s bytes, bound to ``model``'s own parameters and buffers."""
+def unpack(blob: bytes, model: torch.nn.Module, *, base: fx.GraphModule | None = None) -> Captured:
+    """The :class:`Captured` of :func:`pack`'s bytes, bound to ``model``'s own parameters and buffers.
+    ``base``: the graph module :func:`pack` pickled into ``blob``, taken as the graph's load
+    (the process that packed the bytes skips reading them back: :func:`capture_cached`)."""
     d = pickle.loads(blob)
     f = d["facts"]
-    if "graph" in d:
+    if base is not None and "graph" in d:
+        ep, gm = None, _from_base(_as_loaded(base), f.get("guards", ()))
+    elif "graph" in d:
         ep, gm = None, _load_graph(d["graph"], f.get("guards", ()))
     else:
         ep = _load_program(d["program"])
@@ -362,28 +392,37 @@ def _fn_tag(capture_fn) -> str:
     return f"{capture_fn.__module__}.{capture_fn.__qualname__}:{hashlib.sha256(src.encode()).hexdigest()}"
 
 
-def _capture_blob(model, example_inputs, capture_fn=None) -> bytes:
-    """The packed capture of ``model`` (by ``capture_fn``, default
-    :func:`~autoshard.passes.capture.capture`): from the disk cache if a valid entry
-    exists, else captured now (and stored)."""
+def _capture_blob(model, example_inputs, capture_fn=None, load=None) -> tuple:
+    """``(blob, load(blob, base))``: the packed capture of ``model`` (by ``capture_fn``,
+    default :func:`~autoshard.passes.capture.capture`) from the disk cache if an entry
+    exists that ``load`` reads (``base`` None), else captured now and stored (``base``:
+    the graph module :func:`pack` pickled, None for the program format). Without
+    ``load`` an entry need only unpickle, and the second item is None."""
     key = cache_key(model, example_inputs, tag=_fn_tag(capture_fn))
     blob = cache_dir.load("capture", key)
     if blob is not None:
         try:
-            pickle.loads(blob)
-            return blob
+            return blob, (load or _unpickles)(blob, None)
         except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt
             cache_dir.discard("capture", key)
-    blob = pack((capture_fn or capture)(model, example_inputs=example_inputs))
+    blob, base = _pack((capture_fn or capture)(model, example_inputs=example_inputs))
     cache_dir.store("capture", key, blob)
-    return blob
+    return blob, (load(blob, base) if load else None)
+
+
+def _unpickles(blob: bytes, base) -> None:
+    pickle.loads(blob)
 
 
 def capture_cached(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
     """:func:`~autoshard.passes.capture.capture` (or ``capture_fn``) through the disk cache,
-    in this process alone (no collective: for planning, which may run on one rank of a job)."""
+    in this process alone (no collective: for planning, which may run on one rank of a job).
+    A capture made here is not read back from the bytes it was just packed into: the
+    module :func:`pack` pickled stands for their load (its graph as a load has it, its
+    fake values export's; the same plans, docs/design.md "Caches"), which
+    saves a cold 7B plan the 0.25 s of unpickling 250 fake tensors."""
     try:
-        return unpack(_capture_blob(model, example_inputs, capture_fn), model)
+        return _capture_blob(model, example_inputs, capture_fn, load=lambda b, base: unpack(b, model, base=base))[1]
     except Unshippable as u:
         return u.cap
 
@@ -398,12 +437,21 @@ def capture_for_plan(model: torch.nn.Module, *, example_inputs: dict | None = No
     from ..passes.stamp import capture_stamped
 
     if os.environ.get("AUTOSHARD_STAMP", "1").strip().lower() in ("0", "off", "false", "no"):
-        return capture_cached(model, example_inputs=example_inputs)
+        return capture_cached(model, example_inputs=example_inputs, capture_fn=_capture_to_plan)
 
     def build(config):
         return model_from(config).train(model.training)
 
-    return capture_stamped(model, build=build, capture_fn=capture_cached, example_inputs=example_inputs)
+    def cached(m, **kw):
+        return capture_cached(m, capture_fn=_capture_to_plan, **kw)
+
+    return capture_stamped(model, build=build, capture_fn=cached, example_inputs=example_inputs)
+
+
+def _capture_to_plan(model: torch.nn.Module, *, example_inputs: dict | None = None) -> Captured:
+    """:func:`~autoshard.passes.capture.capture` without the nodes' source lines: a capture on
+    meta is planned, never run (its own cache entries: :func:`_fn_tag`)."""
+    return capture(model, example_inputs=example_inputs, stack_traces=False)
 
 
 def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None, capture_fn=None) -> Captured:
@@ -422,7 +470,7 @@ def capture_shared(model: torch.nn.Module, *, example_inputs: dict | None = None
     own = None
     if dist.get_rank() == 0:
         try:
-            msg[0] = ("ok", _capture_blob(model, example_inputs, capture_fn))
+            msg[0] = ("ok", _capture_blob(model, example_inputs, capture_fn)[0])
         except Unshippable as u:        # every rank captures the model itself
             own, msg[0] = u.cap, ("local", str(u))
         except Exception as e:  # noqa: BLE001 - every rank raises it

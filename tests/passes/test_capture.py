@@ -93,6 +93,25 @@ def test_capture_on_meta_device(cpu_models, name):
     assert all(p.is_meta for p in cap.module.parameters())
 
 
+def test_a_capture_to_plan_has_no_source_lines_and_the_same_graph(cpu_models):
+    """``capture(stack_traces=False)`` (capture_for_plan's export: planned on meta, never run)
+    records no node's source lines and gives the same graph otherwise; the tracer's own
+    setting is restored."""
+    from torch.fx import config
+
+    def graph(cap):
+        return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), str(n.meta.get("val")),
+                 str(n.meta.get("nn_module_stack"))) for n in cap.module.graph.nodes]
+
+    full = _cpu_capture(cpu_models, "gpt2")
+    bare = capture(cpu_models["gpt2"], stack_traces=False)
+    assert graph(bare) == graph(full)
+    # (torch's runtime-assert pass labels the sizes it adds with its own line either way)
+    assert any("modeling_gpt2" in (n.meta.get("stack_trace") or "") for n in full.module.graph.nodes)
+    assert not any("modeling_gpt2" in (n.meta.get("stack_trace") or "") for n in bare.module.graph.nodes)
+    assert config.do_not_emit_stack_traces is False
+
+
 class _DataDependent(nn.Module):
     """Python control flow on a tensor value: torch.export cannot capture it."""
 
