@@ -96,6 +96,40 @@ def test_plan_auto_writes_ranked_candidates(config_json, tmp_path, capsys):
     assert d["summary"]["mode"] == best["mode"]
 
 
+class _Searched(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_planning_commands_pause_the_collector_and_search_without_the_face(command, monkeypatch, capsys):
+    """``plan`` and ``check`` run with the cyclic garbage collector paused (as
+    ``autoshard.plan`` does; on again after, whatever happened), and ``--mode auto``
+    plans through the search alone: ``autoshard.api`` (ShardedModule, the runtime) is
+    never imported on that path."""
+    import gc
+
+    import autoshard.io.builder
+    import autoshard.planning.search
+
+    seen = []
+
+    def search(model, **kw):
+        seen.append(gc.isenabled())
+        raise _Searched
+
+    monkeypatch.setattr(autoshard.planning.search, "search", search)
+    monkeypatch.setattr(autoshard.io.builder, "model_from", lambda cfg: cfg)
+    monkeypatch.setitem(sys.modules, "autoshard.api", None)       # importing it raises ImportError
+    assert gc.isenabled()
+    argv = [command, "llama:tiny", "-w", "4", "--mode", "auto"]
+    if command == "plan":
+        with pytest.raises(_Searched):
+            main(argv)
+    else:   # check reports every planning error as a finding
+        assert main(argv) == 1 and "_Searched" in capsys.readouterr().out
+    assert seen == [False] and gc.isenabled()
+
+
 def test_known_models():
     for name in ("llama:7b", "llama:13b", "llama:70b", "gpt2:small", "bert:base"):
         assert name in KNOWN_MODELS

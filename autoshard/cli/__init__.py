@@ -18,7 +18,7 @@ import sys
 from ..known import DEFAULT_SIZES, KNOWN_MODELS, resolve_model  # noqa: F401 - the CLI's names too
 from .cache import add_cache, cmd_cache
 from .checkpoints import add_convert, add_export, cmd_convert, cmd_export
-from .common import CLUSTER_NAMES, MODE_NAMES, HelpFormatter, UsageError, human_bytes
+from .common import CLUSTER_NAMES, MODE_NAMES, HelpFormatter, UsageError, collector_paused, human_bytes
 from .diff import add_diff, cmd_diff
 from .plan import add_check, add_plan, cmd_check, cmd_plan, default_batch, group_notes
 from .profile import add_profile, cmd_profile
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         if args.command in ("plan", "check"):
-            default_batch(args)
-        if args.command == "plan":
-            return cmd_plan(args)
+            with collector_paused():        # the planning commands, start to end
+                default_batch(args)
+                return cmd_plan(args) if args.command == "plan" else cmd_check(args)
         if args.command == "verify":
             return cmd_verify(args)
         if args.command == "diff":
@@ -75,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_convert(args)
         if args.command == "profile":
             return cmd_profile(args)
-        if args.command == "cache":
-            return cmd_cache(args)
-        return cmd_check(args)
+        return cmd_cache(args)
     except UsageError as e:
         print(f"autoshard: error: {e}", file=sys.stderr)
         return 2

@@ -191,21 +191,24 @@ def print_summary(console, plan, cost, cluster) -> None:
 
 
 def _plan_or_search(args, cluster):
-    from ..api import plan as make_plan
-    from ..io.builder import model_from
-    from ..planning.search import search
-
+    # autoshard.api (ShardedModule, the runtime, torch.compile's hooks) only where it is called:
+    # `--mode auto` plans through the search alone
     cfg = resolve_model(args.model)
-    if getattr(args, "step", None):
-        return make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
-                         batch_size=args.batch_size, seq_len=args.seq_len, cluster=cluster, step=args.step,
-                         max_len=args.max_len), None
-    if args.mode == "auto":
+    if args.mode == "auto" and not getattr(args, "step", None):
+        from ..io.builder import model_from
+        from ..planning.search import search
+
         res = search(model_from(cfg), world_size=args.world_size, cluster=cluster, depth=args.depth,
                      dp=args.dp, batch_size=args.batch_size, seq_len=args.seq_len, raise_if_none=True,
                      cp=getattr(args, "cp", None), cp_attention=getattr(args, "cp_attention", "ring"),
                      cp_order=getattr(args, "cp_order", "balanced"))
         return res.plan, res
+    from ..api import plan as make_plan
+
+    if getattr(args, "step", None):
+        return make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
+                         batch_size=args.batch_size, seq_len=args.seq_len, cluster=cluster, step=args.step,
+                         max_len=args.max_len), None
     p = make_plan(cfg, world_size=args.world_size, mode=args.mode, depth=args.depth, dp=args.dp or 1,
                   batch_size=args.batch_size, seq_len=args.seq_len, cp=getattr(args, "cp", None) or 1,
                   cp_attention=getattr(args, "cp_attention", "ring"), cp_order=getattr(args, "cp_order", "balanced"))
