@@ -186,7 +186,8 @@ class _Engine:
 
     def _walk(self) -> Walked:
         """One walk over the graph: a :class:`Visit` per node given to a rule, in order."""
-        self.shapes = Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
+        self.shapes = Shapes(self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len,
+                             shared=self._shared_shapes())
         self.st = _State({}, dict(self.pinned))
         self.rows = self._row_facts()
         self.st_pending: set[str] = set()       # Linears to replicate in the next pass
@@ -234,6 +235,16 @@ class _Engine:
                                     pad_segments=getattr(pad, "segments", 1), pad_copies=getattr(pad, "copies", 0),
                                     pad_unit=getattr(pad, "unit", 0), pad_extra=tuple(x.dim for x in pads[1:])))
         return tuple(params)
+
+    def _shared_shapes(self) -> dict | None:
+        """The shapes :class:`Shapes` shares between walks of this graph at these sizes inside
+        :func:`remember_row_facts` (a search planning one graph per candidate); None outside."""
+        if _ROW_MEMO is None:
+            return None
+        key = ("shapes", id(self.gm), self.cap.batch_symbol, self.cap.seq_symbol, self.batch_size, self.seq_len)
+        if key not in _ROW_MEMO:
+            _ROW_MEMO[key] = (self.gm, {})          # the graph kept alive: its id stays its own
+        return _ROW_MEMO[key][1]
 
     def _row_facts(self) -> dict:
         """:func:`~autoshard.passes.row_order.row_facts` of the graph: a fact of the graph and
