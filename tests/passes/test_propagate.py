@@ -422,3 +422,26 @@ def test_walks_of_a_search_share_only_the_shapes_of_the_batch_and_sequence():
     assert second.concrete_val(xv) == (4, 6, 16)
     assert second.probe_val(x) is first.probe_val(x) and second.concrete_val(x) == (4, 8, 16)
     assert len(shared) == 1
+
+
+def test_remember_row_facts_pauses_the_garbage_collector_and_restores_it():
+    """A search's candidate loop runs with the cyclic collector off (its full scans of the heap
+    cost as much as the walks); on exit it is on again, unless it was off before."""
+    import gc
+
+    from autoshard.passes.propagate import remember_row_facts
+
+    assert gc.isenabled()
+    with remember_row_facts():
+        assert not gc.isenabled()
+        with remember_row_facts():
+            assert not gc.isenabled()
+        assert not gc.isenabled()          # the inner one leaves it to the outer
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with remember_row_facts():
+            pass
+        assert not gc.isenabled()          # off before: left off
+    finally:
+        gc.enable()
