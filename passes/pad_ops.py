@@ -72,9 +72,21 @@ def size_ratio(a, b) -> int | None:
     """``a / b`` where it is a positive whole number (sizes may be symbolic), else None."""
     import sympy
 
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b if b and a % b == 0 and a // b > 0 else None
     ea, eb = (x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x)) for x in (a, b))
-    r = sympy.simplify(ea / eb)
-    return int(r) if r.is_Integer and r > 0 else None
+    key = (ea, eb)
+    if key not in _RATIOS:
+        # remembered by the two expressions: sympy.simplify took a quarter of the pad pass, which a
+        # search runs on the same shallow graph's reshapes for every width it prices
+        if len(_RATIOS) >= 10_000:
+            _RATIOS.clear()
+        r = sympy.simplify(ea / eb)
+        _RATIOS[key] = int(r) if r.is_Integer and r > 0 else None
+    return _RATIOS[key]
+
+
+_RATIOS: dict = {}
 
 
 def vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:

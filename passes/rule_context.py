@@ -39,7 +39,7 @@ class Shapes:
     distinct large prime, so products match only when they truly match) and as
     concrete integers for the plan's batch size and sequence length."""
 
-    def __init__(self, bsym, ssym, batch_size, seq_len):
+    def __init__(self, bsym, ssym, batch_size, seq_len, shared: dict | None = None):
         self.probe_map, self.conc_map = {}, {}
         if bsym is not None:
             self.probe_map[bsym] = SymbolicSizes.BATCH
@@ -50,6 +50,12 @@ class Shapes:
         self.extra = SymbolicSizes.others()
         self._seen: dict = {}      # id(SymNode) -> (node, probe, concrete): a size is evaluated once
         self._vals: dict = {}      # id(value) -> (value, probe shape, concrete shape)
+        # the shapes of the batch and sequence symbols alone (or none): their probe and concrete
+        # sizes are the same in every Shapes of these symbols and sizes, so walks of one graph
+        # under many policies share them (a search); one with another symbol, whose prime is
+        # drawn in the order a walk meets it, stays in this walk's _vals
+        self._base = frozenset(self.probe_map)
+        self._shared: dict = {} if shared is None else shared
 
     def _ev(self, s, mp, probe: bool):
         if isinstance(s, int):
@@ -75,13 +81,21 @@ class Shapes:
         return tuple(self._ev(s, None, False) for s in shape)
 
     def _of(self, v) -> tuple:
-        # a value's shape read once per walk: rules and the counting pass ask for the same
-        # node's shape again and again (a search plans hundreds of graphs)
-        hit = self._vals.get(id(v))
+        # a value's shape read once per walk (once per search where it is of the batch and
+        # sequence alone): rules and the counting pass ask for the same node's shape again
+        # and again (a search plans hundreds of graphs)
+        hit = self._shared.get(id(v))
         if hit is None or hit[0] is not v:
-            shape = v.shape
-            hit = self._vals[id(v)] = (v, self.probe(shape), self.concrete(shape))
+            hit = self._vals.get(id(v))
+            if hit is None or hit[0] is not v:
+                shape = v.shape
+                hit = (v, self.probe(shape), self.concrete(shape))
+                (self._shared if self._of_base(shape) else self._vals)[id(v)] = hit
         return hit
+
+    def _of_base(self, shape) -> bool:
+        return all(s.node.expr.free_symbols <= self._base if isinstance(s, torch.SymInt) else isinstance(s, int)
+                   for s in shape)
 
     def probe_val(self, v) -> tuple[int, ...]:
         """:meth:`probe` of tensor ``v``'s shape (a node's ``meta["val"]``), remembered."""

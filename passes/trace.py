@@ -54,11 +54,12 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-#: what an ATen op did on meta, by its target and its operands' geometry (shape, strides,
-#: dtype, requires_grad, which operands share a storage) and its other arguments: its outputs'
-#: geometry and which tensors autograd saved (an operand, an output or a new tensor). A
-#: replay makes the same outputs and saves the same tensors without running the op's
-#: Python decomposition (docs/design.md, "Pricing the search"). None: not replayable.
+#: what an ATen op, a plan kernel's or a re-layout step's function did on meta, by the
+#: function and its operands' geometry (shape, strides, dtype, requires_grad, which operands
+#: share a storage) and its other arguments: its outputs' geometry and which tensors autograd
+#: saved (an operand, an output, a new tensor, or one of those saved again). A replay makes
+#: the same outputs and saves the same tensors without running the op's Python decomposition
+#: or the kernel's fake collectives (docs/design.md, "Pricing the search"). None: not replayable.
 _REPLAY: dict = {}
 _NO_REPLAY = object()
 #: ``AUTOSHARD_TRACE_REPLAY=0`` runs every op (the replay's reference)
@@ -99,7 +100,7 @@ def _record(out, inputs: list, pending: list):
                 torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
             return _NO_REPLAY
         geo.append((*_geometry(t), t.requires_grad))
-    saved = []
+    saved, news = [], {}        # news: storage of a new saved tensor -> (its place in saved, the tensor)
     for t in pending:
         i = next((i for i, x in enumerate(inputs) if x is t), None)
         j = next((j for j, x in enumerate(outs) if x is t), None)
@@ -107,10 +108,16 @@ def _record(out, inputs: list, pending: list):
             saved.append(("in", i))
         elif j is not None:
             saved.append(("out", j))
+        elif _sid(t) in news:       # saved again (a kernel's backward reads it twice): one tensor, one key
+            k, first = news[_sid(t)]
+            if first is not t:
+                return _NO_REPLAY
+            saved.append(("again", k))
         elif _sid(t) in in_sids or _sid(t) in out_sids or t.storage_offset() or t.untyped_storage().nbytes() != \
                 torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
             return _NO_REPLAY
         else:
+            news[_sid(t)] = (len(saved), t)
             saved.append(("new", _geometry(t)))
     if not (isinstance(out, torch.Tensor) or type(out) in (list, tuple)):
         return _NO_REPLAY
@@ -185,7 +192,8 @@ class _Trace:
 
     def _steps(self, x, steps, key: str):
         for st in steps:
-            x = parallel_ops.step(x, st.op, self._group(st.axes) if st.axes else None, st.dim, st.segments, st.factor)
+            x = self._replayed(parallel_ops.step, (x, st.op, self._group(st.axes) if st.axes else None, st.dim,
+                                                   st.segments, st.factor), {})
             key = f"{key}>{st}"
             self._register(x, key)
         return x
@@ -310,7 +318,7 @@ class _Trace:
             apply_patches(call, np_.patches)
             if np_.kernel:
                 fn, args, kwargs = parallel_ops.bind(np_.kernel, call, self._group, lambda axes: self.mesh.size(tuple(axes)))
-                return fn(*args, **kwargs)
+                return self._replayed(fn, args, kwargs)
         if node.target is _SDPA:
             return self._attention(node, call)
         return self._call_op(node.target, call)
@@ -318,31 +326,42 @@ class _Trace:
     def _call_op(self, target, call):
         """``target(*args, **kwargs)`` on meta, replayed from :data:`_REPLAY` when an op
         with the same target and operand geometry ran before (in this trace or another)."""
-        if not (_REPLAY_ON and makes_new_tensors(target)):      # no view or in-place output
+        if not makes_new_tensors(target):      # no view or in-place output
             return target(*call.args, **call.kwargs)
+        return self._replayed(target, call.args, call.kwargs)
+
+    def _replayed(self, fn, args, kwargs):
+        """``fn(*args, **kwargs)`` on meta (an ATen op, a plan kernel's or a re-layout step's
+        function), replayed from :data:`_REPLAY` when the same function ran before on operands
+        of the same geometry with the same other arguments; :func:`_record` refuses to record
+        a run whose outputs a replay could not make (a view of an operand, an in-place result)."""
+        if not _REPLAY_ON:
+            return fn(*args, **kwargs)
         inputs, sids = [], {}
         try:
-            key = (target, torch.is_grad_enabled(), self.muted, _key_of(call.args, inputs, sids),
-                   _key_of(tuple(sorted(call.kwargs.items())), inputs, sids))
+            key = (fn, torch.is_grad_enabled(), self.muted, _key_of(args, inputs, sids),
+                   _key_of(tuple(sorted(kwargs.items())), inputs, sids))
         except TypeError:
-            return target(*call.args, **call.kwargs)
+            return fn(*args, **kwargs)
         rec = _REPLAY.get(key)
         if rec is _NO_REPLAY:
-            return target(*call.args, **call.kwargs)
+            return fn(*args, **kwargs)
         if rec is not None:
             return self._replay(rec, inputs)
         start = len(self.pending)
-        out = target(*call.args, **call.kwargs)
+        out = fn(*args, **kwargs)
         _REPLAY[key] = _record(out, inputs, self.pending[start:])
         return out
 
     def _replay(self, rec, inputs):
         structure, outs, saved = rec
         made = list(_Made.apply(_ANCHOR, outs) if any(g for *_, g in outs) else _empty(outs))
+        kept = []
         with torch.no_grad():
             for kind, x in saved:
-                t = inputs[x] if kind == "in" else made[x] if kind == "out" else \
+                t = inputs[x] if kind == "in" else made[x] if kind == "out" else kept[x] if kind == "again" else \
                     torch.empty_strided(x[0], x[1], dtype=x[2], device="meta")
+                kept.append(t)
                 if not self.muted:
                     self.pending.append(t)
         return made[0] if structure is None else structure(made)

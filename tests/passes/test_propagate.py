@@ -390,3 +390,58 @@ def test_view_dim_follows_a_permute_and_fused_blocks_move_the_split_to_the_heads
     assert view_dim(p, v, 3) == 2
     assert _past_blocks(u, p, 2, 3) == 1
     assert _past_blocks(u, p, 0, 3) is None
+
+
+def test_walks_of_a_search_share_only_the_shapes_of_the_batch_and_sequence():
+    """``Shapes(shared=...)``: a shape of the batch and sequence symbols alone is evaluated once
+    for every walk of a graph at the same sizes; one with another symbol is evaluated per walk,
+    whose probe prime is drawn in the order that walk meets the symbols (a second walk meeting
+    ``v`` first gives it the first spare prime, as a walk of its own does)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from autoshard.passes.rule_context import Shapes
+    from autoshard.policies.base import SymbolicSizes
+
+    env = ShapeEnv()
+
+    def symbol(name, hint):
+        s = env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(s, hint=hint), s
+
+    (b, bsym), (s, ssym), (u, _), (v, _) = symbol("b", 4), symbol("s", 8), symbol("u", 5), symbol("v", 6)
+    with FakeTensorMode(shape_env=env):
+        x, xu, xv = torch.empty(b, s, 16), torch.empty(b, u, 16), torch.empty(b, v, 16)
+    shared: dict = {}
+    first = Shapes(bsym, ssym, 4, 8, shared=shared)
+    assert [first.probe_val(t)[1] for t in (x, xu, xv)] == [SymbolicSizes.SEQ, 1_000_000_021, 1_000_000_033]
+    second = Shapes(bsym, ssym, 4, 8, shared=shared)
+    alone = Shapes(bsym, ssym, 4, 8)
+    assert second.probe_val(xv) == alone.probe_val(xv) == (SymbolicSizes.BATCH, 1_000_000_021, 16)
+    assert second.concrete_val(xv) == (4, 6, 16)
+    assert second.probe_val(x) is first.probe_val(x) and second.concrete_val(x) == (4, 8, 16)
+    assert len(shared) == 1
+
+
+def test_remember_row_facts_pauses_the_garbage_collector_and_restores_it():
+    """A search's candidate loop runs with the cyclic collector off (its full scans of the heap
+    cost as much as the walks); on exit it is on again, unless it was off before."""
+    import gc
+
+    from autoshard.passes.propagate import remember_row_facts
+
+    assert gc.isenabled()
+    with remember_row_facts():
+        assert not gc.isenabled()
+        with remember_row_facts():
+            assert not gc.isenabled()
+        assert not gc.isenabled()          # the inner one leaves it to the outer
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with remember_row_facts():
+            pass
+        assert not gc.isenabled()          # off before: left off
+    finally:
+        gc.enable()

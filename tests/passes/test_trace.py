@@ -158,3 +158,53 @@ def test_an_in_place_op_on_a_replayed_output_runs_and_a_second_plan_equals_the_f
     assert not [n.name for p in plans for n in p.nodes if any("activation trace" in x for x in n.notes)]
     assert rows(plans[0]) == rows(plans[1]) == rows(plans[2]) == rows(ran)
     assert [n.name for n in ran.nodes if n.op == "div_.Tensor" and n.saved]     # the in-place ops saved
+
+
+class _Normed(torch.nn.Module):
+    """Three like blocks of LayerNorm and Linear on the residual stream: at 2d the last two
+    norms run the DistLayerNorm kernel on like operands, whose forward saves one tensor
+    more than once for its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
+                                          for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_replayed_kernel_saves_what_running_it_saves(monkeypatch):
+    """A plan kernel (and a re-layout step) met again on operands of the same geometry is
+    replayed, not run, as an ATen op is: the second DistLayerNorm does not run, and the plan's
+    saved records equal those of running every kernel, a tensor the kernel saves twice
+    keeping one key (two fresh tensors would count its bytes twice)."""
+    from autoshard.ir import kernels as K
+    from autoshard.passes import trace as trace_mod
+    from autoshard.passes.capture import capture
+    from autoshard.passes.pipeline import plan_captured
+    from autoshard.policies import make_policy
+    from autoshard.runtime import parallel_ops
+
+    runs = {"n": 0}
+    norm = parallel_ops._IMPLEMENTATIONS[K.DistLayerNorm]
+
+    def counted(*args, **kwargs):
+        runs["n"] += 1
+        return norm(*args, **kwargs)
+
+    monkeypatch.setitem(parallel_ops._IMPLEMENTATIONS, K.DistLayerNorm, counted)
+    cap = capture(_Normed().train(), example_inputs={"x": torch.randn(4, 8, 16)})
+    plans = {}
+    for on in (True, False):
+        monkeypatch.setattr(trace_mod, "_REPLAY", {})
+        monkeypatch.setattr(trace_mod, "_REPLAY_ON", on)
+        runs["n"] = 0
+        plans[on] = (plan_captured(cap, make_policy("2d", 4), batch_size=4, seq_len=8), runs["n"])
+    (replayed, ran_once), (ran, ran_each) = plans[True], plans[False]
+    assert ran_each == 2 and ran_once == 1
+    assert [(n.name, n.saved, n.notes) for n in replayed.nodes] == [(n.name, n.saved, n.notes) for n in ran.nodes]
+    keys = [s.key for n in ran.nodes if isinstance(n.kernel, K.DistLayerNorm) for s in n.saved]
+    assert len(set(keys)) < len(keys)           # saved more than once, counted once
