@@ -42,9 +42,10 @@ __all__ = ["ENV", "MAX_WORKERS", "MIN_TASKS", "STALL_S", "STALL_FACTOR", "search
 ENV = "AUTOSHARD_SEARCH_WORKERS"
 #: at most this many workers by default (each is a copy-on-write fork of the planning process)
 MAX_WORKERS = 8
-#: at least this many tasks per worker by default: forking and warming a worker costs about
-#: as much as pricing a few candidates (measured on llama:7b, docs/design.md)
-MIN_TASKS = 6
+#: at least this many tasks per worker by default: forking a worker (~20 ms for a 7B capture's
+#: 400 MB process) and warming its caches cost about as much as pricing two candidates
+#: (~40 ms each for llama:7b; docs/design.md, "Pricing the search")
+MIN_TASKS = 4
 #: seconds a worker may send nothing before its tasks are taken back (at least)
 STALL_S = 10.0
 #: ... or this many times the slowest task seen so far, if that is longer
@@ -224,15 +225,15 @@ class _Pool:
         self.conns[w].close()
 
     def close(self) -> None:
-        """Every worker told to stop (killed, where one stalled) and reaped."""
-        live = [w for w, p in enumerate(self.procs) if p is not None]
-        for w in live:
+        """Every worker told to stop (killed and reaped, where they stalled). A worker that
+        was told is not waited for (its exit, unmapping a copy of this process, takes longer
+        than its fork): multiprocessing reaps it when it next starts a process, or at exit."""
+        for w, p in enumerate(self.procs):
+            if p is None:
+                continue
             with contextlib.suppress(OSError):
                 self.conns[w].send(None)
-        for w in live:
-            p = self.procs[w]
-            p.join(timeout=0 if self.stalled else 1.0)
-            if p.is_alive():
+            if self.stalled:
                 p.kill()
                 p.join()
             self.conns[w].close()
