@@ -439,7 +439,7 @@ def _price(cap, shallow: _Prepared | None, pol, *, batch_size: int, seq_len: int
     chunks = (1,) + (ASYNC_TP_CHUNKS if pol.name in ("1d", "1d-sp") else ())
     if shallow is None:
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
-        return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
+        return plan, len(plan.fallbacks), _while_fits(lambda c: estimate(plan, **estimate_kw, async_tp=c), chunks)
     base = plan_prepared(shallow.prepared(pol), pol, batch_size=batch_size, seq_len=seq_len)
     params = _full_params(base, shallow.lengths)
     plans = [dataclasses.replace(base, params=params)] + [
@@ -448,8 +448,15 @@ def _price(cap, shallow: _Prepared | None, pol, *, batch_size: int, seq_len: int
     extra = [n - KEEP for n in shallow.lengths.values()]
     weights = [1 + sum(extra)] + [-e for e in extra]
     fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
-    return None, fallbacks, [_weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans], weights, fallbacks)
-                             for c in chunks]
+    return None, fallbacks, _while_fits(lambda c: _weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans],
+                                                            weights, fallbacks), chunks)
+
+
+def _while_fits(cost_of, chunks: tuple) -> list[CostEstimate]:
+    """``cost_of(c)`` for each chunk count of ``chunks``, the first alone where it does not fit:
+    asynchronous TP changes no byte a rank holds, so the candidate is dropped whatever the chunks."""
+    first = cost_of(chunks[0])
+    return [first] + ([cost_of(c) for c in chunks[1:]] if first.fits else [])
 
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
