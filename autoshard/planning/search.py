@@ -439,7 +439,7 @@ def _price(cap, shallow: _Prepared | None, pol, *, batch_size: int, seq_len: int
     chunks = (1,) + (ASYNC_TP_CHUNKS if pol.name in ("1d", "1d-sp") else ())
     if shallow is None:
         plan = plan_captured(cap, pol, batch_size=batch_size, seq_len=seq_len)
-        return plan, len(plan.fallbacks), [estimate(plan, **estimate_kw, async_tp=c) for c in chunks]
+        return plan, len(plan.fallbacks), _while_fits(lambda c: estimate(plan, **estimate_kw, async_tp=c), chunks)
     base = plan_prepared(shallow.prepared(pol), pol, batch_size=batch_size, seq_len=seq_len)
     params = _full_params(base, shallow.lengths)
     plans = [dataclasses.replace(base, params=params)] + [
@@ -448,8 +448,15 @@ def _price(cap, shallow: _Prepared | None, pol, *, batch_size: int, seq_len: int
     extra = [n - KEEP for n in shallow.lengths.values()]
     weights = [1 + sum(extra)] + [-e for e in extra]
     fallbacks = sum(w * len(p.fallbacks) for p, w in zip(plans, weights))
-    return None, fallbacks, [_weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans], weights, fallbacks)
-                             for c in chunks]
+    return None, fallbacks, _while_fits(lambda c: _weighted([estimate(p, **estimate_kw, async_tp=c) for p in plans],
+                                                            weights, fallbacks), chunks)
+
+
+def _while_fits(cost_of, chunks: tuple) -> list[CostEstimate]:
+    """``cost_of(c)`` for each chunk count of ``chunks``, the first alone where it does not fit:
+    asynchronous TP changes no byte a rank holds, so the candidate is dropped whatever the chunks."""
+    first = cost_of(chunks[0])
+    return [first] + ([cost_of(c) for c in chunks[1:]] if first.fits else [])
 
 
 def _evaluate(cap, cand: Candidate, *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
@@ -521,10 +528,19 @@ def _evaluate_all(cap, cands: list[Candidate], kw: dict) -> list[Evaluated]:
             continue
         if h and padded >= 2 * h:
             wide[c] = f"pads {h} heads to {padded}: at least half of them zeros, not priced"
-    out = [_evaluate(cap, c, **kw) for c in cands if c not in wide]
+    out = _evaluate_each(cap, [c for c in cands if c not in wide], kw)
     if any(not e.reason for e in out):
         return out + [Evaluated(candidate=c, reason=why) for c, why in wide.items()]
-    return out + [_evaluate(cap, c, **kw) for c in wide]
+    return out + _evaluate_each(cap, list(wide), kw)
+
+
+def _evaluate_each(cap, cands: list[Candidate], kw: dict) -> list[Evaluated]:
+    """:func:`_evaluate` of each candidate, in order; in forked processes where more than one
+    CPU is usable (:mod:`autoshard.planning.workers`; docs/design.md, "Pricing the search")."""
+    from .workers import map_forked, search_workers
+
+    out = map_forked(lambda i: _evaluate(cap, cands[i], **kw), len(cands), search_workers(len(cands)))
+    return [e if e.candidate is c else dataclasses.replace(e, candidate=c) for e, c in zip(out, cands)]
 
 
 def _plan_chosen(cap, results: list[Evaluated], *, batch_size: int, seq_len: int, cluster: Cluster, optimizer,
@@ -622,7 +638,9 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
                           + (f" and ep={ep} (1d only, dividing dp × cp)" if ep not in (None, 1) else ""))
     from ..passes.propagate import remember_row_facts
 
-    with remember_row_facts():          # one graph (or two, priced) planned per candidate
+    from .workers import frozen_heap
+
+    with remember_row_facts(), frozen_heap():       # one graph (or two, priced) planned per candidate
         results = _rank(_evaluate_all(cap, cands, kw))
         if shallow is not None:
             results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
