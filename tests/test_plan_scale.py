@@ -46,7 +46,7 @@ _CHILD = textwrap.dedent("""
     plan = autoshard.plan(cfg, **kw)
     t1, c1 = time.perf_counter(), cpu()
     buf = io.StringIO()
-    plan.show(Console(file=buf, width=220))
+    plan.show(Console(file=buf, width=220), all_layers=True)      # every row: the budget of the longest table
     t2, c2 = time.perf_counter(), cpu()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     load = max(load, os.getloadavg()[0])
