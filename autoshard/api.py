@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
+from .ir.heap import collector_paused
 from .ir.log import quiet_on_other_ranks
 
 import torch
@@ -83,27 +82,8 @@ def validate(model: torch.nn.Module, *, mode: str, world_size: int, depth: int |
     return pol, problems
 
 
-def _gc_paused(fn):
-    """Run ``fn`` with Python's cyclic garbage collector paused (restored after, as it
-    was). Capture, planning and rewriting allocate hundreds of thousands of small
-    objects (fx nodes, fake tensors, sympy expressions); each collection then walks the
-    whole heap: on a second ``shard()`` in one process (a warm launch after the first
-    module) the collector took 40 % of the call. The cycles they leave are collected
-    at the collector's next run after the call."""
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return paused
-
-
 @quiet_on_other_ranks
-@_gc_paused
+@collector_paused()
 def shard(model: "torch.nn.Module | str | os.PathLike", *, mode: str = "auto", depth: int | None = None, dp: int = 1,
           example_inputs: dict | None = None, gather_logits: bool = True,
           captured: Captured | None = None, weights=None, cluster=None, debug: bool = False,
@@ -286,7 +266,7 @@ def _input_limits(config, seq_range: tuple | None = None) -> dict:
     return out
 
 
-@_gc_paused
+@collector_paused()
 def plan(model_or_config, *, world_size: int = 8, mode: str = "auto", depth: int | None = None, dp: int = 1,
          batch_size: int = 8, seq_len: int = 128, example_inputs: dict | None = None,
          cluster=None, dropout: str = "sharded", sequence_parallel: bool = False, step: str | None = None,

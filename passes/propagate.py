@@ -18,7 +18,6 @@ Runs with no process group, on meta weights, for any world size.
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from torch import fx
 
 from autoshard.ir.argpath import get_arg
 from autoshard.ir.errors import ShardingError
+from autoshard.ir.heap import collector_paused
 from autoshard.ir.kernels import check_dropout_mode
 from autoshard.ir.plan import NodePlan, ParamPlan, ShardingPlan, Step
 from autoshard.ir.spec import ShardSpec, replicated
@@ -506,18 +506,12 @@ def remember_row_facts():
     outer, _ROW_MEMO = _ROW_MEMO, ({} if _ROW_MEMO is None else _ROW_MEMO)
     # no cyclic collection meanwhile: the walks allocate millions of small objects, so the
     # collector ran its full scans of the heap (torch, the captured graphs: ~500k objects)
-    # every few candidates, as long as the walks themselves (7B@64: 0.6 s of 2.4). The
-    # search leaves little cyclic garbage (15k objects at 7B@64, 97k at 70B@4096, no
-    # resident memory); the next collection after it frees that.
-    pause = outer is None and gc.isenabled()
-    if pause:
-        gc.disable()
+    # every few candidates, as long as the walks themselves (7B@64: 0.6 s of 2.4)
     try:
-        yield
+        with collector_paused():
+            yield
     finally:
         _ROW_MEMO = outer
-        if pause:
-            gc.enable()
 
 
 def propagate(captured, policy: Policy, *, batch_size: int = 8, seq_len: int = 128,

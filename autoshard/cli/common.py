@@ -5,10 +5,10 @@ the number formats."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import sys
+
+from ..ir.heap import collector_paused  # noqa: F401 - the planning commands run in it
 
 __all__ = ["MODE_NAMES", "CLUSTER_NAMES", "HelpFormatter", "UsageError", "human_bytes", "cluster_from",
            "seconds", "console_for", "collector_paused"]
@@ -62,25 +62,3 @@ def console_for(width):
     if width is None:
         width = max(Console().width if sys.stdout.isatty() else 0, 220)
     return Console(width=width, highlight=False)
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Within: Python's cyclic garbage collector does not run (restored on exit, as it was),
-    as during :func:`autoshard.plan`. A planning command imports torch and transformers
-    (millions of long-lived objects), builds the model and captures it: each full
-    collection walks that whole heap again, ~2 of the ~10 s of user CPU of a cold
-    ``autoshard plan llama:7b -w 64`` (docs/design.md, "Pricing the search"). The command
-    leaves little cyclic garbage (~20 MB of peak memory more); the next collection frees it.
-
-    >>> with collector_paused():
-    ...     gc.isenabled()
-    False
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

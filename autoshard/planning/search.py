@@ -638,9 +638,7 @@ def search(model_or_config, *, world_size: int, cluster: Cluster | str = "dgx-a1
                           + (f" and ep={ep} (1d only, dividing dp × cp)" if ep not in (None, 1) else ""))
     from ..passes.propagate import remember_row_facts
 
-    from .workers import frozen_heap
-
-    with remember_row_facts(), frozen_heap():       # one graph (or two, priced) planned per candidate
+    with remember_row_facts():          # one graph (or two, priced) planned per candidate; no collection
         results = _rank(_evaluate_all(cap, cands, kw))
         if shallow is not None:
             results = _plan_chosen(cap, results, batch_size=batch_size, seq_len=seq_len, cluster=cluster,

@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import warnings
 from ..ir.errors import ConfigError
 
 __all__ = ["ENV", "MAX_WORKERS", "MIN_TASKS", "STALL_S", "STALL_FACTOR", "search_workers", "fork_blocker",
-           "map_forked", "frozen_heap"]
+           "map_forked"]
 
 #: the environment variable that sets the number of worker processes (1: serial)
 ENV = "AUTOSHARD_SEARCH_WORKERS"
@@ -109,28 +108,6 @@ def search_workers(tasks: int) -> int:
         n = min(cpus, MAX_WORKERS, tasks // MIN_TASKS)
     n = min(n, tasks - 1)           # the parent runs the first task itself
     return n if n > 1 and fork_blocker() is None else 1
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """Within: every object alive on entry is out of the garbage collector's sight
-    (:func:`gc.freeze`). A full collection then walks only what was made since: the
-    captured graph and the imported libraries (half a million objects for a 7B capture)
-    are not walked again at each one, and a forked worker does not write to their pages.
-    Nothing is frozen where something else froze objects before (its state is left as
-    it is).
-
-    >>> with frozen_heap():
-    ...     pass
-    """
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def map_forked(fn, n: int, workers: int) -> list:
