@@ -9,6 +9,7 @@ out features are laid out (fused blocks, heads).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -75,18 +76,17 @@ def size_ratio(a, b) -> int | None:
     if isinstance(a, int) and isinstance(b, int):
         return a // b if b and a % b == 0 and a // b > 0 else None
     ea, eb = (x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x)) for x in (a, b))
-    key = (ea, eb)
-    if key not in _RATIOS:
-        # remembered by the two expressions: sympy.simplify took a quarter of the pad pass, which a
-        # search runs on the same shallow graph's reshapes for every width it prices
-        if len(_RATIOS) >= 10_000:
-            _RATIOS.clear()
-        r = sympy.simplify(ea / eb)
-        _RATIOS[key] = int(r) if r.is_Integer and r > 0 else None
-    return _RATIOS[key]
+    return _ratio(ea, eb)
 
 
-_RATIOS: dict = {}
+@functools.lru_cache(maxsize=10_000)
+def _ratio(ea, eb) -> int | None:
+    # remembered by the two expressions: sympy.simplify took a quarter of the pad pass, which a
+    # search runs on the same shallow graph's reshapes for every width it prices
+    import sympy
+
+    r = sympy.simplify(ea / eb)
+    return int(r) if r.is_Integer and r > 0 else None
 
 
 def vocab_params(gm: fx.GraphModule, vocab: int | None = None) -> tuple[int, dict[int, tuple[torch.nn.Parameter, int]]] | None:
