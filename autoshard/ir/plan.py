@@ -627,7 +627,7 @@ class ShardingPlan:
     # --------------------------------------------------------------- printing
     def table(self, *, all_nodes: bool = False, all_layers: bool = False):
         """A ``rich.table.Table`` with one row per annotated node, fallback or kernel (all
-        nodes with ``all_nodes=True``); each run of layers the same as the layer before it
+        nodes with ``all_nodes=True``); each run of layers the same as a layer shown above
         is one row (every layer with ``all_layers=True``; :mod:`autoshard.ir.plan_table`).
 
             >>> from autoshard.ir.mesh import Mesh
