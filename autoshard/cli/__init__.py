@@ -53,7 +53,7 @@ def _no_final_collection() -> None:
     """Move every live object out of the collector's reach (:func:`gc.freeze`) as the process
     ends. The interpreter's shutdown runs one full collection even with the collector
     disabled, and after a plan it walks the whole heap of torch, transformers and the
-    capture: 1.2-1.4 s of a cold ``autoshard plan llama:7b -w 64 --mode auto`` (~7.4 s in
+    capture: ~1.4 s of a cold ``autoshard plan llama:7b -w 64 --mode auto`` (~7.4 s in
     all), for garbage the process's exit frees anyway (docs/design.md, "Pricing the search").
     Only for the process's own command line (``main()`` without ``argv``): a caller that
     goes on keeps its collector whole."""
